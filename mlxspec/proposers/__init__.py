@@ -1,0 +1,1 @@
+"""Proposal sources, one module per mode."""
