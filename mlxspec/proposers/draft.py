@@ -1,0 +1,92 @@
+"""A small draft model with the target's tokenizer proposes k tokens autoregressively.
+
+The draft keeps its own KV cache. `cached` mirrors the tokens whose keys/values it holds, so a
+step only feeds what the draft has not seen yet (the target's last token, plus the last drafted
+token when all k were accepted) and a rejection is a trim.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..sampling import SamplingParams, probs_from_logits, sample
+from .base import Proposal
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, draft_model: nn.Module, prefill_step_size: int = 512):
+        self.model = draft_model
+        self.prefill_step_size = prefill_step_size
+        self.cache = make_prompt_cache(draft_model)
+        self.cached: list[int] = []
+        self.sampling = SamplingParams()
+        self._fed_drafts = 0  # draft tokens fed to the draft cache by the last propose
+
+    def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self._fed_drafts = 0
+        keep = common_prefix_len(self.cached, prompt)
+        self._trim(len(self.cached) - keep)
+
+    def _trim(self, num: int) -> None:
+        if num > 0:
+            for c in self.cache:
+                c.trim(num)
+            del self.cached[len(self.cached) - num :]
+
+    def _next(self, logits: mx.array, key: mx.array | None):
+        if self.sampling.greedy:
+            return mx.argmax(logits, axis=-1), None
+        q = probs_from_logits(logits, self.sampling)
+        return sample(q, key), q
+
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+        if num_draft < 1:
+            return None
+        if len(self.cached) >= len(context):  # need at least one token to get logits from
+            self._trim(len(self.cached) - len(context) + 1)
+        pending = context[len(self.cached) :]
+        # Catch up in chunks (a long gap happens after a new prompt or when `auto` skipped us).
+        while len(pending) > self.prefill_step_size:
+            self.model(mx.array(pending[: self.prefill_step_size])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.cached += pending[: self.prefill_step_size]
+            pending = pending[self.prefill_step_size :]
+        logits = self.model(mx.array(pending)[None], cache=self.cache)[0, -1]
+        self.cached += pending
+        keys = mx.random.split(key, num_draft) if key is not None else [None] * num_draft
+        tokens, probs = [], []
+        for i in range(num_draft):
+            token, q = self._next(logits, keys[i])
+            tokens.append(token)
+            probs.append(q)
+            if i + 1 < num_draft:
+                logits = self.model(token.reshape(1, 1), cache=self.cache)[0, -1]
+            mx.async_eval(token)
+        # The draft cache now also holds tokens[:-1]; their values are known only after verify.
+        self._fed_drafts = num_draft - 1
+        draft_probs = None if self.sampling.greedy else mx.stack(probs)
+        return Proposal(tokens=mx.stack(tokens), draft_probs=draft_probs, source="draft")
+
+    def update(self, context: list[int], num_accepted: int) -> None:
+        if not self._fed_drafts:
+            return
+        kept = min(num_accepted, self._fed_drafts)
+        for c in self.cache:
+            c.trim(self._fed_drafts - kept)
+        start = len(self.cached)
+        # The kept drafted tokens are exactly the accepted ones, now in `context`.
+        self.cached += context[start : start + kept]
+        self._fed_drafts = 0

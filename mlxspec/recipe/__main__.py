@@ -1,0 +1,5 @@
+import sys
+
+from .recipe import main
+
+sys.exit(main())

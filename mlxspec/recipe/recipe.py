@@ -1,0 +1,329 @@
+"""The recipe: corpus -> tokenizer -> target -> draft -> evaluation -> model card.
+
+    python -m mlxspec.recipe --out models --target-minutes 55 --draft-minutes 15 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import heldout as H
+
+
+class RecipeError(Exception):
+    """Bad input, detected before any training."""
+
+
+def _log_default(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def _split_custom(root: Path, seed: int) -> tuple[list[Path], list[Path]]:
+    files = H.corpus_files(root)
+    files = [f for f in files if (H.read_source(f) or "").strip()]
+    if len(files) < 2:
+        return files, []
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    n_hold = max(1, len(files) // 10)
+    held = sorted(order[:n_hold])
+    return [f for f in files if f not in held], held
+
+
+def _check_inputs(out_dir, corpus_dir, target_minutes, draft_minutes, min_minutes):
+    for label, m in (("target", target_minutes), ("draft", draft_minutes)):
+        if m is None or not (m >= min_minutes):
+            hint = "" if min_minutes < 1 else " (use --smoke for a fractional-minute test run)"
+            raise RecipeError(
+                f"--{label}-minutes must be at least {min_minutes:g} minute(s), got {m}{hint}"
+            )
+    root = Path(corpus_dir) if corpus_dir is not None else H.stdlib_dir()
+    if not root.exists():
+        raise RecipeError(f"corpus folder {root} does not exist")
+    if not root.is_dir():
+        raise RecipeError(f"corpus path {root} is not a folder")
+    files = [f for f in H.corpus_files(root) if (H.read_source(f) or "").strip()]
+    if not files:
+        raise RecipeError(f"corpus folder {root} holds no readable, non-empty .py files")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".recipe-tmp-", dir=out))
+    except OSError as e:
+        raise RecipeError(f"output folder {out} is not writable: {e}") from None
+    return root, tmp
+
+
+def run_recipe(
+    out_dir,
+    target_minutes: float = 55.0,
+    draft_minutes: float = 15.0,
+    seed: int = 0,
+    corpus_dir=None,
+    *,
+    min_minutes: float = 1.0,
+    smoke: bool = False,
+    vocab_size: int | None = None,
+    seq_len: int | None = None,
+    target_steps: int | None = None,
+    draft_steps: int | None = None,
+    eval_bytes: int | None = None,
+    log=_log_default,
+) -> dict:
+    """Build the corpus, train the tokenizer and both models, evaluate, write the card.
+
+    Writes `out_dir/target`, `out_dir/draft`, `out_dir/README.md` and `out_dir/card.json`,
+    staged in a temporary folder inside `out_dir` and renamed into place at the end.
+    `smoke=True` uses tiny shapes (seconds) and allows budgets down to ~0.01 minute.
+    Raises RecipeError on bad input before training. Returns the card dictionary.
+    """
+    if smoke:
+        min_minutes = min(min_minutes, 0.005)
+    root, tmp = _check_inputs(out_dir, corpus_dir, target_minutes, draft_minutes, min_minutes)
+    out = Path(out_dir)
+    keep_tmp = os.environ.get("MLXSPEC_RECIPE_KEEP_TMP", "") not in ("", "0")
+    try:
+        card = _run(out, tmp, root, corpus_dir is None, target_minutes, draft_minutes, seed,
+                    smoke, vocab_size, seq_len, target_steps, draft_steps, eval_bytes, log)
+        # Move into place: old folders aside first, then the new ones in, then drop the old.
+        names = ["target", "draft", "README.md", "card.json"]
+        old = tmp / "_old"
+        old.mkdir()
+        for n in names:
+            if (out / n).exists():
+                (out / n).rename(old / n)
+        for n in names:
+            (tmp / n).rename(out / n)
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"wrote {out / 'target'}, {out / 'draft'}, {out / 'README.md'}")
+        return card
+    except BaseException:
+        if not keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            log(f"kept the staging folder {tmp} (MLXSPEC_RECIPE_KEEP_TMP)")
+        raise
+
+
+def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, vocab_size,
+         seq_len, target_steps, draft_steps, eval_bytes, log):
+    import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
+
+    import mlx.core as mx
+    import numpy as np
+
+    from . import corpus as C
+    from . import tok as T
+    from . import train as TR
+
+    t_start = time.time()
+    vocab_size = vocab_size or (512 if smoke else 6144)
+    seq_len = seq_len or (128 if smoke else 1024)
+    if eval_bytes is None:
+        eval_bytes = 16_000 if smoke else H.EVAL_BYTES
+
+    if is_stdlib:
+        train_files, held_files = H.training_files(root), H.heldout_files(root)
+    else:
+        train_files, held_files = _split_custom(root, seed)
+    log(f"corpus: {root} ({len(train_files)} training files, {len(held_files)} held out)")
+    docs, counts = C.build_documents(train_files, root, seed)
+    corpus_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    log(f"documents: {counts}, {corpus_bytes / 1e6:.2f} MB")
+
+    tok = T.train_tokenizer(docs, vocab_size)
+    vocab_size = tok.get_vocab_size()
+    eos = T.eos_ids(tok)
+    enc = tok.encode_batch(docs)
+    stream = np.fromiter((i for e in enc for i in e.ids), dtype=np.int32)
+    del enc
+    log(f"tokenizer: vocab {vocab_size}; corpus {len(stream)} tokens "
+        f"({corpus_bytes / len(stream):.2f} bytes/token)")
+    rows = TR.make_rows(stream, seq_len)
+
+    held_texts = _eval_texts(held_files, eval_bytes, is_stdlib, root)
+    if not held_texts:  # a one-file corpus: evaluate on (a prefix of) the training text
+        held_texts = [(H.read_source(train_files[0]) or "")[:eval_bytes]]
+
+    results = {}
+    models = {}
+    for which, minutes, steps in (("target", target_minutes, target_steps),
+                                  ("draft", draft_minutes, draft_steps)):
+        shape = (TR.SMOKE_TARGET_SHAPE if which == "target" else TR.SMOKE_DRAFT_SHAPE) if smoke \
+            else (TR.TARGET_SHAPE if which == "target" else TR.DRAFT_SHAPE)
+        args = TR.model_args(shape, vocab_size, seq_len)
+        model = TR.build_model(args, seed + (0 if which == "target" else 1))
+        n_params = TR.count_params(model)
+        log(f"{which}: {n_params / 1e6:.2f} M parameters, {TR.flops_per_token(args) / 1e6:.2f} M "
+            f"MACs/token, shape {shape}")
+        cfg = TR.TrainConfig(
+            minutes=minutes, seed=seed, seq_len=seq_len,
+            batch_size=(4 if which == "target" else 8) if not smoke else 2,
+            warmup_steps=100 if not smoke else 2, steps=steps,
+            log_every_s=30.0 if not smoke else 1.0,
+        )
+        stats = TR.train(model, rows, cfg, which, log)
+        TR.save_model(model, args, tmp / which, eos)
+        T.save_tokenizer(tok, tmp / which, seq_len)
+        # Evaluate the saved (fp16) weights, computed in float32 as the runtime does on CPU.
+        model.update(_fp16_roundtrip(model))
+        ev = TR.bits_per_byte(model, lambda s: tok.encode(s).ids, held_texts, eos[0],
+                              window=seq_len)
+        log(f"{which}: held-out {ev['bits_per_byte']:.4f} bits/byte over {ev['bytes']} bytes")
+        test_ev = None
+        if is_stdlib:
+            test_texts = H.heldout_eval_texts(H.TEST_EVAL_BYTES, root)
+            test_ev = TR.bits_per_byte(model, lambda s: tok.encode(s).ids, test_texts, eos[0],
+                                       window=seq_len)
+        results[which] = {
+            "params": n_params,
+            "macs_per_token": TR.flops_per_token(args),
+            "shape": shape,
+            "vocab_size": vocab_size,
+            "max_position_embeddings": seq_len,
+            **stats,
+            "heldout": ev,
+            "heldout_test_subset": test_ev,
+        }
+        models[which] = model
+        mx.clear_cache()
+
+    prompts = _acceptance_prompts(tok, held_texts, eos[0], n=4 if smoke else 16,
+                                  length=32 if smoke else 256)
+    acc = TR.greedy_acceptance(models["target"], models["draft"], prompts,
+                               gen_tokens=16 if smoke else 64, k=4)
+    log(f"draft vs target: agreement {acc['agreement']:.3f}, 4-token chain acceptance "
+        f"{acc['chain_acceptance']:.3f}, {acc['tokens_per_target_step']:.2f} tokens/target step")
+
+    from .. import backend
+
+    card = {
+        "command": _command_line(out, target_minutes, draft_minutes, seed, root, is_stdlib,
+                                 smoke, target_steps, draft_steps),
+        "seed": seed,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": backend._cpu_name() if hasattr(backend, "_cpu_name") else "",
+            "cpu_count": os.cpu_count(),
+            "blas": backend.blas_in_use,
+            "mlx": mx.__version__,
+            "python": platform.python_version(),
+        },
+        "corpus": {
+            "root": str(root) if not is_stdlib else f"CPython {platform.python_version()} stdlib",
+            "training_files": len(train_files),
+            "heldout_files": len(held_files),
+            "heldout_modules": list(H.HELDOUT_MODULES) if is_stdlib else None,
+            "documents": counts,
+            "bytes": corpus_bytes,
+            "tokens": int(len(stream)),
+        },
+        "tokenizer": {"type": "byte-level BPE", "vocab_size": vocab_size,
+                      "special_tokens": C.SPECIAL_TOKENS, "eos_token_id": eos},
+        "eval_bytes": eval_bytes,
+        "test_eval_bytes": H.TEST_EVAL_BYTES if is_stdlib else None,
+        "target": results["target"],
+        "draft": results["draft"],
+        "acceptance": acc,
+        "draft_compute_ratio": results["draft"]["macs_per_token"] / results["target"]["macs_per_token"],
+        "total_minutes": round((time.time() - t_start) / 60, 2),
+    }
+    (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    from .card import render_card
+
+    (tmp / "README.md").write_text(render_card(card))
+    return card
+
+
+def _fp16_roundtrip(model):
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    return tree_map(lambda v: v.astype(mx.float16).astype(mx.float32), model.parameters())
+
+
+def _eval_texts(held_files, eval_bytes, is_stdlib, root):
+    if is_stdlib:
+        return H.heldout_eval_texts(eval_bytes, root)
+    texts, total = [], 0
+    for p in held_files:
+        t = H.read_source(p) or ""
+        b = t.encode("utf-8")[: max(0, eval_bytes - total)].decode("utf-8", errors="ignore")
+        if b:
+            texts.append(b)
+            total += len(b.encode("utf-8"))
+        if total >= eval_bytes:
+            break
+    return texts
+
+
+def _acceptance_prompts(tok, texts, eos_id, n, length):
+    """`n` prompts of `length` tokens at evenly spaced offsets of the held-out text."""
+    ids = []
+    for t in texts:
+        ids += [eos_id] + tok.encode(t).ids
+    if len(ids) < length + 1:
+        ids = ids * (length // max(1, len(ids)) + 2)
+    stride = max(1, (len(ids) - length) // n)
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def _command_line(out, tm, dm, seed, root, is_stdlib, smoke, ts, ds):
+    parts = ["python -m mlxspec.recipe", f"--out {out}", f"--target-minutes {tm:g}",
+             f"--draft-minutes {dm:g}", f"--seed {seed}"]
+    if not is_stdlib:
+        parts.append(f"--corpus {root}")
+    if smoke:
+        parts.append("--smoke")
+    if ts:
+        parts.append(f"--target-steps {ts}")
+    if ds:
+        parts.append(f"--draft-steps {ds}")
+    return " ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mlxspec.recipe",
+        description="Train mlxspec's bundled target + draft pair (tokenizer, both models, "
+        "evaluation, model card) on the standard library or on your own Python code.",
+    )
+    p.add_argument("--out", required=True, help="output folder (gets target/, draft/, README.md)")
+    p.add_argument("--target-minutes", type=float, default=55.0, help="target training budget")
+    p.add_argument("--draft-minutes", type=float, default=15.0, help="draft training budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=None,
+                   help="folder of .py files (default: the running interpreter's stdlib)")
+    p.add_argument("--target-steps", type=int, default=None,
+                   help="fixed step count instead of the time budget (exact reproduction)")
+    p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=None, help="default 6144 (512 with --smoke)")
+    p.add_argument("--seq-len", type=int, default=None, help="default 1024 (128 with --smoke)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, fractional-minute budgets allowed: a seconds-long check")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run_recipe(
+            args.out, args.target_minutes, args.draft_minutes, args.seed, args.corpus,
+            smoke=args.smoke, vocab_size=args.vocab_size, seq_len=args.seq_len,
+            target_steps=args.target_steps, draft_steps=args.draft_steps,
+        )
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

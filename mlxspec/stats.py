@@ -1,0 +1,92 @@
+"""Per-generation statistics: what every mode reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    mode: str = "none"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled again)
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Generated tokens per target forward (1.0 for plain decoding)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def prompt_tps(self) -> float:
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def record_step(self, source: str, drafted: int, accepted: int, emitted: int) -> None:
+        self.target_forwards += 1
+        self.generated_tokens += emitted
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
+        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
+        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in (
+            "acceptance_rate",
+            "mean_accepted_length",
+            "acceptance_by_position",
+            "prompt_tps",
+            "generation_tps",
+        ):
+            d[name] = getattr(self, name)
+        return d
+
+    def summary(self) -> str:
+        """The one-line stats summary the CLI prints."""
+        parts = [
+            f"{self.generated_tokens} tokens",
+            f"{self.generation_tps:.1f} tok/s",
+            f"prompt {self.prompt_tokens} tok ({self.prompt_tps:.0f} tok/s"
+            + (f", {self.cached_tokens} cached)" if self.cached_tokens else ")"),
+        ]
+        if self.drafted:
+            parts.append(
+                f"drafted {self.drafted} accepted {self.accepted} ({100 * self.acceptance_rate:.0f}%)"
+            )
+        parts.append(f"{self.mean_accepted_length:.2f} tok/forward")
+        parts.append(f"mode {self.mode}")
+        parts.append(f"peak {self.peak_memory_gb:.2f} GB")
+        return " | ".join(parts)

@@ -1,0 +1,65 @@
+"""Exact acceptance rules, shared by every mode.
+
+All functions take the target's logits or probabilities over [last committed token] + proposal
+and return (num_accepted, next_token) as lazy mx scalars, so the engine syncs once per step.
+The next token is the target's correction at the first rejection, or the bonus token after the
+last proposal when all were accepted; every step therefore emits at least one token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .sampling import sample
+
+
+def _leading_true(flags: mx.array) -> mx.array:
+    """Number of leading True values of a 1-D bool array."""
+    if flags.size == 0:
+        return mx.array(0, dtype=mx.int32)
+    return mx.cumprod(flags.astype(mx.int32)).sum()
+
+
+def verify_greedy(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
+    """Temperature 0: accept while the proposal equals the target's argmax.
+
+    logits: (k + 1, vocab); draft: (k,) token ids.
+    """
+    target = mx.argmax(logits, axis=-1)
+    num_accepted = _leading_true(target[:-1] == draft)
+    return num_accepted, target[num_accepted]
+
+
+def verify_sampled(
+    p: mx.array, draft: mx.array, q: mx.array | None, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Temperature > 0, exact for any proposal.
+
+    p: (k + 1, vocab) target probabilities; draft: (k,) proposed ids; q: (k, vocab) the draft's
+    probabilities, or None for a deterministic proposal (q one-hot at the proposed token).
+
+    With q (Leviathan et al. / Chen et al.): accept x with probability min(1, p(x)/q(x)); on
+    rejection sample from normalize(max(0, p - q)). With q one-hot this becomes: accept x with
+    probability p(x); on rejection sample from p with x removed. Bonus from p when all accepted.
+    """
+    k = draft.size
+    accept_key, sample_key = mx.random.split(key)
+    if k == 0:
+        return mx.array(0, dtype=mx.int32), sample(p[0], sample_key)
+    p_draft = p[:k]
+    p_x = mx.take_along_axis(p_draft, draft[:, None], axis=-1)[:, 0]
+    if q is None:
+        accept_prob = p_x
+        residual = mx.where(mx.arange(p.shape[-1])[None, :] == draft[:, None], 0.0, p_draft)
+    else:
+        q_x = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+        accept_prob = mx.minimum(1.0, p_x / mx.maximum(q_x, 1e-30))
+        residual = mx.maximum(p_draft - q, 0.0)
+    u = mx.random.uniform(shape=(k,), key=accept_key)
+    num_accepted = _leading_true(u < accept_prob)
+    rows = mx.concatenate([residual, p[k:]], axis=0)
+    row = rows[num_accepted]
+    mass = row.sum()
+    # A residual of zero mass is only reachable with probability 0 (p == q); fall back to p.
+    row = mx.where(mass > 0, row / mx.maximum(mass, 1e-30), p[num_accepted])
+    return num_accepted, sample(row, sample_key)

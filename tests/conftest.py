@@ -1,0 +1,97 @@
+"""Shared fixtures: small random-weight models built from mlx-lm's own configs (no download)."""
+
+from __future__ import annotations
+
+import mlxspec  # noqa: F401  (loads OpenBLAS before mlx.core)
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny_args(model_type: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2,
+              heads: int = 4, kv_heads: int = 2, max_pos: int = 4096, **extra) -> dict:
+    cfg = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_pos,
+        "tie_word_embeddings": False,
+    }
+    if model_type == "qwen3":
+        cfg["head_dim"] = hidden // heads
+    cfg.update(extra)
+    return cfg
+
+
+def build_model(model_type: str = "llama", seed: int = 0, scale: float = 1.0, **kw):
+    """A random-weight mlx-lm model in float32. `scale` sharpens its output distribution."""
+    from mlx_lm.utils import _get_classes
+
+    cfg = tiny_args(model_type, **kw)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    if scale != 1.0:
+        model.update({"lm_head": {"weight": model.lm_head.weight * scale}}) if hasattr(
+            model, "lm_head") else None
+    mx.eval(model.parameters())
+    return model, cfg
+
+
+class ByteTokenizer:
+    """A minimal tokenizer over a small vocabulary for in-memory engines (ids = bytes)."""
+
+    def __init__(self, vocab: int = 256):
+        from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
+
+        self.vocab = vocab
+        self.bos_token = None
+        self.eos_token_ids = set()
+        self._detok_cls = NaiveStreamingDetokenizer
+
+    def encode(self, text, add_special_tokens=True):
+        return [b % self.vocab for b in text.encode()]
+
+    def decode(self, ids, **kw):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(self.vocab)}
+
+    @property
+    def detokenizer(self):
+        return self._detok_cls(self)
+
+
+def make_engine(model, mode="none", draft_model=None, vocab=256, **kw):
+    from mlxspec.engine import Engine
+
+    return Engine(model, ByteTokenizer(vocab), mode=mode, draft_model=draft_model, **kw)
+
+
+def save_model_dir(model, cfg: dict, path: Path, tokenizer_src: Path | None = None) -> Path:
+    """Write a model in mlx-lm's directory format (for CLI and loading tests)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    target, _ = build_model("llama", seed=1, scale=4.0)
+    draft, _ = build_model("llama", seed=2, layers=1, scale=4.0)
+    return target, draft
