@@ -95,3 +95,46 @@ def llama_pair():
     target, _ = build_model("llama", seed=1, scale=4.0)
     draft, _ = build_model("llama", seed=2, layers=1, scale=4.0)
     return target, draft
+
+
+def train_tiny_tokenizer(path: Path, vocab: int = 300) -> None:
+    """A byte-level BPE (HF `tokenizers`) with the project's special tokens, in a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>",
+                "<|fim_suffix|>", "<|fim_middle|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = (REPO / "mlxspec" / "engine.py").read_text() * 2
+    tok.train_from_iterator([text], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "chat_template": template, "model_max_length": 4096}))
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """mlx-lm model directories: {'llama': target, 'llama-draft': draft, 'qwen2': ...,
+    'other-tokenizer': a draft whose tokenizer differs}."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, model_type, layers, seed in [("llama", "llama", 2, 1), ("llama-draft", "llama", 1, 2),
+                                            ("qwen2", "qwen2", 2, 3), ("qwen3", "qwen3", 2, 4)]:
+        model, cfg = build_model(model_type, seed=seed, layers=layers, vocab=300, scale=4.0,
+                                 max_pos=512)
+        cfg["eos_token_id"] = 0
+        d = save_model_dir(model, cfg, root / name)
+        train_tiny_tokenizer(d, vocab=300)
+        dirs[name] = d
+    other, cfg = build_model("llama", seed=5, layers=1, vocab=300)
+    d = save_model_dir(other, cfg, root / "other-tokenizer")
+    train_tiny_tokenizer(d, vocab=290)
+    dirs["other-tokenizer"] = d
+    return dirs

@@ -1,0 +1,1 @@
+"""The `mlxspec` command line (click)."""

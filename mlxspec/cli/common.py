@@ -1,0 +1,57 @@
+"""Options and error handling shared by the commands."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from ..errors import MlxspecError
+from ..proposers import MODES
+
+
+def exits_cleanly(fn):
+    """Bad input -> 'error: ...' on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MlxspecError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def model_options(fn):
+    fn = click.option("--model", "-m", default=None,
+                      help="Model directory or Hugging Face repo id (default: the bundled model).")(fn)
+    fn = click.option("--draft-model", default=None,
+                      help="Draft model for --mode draft (default with the bundled model: its bundled draft).")(fn)
+    fn = click.option("--mode", type=click.Choice(MODES), default="ngram", show_default=True,
+                      help="Speculation mode.")(fn)
+    fn = click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
+                      help="Tokens proposed per step (1-64).")(fn)
+    return fn
+
+
+def sampling_options(fn):
+    fn = click.option("--max-tokens", type=int, default=256, show_default=True)(fn)
+    fn = click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy).")(fn)
+    fn = click.option("--top-p", type=float, default=1.0, show_default=True)(fn)
+    fn = click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")(fn)
+    fn = click.option("--seed", type=int, default=0, show_default=True)(fn)
+    return fn
+
+
+def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **options):
+    from .. import backend
+    from ..engine import load
+
+    if not quiet:
+        click.echo(f"loading {model or 'the bundled model'} (backend {backend.device_name()}, "
+                   f"BLAS {backend.blas_in_use})", err=True)
+    engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, **options)
+    return engine

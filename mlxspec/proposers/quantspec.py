@@ -1,0 +1,132 @@
+"""QuantSpec: self-speculation with a 4-bit-weight draft over a hierarchical INT4/INT8 KV cache.
+
+The draft is the target itself with 4-bit copies of its MLP (or all) projections, reading the
+upper (4-bit) plane of the shared KV cache; the target verifies with its own weights and both
+planes (~INT8). Both write into the one cache: the draft's k-1 speculative keys/values land in
+the full-precision buffer and are trimmed away before the target's verify forward writes its own.
+
+Engine contract: the engine calls `make_target_cache(model)` (or gives the proposer its cache
+through `bind_cache`), prefills prompt[:-1] with it, calls `reset`, then per step `propose` ->
+one target forward over [last token] + proposal -> trim the rejected -> `update`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..quant.hierarchical_cache import (HierarchicalKVCache, commit, draft_view,
+                                        make_hierarchical_cache, make_reference_cache)
+from ..quant.weights import make_draft_model
+from ..sampling import SamplingParams, probs_from_logits, sample
+from .base import Proposal
+
+__all__ = ["QuantSpecProposer", "make_reference_cache", "reference_decode"]
+
+
+class QuantSpecProposer:
+    name = "quantspec"
+
+    def __init__(self, model, group_size: int = 64, buffer_size: int | None = None,
+                 weight_bits: int = 4, quantize: str = "mlp", weight_group_size: int = 64,
+                 value_group_size: int | None = None):
+        if weight_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"weight_bits must be one of 2, 3, 4, 5, 6, 8; got {weight_bits}")
+        self.model = model
+        self.group_size = group_size
+        self.buffer_size = 2 * group_size if buffer_size is None else buffer_size
+        self.value_group_size = value_group_size
+        # Validate the cache options now rather than at the first generation.
+        HierarchicalKVCache(group_size, self.buffer_size, value_group_size)
+        self.draft_model, self.weight_info = make_draft_model(
+            model, bits=weight_bits, group_size=weight_group_size, quantize=quantize)
+        # The engine reuses a prompt cache only when its kind matches; the id keeps a cache made
+        # for another proposer instance (which this one cannot see) from being reused.
+        self.cache_kind = f"hierarchical:{group_size}:{self.buffer_size}:{id(self)}"
+        self.cache: list | None = None
+        self.sampling = SamplingParams()
+        self.drafted = 0
+        self.accepted = 0
+
+    # -- engine hooks
+    def make_target_cache(self, model) -> list:
+        if model is not self.model:
+            raise ValueError("QuantSpecProposer was built for another model")
+        self.cache = make_hierarchical_cache(model, self.group_size, self.buffer_size,
+                                             self.value_group_size)
+        return self.cache
+
+    def bind_cache(self, cache: list) -> None:
+        """Use `cache` (made by `make_target_cache`) as the shared cache from now on."""
+        if not all(isinstance(c, HierarchicalKVCache) for c in cache):
+            raise TypeError("quantspec needs the cache made by make_target_cache")
+        self.cache = cache
+
+    def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
+        if self.cache is None:
+            raise RuntimeError("quantspec: the target must use make_target_cache(model)")
+        self.sampling = sampling
+        commit(self.cache)
+
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+        cache = self.cache
+        if num_draft <= 0:
+            return None
+        offset = cache[0].offset
+        if offset != len(context) - 1:
+            raise RuntimeError(f"quantspec: the shared cache holds {offset} tokens, expected "
+                               f"{len(context) - 1} (all committed tokens but the last)")
+        commit(cache)  # everything in the cache is committed now: flush what is due
+        greedy = self.sampling.greedy
+        keys = mx.random.split(key, num_draft) if (key is not None and not greedy) else None
+        token = mx.array([[context[-1]]], mx.uint32)
+        tokens, probs = [], []
+        with draft_view(cache):
+            for i in range(num_draft):
+                logits = self.draft_model(token, cache=cache)[0, -1]
+                if greedy:
+                    nxt = mx.argmax(logits, axis=-1)
+                else:
+                    q = probs_from_logits(logits, self.sampling)
+                    nxt = sample(q, keys[i] if keys is not None else None)
+                    probs.append(q)
+                tokens.append(nxt)
+                token = nxt.reshape(1, 1).astype(mx.uint32)
+                mx.async_eval(token)
+        # The draft wrote the last committed token and the first k-1 drafts: drop them so the
+        # target's verify forward writes its own keys/values at those positions.
+        for c in cache:
+            if c.trim(num_draft) != num_draft:
+                raise RuntimeError("quantspec: could not roll back the draft's cache entries")
+        self.drafted += num_draft
+        return Proposal(tokens=mx.stack(tokens), draft_probs=mx.stack(probs) if probs else None,
+                        source=self.name)
+
+    def update(self, context: list[int], num_accepted: int) -> None:
+        self.accepted += num_accepted
+        if self.cache is not None:
+            commit(self.cache)  # the engine trimmed the rejected: all that is left is committed
+
+    # -- reporting
+    def stats(self) -> dict:
+        info = dict(self.weight_info)
+        info.update(group_size=self.group_size, buffer_size=self.buffer_size,
+                    drafted=self.drafted, accepted=self.accepted,
+                    acceptance=self.accepted / self.drafted if self.drafted else None)
+        if self.cache:
+            info["kv_bytes"] = sum(c.nbytes for c in self.cache)
+        return info
+
+
+def reference_decode(model, prompt: list[int], max_tokens: int, group_size: int = 64,
+                     buffer_size: int | None = None) -> list[int]:
+    """Plain greedy decoding with the hierarchical cache (target view): the lossless reference
+    for `quantspec` at temperature 0. Prefills prompt[:-1] in one forward, as the engine does."""
+    cache = make_reference_cache(model, group_size, buffer_size)
+    if len(prompt) > 1:
+        model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
+    out, token = [], prompt[-1]
+    for _ in range(max_tokens):
+        logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
+        token = mx.argmax(logits).item()
+        out.append(token)
+    return out

@@ -1,0 +1,143 @@
+"""Render models/README.md (the model card) from the recipe's measured figures (card.json)."""
+
+from __future__ import annotations
+
+
+def _m(x: int) -> str:
+    return f"{x / 1e6:.2f} M"
+
+
+def _model_section(name: str, r: dict, card: dict, role: str) -> str:
+    s = r["shape"]
+    ev = r["heldout"]
+    lines = [
+        f"## {name}",
+        "",
+        role,
+        "",
+        "| | |",
+        "|---|---|",
+        f"| architecture | Llama (`model_type: llama`, mlx-lm `llama.Model`): {s['num_hidden_layers']} layers, "
+        f"hidden {s['hidden_size']}, {s['num_attention_heads']} heads (head dim "
+        f"{s['hidden_size'] // s['num_attention_heads']}), MLP {s['intermediate_size']} (SwiGLU), "
+        f"RMSNorm, RoPE θ=10000, tied embeddings |",
+        f"| parameters | {r['params']:,} ({_m(r['params'])}) |",
+        f"| compute per token | {_m(r['macs_per_token'])} multiply-accumulates (matmuls incl. LM head) |",
+        f"| vocabulary | {r['vocab_size']} (byte-level BPE, shared by target and draft) |",
+        f"| context | trained on {r['max_position_embeddings']}-token rows "
+        f"(`max_position_embeddings: {r['max_position_embeddings']}`) |",
+        "| weights | float16 safetensors (compute in float32 on CPU) |",
+        f"| training | {r['steps']} steps × {r['batch_size']} × {r['seq_len']} tokens, AdamW "
+        f"(β 0.9/0.95, wd 0.1), lr {r['lr']:g} with {r['config']['warmup_steps']} warm-up steps "
+        f"and cosine decay to {r['config']['min_lr_ratio']:g}×, grad clip 1.0, float32 |",
+        f"| tokens seen | {r['tokens_seen']:,} ({r['tokens_seen'] / max(1, card['corpus']['tokens']):.2f} "
+        f"epochs of the corpus) |",
+        f"| training time | {r['train_minutes']:.1f} min on the machine below "
+        f"({r['tokens_per_s']:.0f} tokens/s) |",
+        f"| final training loss | {r['final_loss']:.4f} nats/token (mean of the last 20 steps) |",
+        f"| held-out bits per byte | **{ev['bits_per_byte']:.4f}** on {ev['bytes']:,} bytes "
+        f"({ev['tokens']:,} tokens, {ev['bytes_per_token']:.2f} bytes/token) |",
+    ]
+    t = r.get("heldout_test_subset")
+    if t:
+        lines.append(
+            f"| held-out bits per byte, test subset | {t['bits_per_byte']:.4f} on the first "
+            f"{t['bytes']:,} bytes (what `tests/test_models.py` re-measures) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_card(card: dict) -> str:
+    acc = card["acceptance"]
+    m = card["machine"]
+    c = card["corpus"]
+    held = card["corpus"].get("heldout_modules")
+    out = [
+        "# mlxspec bundled models",
+        "",
+        "Two small Llama models with one tokenizer, trained from scratch on this machine by the "
+        "recipe in `mlxspec/recipe/` on Python source code: `target/` is the default model of "
+        "`mlxspec` and `draft/` is its draft model for `--mode draft`. They are real (if small) "
+        "language models of Python code, small enough to ship in the repository, and they give "
+        "the speculative-decoding modes a learned distribution to be measured on.",
+        "",
+        "Both load with `mlx_lm.load(path)` and `mlxspec.load(path)`. Chat uses ChatML "
+        "(`<|im_start|>user\\n…<|im_end|>\\n<|im_start|>assistant\\n`); code infilling uses "
+        "Qwen2.5-Coder's prefix-suffix-middle format "
+        "(`<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`). Generation stops at "
+        f"`<|endoftext|>` or `<|im_end|>` (`eos_token_id: {card['tokenizer']['eos_token_id']}`).",
+        "",
+        "## How they were made",
+        "",
+        "```",
+        card["command"],
+        "```",
+        "",
+        f"- date: {card['date']}; seed {card['seed']}; whole run {card['total_minutes']:.1f} min",
+        f"- machine: {m['processor']} ({m['cpu_count']} cores), {m['platform']}, MLX {m['mlx']} "
+        f"CPU backend, BLAS `{m['blas']}`, Python {m['python']}",
+        f"- corpus: {c['root']}, {c['training_files']} training files "
+        f"({c['bytes'] / 1e6:.1f} MB of documents, {c['tokens']:,} tokens): every file as plain "
+        f"source ({c['documents']['source']}), fill-in-the-middle examples ({c['documents']['fim']}), "
+        f"chat examples asking what a function does or to show it ({c['documents']['chat']}) and "
+        f"edit examples (a function + a mechanical instruction → the whole edited function, "
+        f"{c['documents']['edit']}), shuffled by the seed and cut into 1024-token rows",
+        f"- tokenizer: {card['tokenizer']['type']} (Hugging Face `tokenizers`), "
+        f"{card['tokenizer']['vocab_size']} tokens, special tokens "
+        + ", ".join(f"`{s}`" for s in card["tokenizer"]["special_tokens"]),
+    ]
+    if held:
+        out.append(
+            f"- held out of training ({c['heldout_files']} files, the evaluation set; see "
+            "`mlxspec/recipe/heldout.py`): " + ", ".join(f"`{h}`" for h in held)
+        )
+    out += [
+        "- bits per byte: total negative log-likelihood in bits over total UTF-8 bytes, on the "
+        f"first {card['eval_bytes']:,} bytes of the held-out files in their fixed order, each "
+        "file scored on its own after `<|endoftext|>`, in 1024-token windows, fp16 weights "
+        "computed in float32",
+        "",
+        _model_section("target", card["target"], card, "The model `mlxspec` runs by default."),
+        _model_section(
+            "draft", card["draft"], card,
+            f"The draft model for `--mode draft`: {card['draft_compute_ratio']:.2f}× the target's "
+            "compute per token.",
+        ),
+        "## Draft vs target (greedy)",
+        "",
+        f"On {acc['prompts']} held-out prompts of 256 tokens, the target's greedy continuation of "
+        f"{acc['gen_tokens']} tokens:",
+        "",
+        f"- next-token agreement (draft argmax = target argmax, both conditioned on the target's "
+        f"path): **{acc['agreement']:.3f}**",
+        f"- acceptance of {acc['k']}-token greedy draft chains (accepted / proposed): "
+        f"**{acc['chain_acceptance']:.3f}**, i.e. {acc['tokens_per_target_step']:.2f} tokens per "
+        "target forward",
+        "",
+        "## Retrain on your own code",
+        "",
+        "```",
+        "pip install 'mlxspec[recipe]'          # adds the `tokenizers` library",
+        "python -m mlxspec.recipe --out my-models --target-minutes 55 --draft-minutes 15 "
+        "--seed 0 --corpus path/to/your/python",
+        "```",
+        "",
+        "Without `--corpus` it trains on the standard library of the running interpreter (minus "
+        "the held-out modules, test suites and `site-packages`). The budgets are wall-clock "
+        "minutes; the cosine schedule follows the measured step time so it ends with the budget. "
+        "Results are deterministic for a seed and a step count: pass `--target-steps N "
+        "--draft-steps M` (the counts above) to reproduce a run exactly on another machine. "
+        "`--smoke` allows fractional-minute budgets with tiny shapes, for tests. Output is staged "
+        "in a temporary folder inside `--out` and renamed into place at the end, so an "
+        "interrupted run leaves no half-written model folder.",
+        "",
+        "## Licence",
+        "",
+        "The training corpus is the CPython standard library, © Python Software Foundation, "
+        "licensed under the PSF License Agreement (Python Software Foundation License Version 2). "
+        "The weights are a product of that source and are distributed with mlxspec under its MIT "
+        "licence with this attribution; generated text may reproduce fragments of the standard "
+        "library, which are PSF-licensed.",
+        "",
+    ]
+    return "\n".join(out)

@@ -1,0 +1,163 @@
+"""Losslessness of the engine: every mode's greedy output equals plain decoding, which equals
+mlx_lm.generate; the KV cache after any accept/reject sequence equals a fresh prefill."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from conftest import build_model, make_engine
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec.engine import speculative_decode
+from mlxspec.policy import FixedK
+from mlxspec.proposers.base import Proposal
+from mlxspec.sampling import SamplingParams
+from mlxspec.stats import Stats
+
+
+def prompts(n: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    """Half repetitive (n-gram lookup finds matches), half random."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 2:
+            unit = [rng.randrange(1, vocab) for _ in range(rng.randint(2, 6))]
+            out.append((unit * 8)[: rng.randint(8, 40)])
+        else:
+            out.append([rng.randrange(1, vocab) for _ in range(rng.randint(3, 40))])
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch(request):
+    target, _ = build_model(request.param, seed=11, scale=4.0)
+    draft, _ = build_model(request.param, seed=12, layers=1, scale=4.0)
+    return request.param, target, draft
+
+
+def test_none_matches_mlx_lm_generate(arch):
+    _, target, _ = arch
+    engine = make_engine(target, "none")
+    for prompt in prompts(50, seed=1):
+        ours = engine.generate(prompt, max_tokens=24).tokens
+        ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
+        assert ours == ref
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft", "draft-self"])
+def test_speculative_greedy_is_token_identical(arch, mode):
+    _, target, draft = arch
+    plain = make_engine(target, "none")
+    if mode == "draft-self":  # the target drafting for itself: every proposal is accepted
+        spec = make_engine(target, "draft", draft_model=target, num_draft=5)
+    else:
+        spec = make_engine(target, mode, draft_model=draft, num_draft=4)
+    accepted = 0
+    for prompt in prompts(50, seed=2):
+        want = plain.generate(prompt, max_tokens=24).tokens
+        got = spec.generate(prompt, max_tokens=24)
+        assert got.tokens == want
+        accepted += got.stats.accepted
+        assert got.stats.generated_tokens == len(want)
+    if mode != "draft":  # a random draft rarely agrees; the others must accept something
+        assert accepted > 0
+    if mode == "draft-self":
+        assert spec.generate(prompts(1)[0], max_tokens=24).stats.acceptance_rate == 1.0
+
+
+class ScriptedProposer:
+    """Proposes a random mix of right and wrong tokens, to drive every accept/reject pattern."""
+
+    name = "scripted"
+
+    def __init__(self, reference: list[int], prompt_len: int, seed: int):
+        self.reference, self.prompt_len, self.rng = reference, prompt_len, random.Random(seed)
+
+    def reset(self, prompt, sampling):
+        pass
+
+    def propose(self, context, num_draft, key):
+        pos = len(context) - self.prompt_len
+        right = self.reference[pos : pos + num_draft]
+        tokens = [t if self.rng.random() < 0.7 else (t + 1) % 256 for t in right]
+        return Proposal(tokens=tokens, source="scripted") if tokens else None
+
+    def update(self, context, num_accepted):
+        pass
+
+
+def _cache_arrays(cache, length):
+    return [(c.keys[..., :length, :], c.values[..., :length, :]) for c in cache]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rollback_leaves_cache_as_fresh_prefill(arch, seed):
+    _, target, _ = arch
+    prompt = prompts(1, seed=seed)[0]
+    reference = make_engine(target, "none").generate(prompt, max_tokens=30).tokens
+    cache = make_prompt_cache(target)
+    target(mx.array(prompt[:-1])[None], cache=cache)
+    context = list(prompt)
+    stats = Stats()
+    steps = speculative_decode(target, cache, context, ScriptedProposer(reference, len(prompt), seed),
+                               FixedK(random.Random(seed).randint(1, 6)), SamplingParams(), 30,
+                               mx.random.key(0), stats)
+    for _ in steps:
+        # Invariant after every step: the cache holds every committed token but the last.
+        assert cache[0].offset == len(context) - 1
+    assert context[len(prompt):] == reference
+    assert 0 < stats.accepted < stats.drafted  # both accepts and rejects happened
+    fresh = make_prompt_cache(target)
+    target(mx.array(context[:-1])[None], cache=fresh)
+    for (k1, v1), (k2, v2) in zip(_cache_arrays(cache, len(context) - 1),
+                                  _cache_arrays(fresh, len(context) - 1)):
+        assert mx.allclose(k1, k2, atol=1e-4).item() and mx.allclose(v1, v2, atol=1e-4).item()
+
+
+def test_prompt_cache_reuse_is_exact():
+    target, _ = build_model("llama", seed=3, scale=4.0)
+    engine = make_engine(target, "ngram")
+    first = prompts(1, seed=5)[0]
+    out = engine.generate(first, max_tokens=20)
+    follow = first + out.tokens + [7, 8, 9]
+    reused = engine.generate(follow, max_tokens=20)
+    assert reused.stats.cached_tokens >= len(first)
+    fresh = make_engine(target, "ngram").generate(follow, max_tokens=20)
+    assert fresh.stats.cached_tokens == 0
+    assert reused.tokens == fresh.tokens
+
+
+def test_stats_are_consistent(llama_pair):
+    target, draft = llama_pair
+    engine = make_engine(target, "draft", draft_model=target, num_draft=3)
+    s = engine.generate([5, 6, 7], max_tokens=16).stats
+    assert s.generated_tokens == 16
+    assert sum(s.drafted_by_position) == s.drafted and sum(s.accepted_by_position) == s.accepted
+    assert s.mean_accepted_length == pytest.approx(16 / s.target_forwards)
+    assert s.target_forwards < 16  # self-drafting accepts everything: fewer forwards than tokens
+    d = s.to_dict()
+    for name in ("prompt_tokens", "generated_tokens", "target_forwards", "drafted", "accepted",
+                 "acceptance_rate", "mean_accepted_length", "prompt_tps", "generation_tps",
+                 "peak_memory_gb"):
+        assert name in d
+
+
+def test_eos_and_stop_strings(llama_pair):
+    target, _ = llama_pair
+    engine = make_engine(target, "none")
+    base = engine.generate([1, 2, 3], max_tokens=20)
+    eos = base.tokens[5]
+    engine.tokenizer.eos_token_ids = {eos}
+    cut = engine.generate([1, 2, 3], max_tokens=20)
+    assert cut.finish_reason == "stop"
+    assert cut.tokens == base.tokens[: base.tokens.index(eos)]
+    engine.tokenizer.eos_token_ids = set()
+    text = base.text
+    stop = text[6:9]
+    stopped = engine.generate([1, 2, 3], max_tokens=20, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(stop)]
+    streamed = "".join(engine.stream([1, 2, 3], max_tokens=20, stop=stop))
+    assert streamed == stopped.text
