@@ -303,6 +303,7 @@ class Engine:
         self.max_context = max_context or self.config.get("max_position_embeddings")
         self.prefill_step_size = prefill_step_size
         self.prompt_cache = PromptCache()
+        self._proposers: dict = {}
         self.set_mode(mode, num_draft=num_draft, **mode_options)
 
     # -- configuration
@@ -314,8 +315,16 @@ class Engine:
             self.num_draft = num_draft
         self.mode = mode
         self.mode_options = mode_options
-        self.proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)
+        self.proposer = self._proposer_for(mode, **mode_options)
         self.policy = FixedK(self.num_draft)
+
+    def _proposer_for(self, mode: str, **mode_options) -> Proposer | None:
+        # One proposer per (mode, options), kept: a draft model's cache and QuantSpec's weight
+        # copies survive switching modes back and forth.
+        key = (mode, tuple(sorted(mode_options.items())))
+        if key not in self._proposers:
+            self._proposers[key] = make_proposer(mode, self.model, self.draft_model, **mode_options)
+        return self._proposers[key]
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -343,11 +352,12 @@ class Engine:
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                      min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                      prediction: str | list[int] | None = None, num_draft: int | None = None,
-                     prompt_cache: PromptCache | None = None,
+                     prompt_cache: PromptCache | None = None, mode: str | None = None,
                      progress=None) -> Iterator[StepOutput]:
         """Generate, yielding after every target forward. `prediction` (text or ids) is a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
-        engine's own) is reused when the prompt extends the tokens it holds."""
+        engine's own) is reused when the prompt extends the tokens it holds; `mode` overrides
+        the engine's mode for this call; `progress(done, total)` is called during prefill."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()
@@ -367,26 +377,30 @@ class Engine:
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(tokens))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if hasattr(self.proposer, "set_prediction"):
+        if mode is not None:
+            _check_mode(mode)
+        mode = mode or self.mode
+        proposer = self.proposer if mode == self.mode else self._proposer_for(mode)
+        if hasattr(proposer, "set_prediction"):
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
-            self.proposer.set_prediction(prediction)
+            proposer.set_prediction(prediction)
         policy = FixedK(num_draft) if num_draft is not None else self.policy
         pc = prompt_cache if prompt_cache is not None else self.prompt_cache
-        stats = Stats(mode=self.mode, prompt_tokens=len(tokens))
+        stats = Stats(mode=mode, prompt_tokens=len(tokens))
         key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)
 
         with wired_limit(self.model):
             backend.reset_peak_memory()
             start = time.perf_counter()
-            self._prefill(pc, tokens, stats, progress)
+            self._prefill(pc, tokens, stats, proposer, progress)
             stats.prefill_seconds = time.perf_counter() - start
             context = list(tokens)
-            if self.proposer is None:
+            if proposer is None:
                 steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key, stats)
             else:
-                self.proposer.reset(tokens, sampling)
-                steps = speculative_decode(self.model, pc.cache, context, self.proposer, policy,
+                proposer.reset(tokens, sampling)
+                steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
                                            sampling, max_tokens, key, stats)
             start = time.perf_counter()
             try:
@@ -395,9 +409,10 @@ class Engine:
                 steps.close()
                 pc.tokens = context[:-1]
 
-    def _prefill(self, pc: PromptCache, tokens: list[int], stats: Stats, progress) -> None:
+    def _prefill(self, pc: PromptCache, tokens: list[int], stats: Stats, proposer,
+                 progress) -> None:
         """Bring `pc` to hold tokens[:-1], reusing the longest common prefix it already holds."""
-        kind = getattr(self.proposer, "cache_kind", "kv")
+        kind = getattr(proposer, "cache_kind", "kv")
         keep = common_prefix_len(pc.tokens, tokens[:-1]) if pc.cache is not None else 0
         if pc.cache is not None and pc.kind == kind and keep > 0:
             drop = len(pc.tokens) - keep
@@ -406,7 +421,7 @@ class Engine:
         else:
             keep = 0
         if keep == 0:
-            maker = getattr(self.proposer, "make_target_cache", None)
+            maker = getattr(proposer, "make_target_cache", None)
             pc.cache = maker(self.model) if maker else make_prompt_cache(self.model)
             pc.kind = kind
         stats.cached_tokens = keep

@@ -38,9 +38,11 @@ for _name in ("chat", "edit", "serve", "bench", "quantize", "train"):
     # Commands that live in their own modules join when present.
     try:
         _module = __import__(f"mlxspec.cli.{_name}", fromlist=[_name])
-        main.add_command(getattr(_module, _name))
-    except (ImportError, AttributeError):
-        pass
+    except ModuleNotFoundError as e:
+        if e.name != f"mlxspec.cli.{_name}":
+            raise
+        continue
+    main.add_command(getattr(_module, _name))
 
 if __name__ == "__main__":
     main()

@@ -66,17 +66,18 @@ def quantize_keys(keys: mx.array, group_size: int) -> TwoPlane:
 
 
 def quantize_values(values: mx.array, group_size: int) -> TwoPlane:
-    """Values (B, H, T, D) -> planes along head_dim (per token)."""
+    """Values (B, H, T, D) -> planes along head_dim (per token). A head_dim that is not a
+    multiple of the group size (e.g. 16 in tiny test models) is zero-padded to one: MLX's 4-bit
+    kernels only take groups of 32, 64 or 128; the padding enters the group's min/max."""
+    pad = -values.shape[-1] % group_size
+    if pad:
+        values = mx.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, pad)])
     return quantize_two_plane(values, group_size)
 
 
 def default_value_group_size(head_dim: int) -> int:
-    for g in (64, 32, 128):
-        if head_dim % g == 0:
-            return g
-    raise ValueError(
-        f"head_dim {head_dim} is not a multiple of 32: MLX's 4-bit kernels need groups of "
-        f"{SUPPORTED_GROUP_SIZES} along head_dim for the value planes")
+    """64 where head_dim allows it (as mlx-lm's QuantizedKVCache), else 32 (padding if needed)."""
+    return 64 if head_dim % 64 == 0 else 32
 
 
 class HierarchicalKVCache(_BaseCache):
@@ -234,7 +235,8 @@ class HierarchicalKVCache(_BaseCache):
         ks, vs = [], []
         if self.keys_q is not None:
             ks.append(dequantize_two_plane(self.keys_q, self.group_size, planes).swapaxes(-1, -2))
-            vs.append(dequantize_two_plane(self.values_q, self.value_group_size, planes))
+            v = dequantize_two_plane(self.values_q, self.value_group_size, planes)
+            vs.append(v[..., : self.buf_v.shape[-1]])
         if self.buf_k is not None:
             ks.append(self.buf_k)
             vs.append(self.buf_v)
@@ -341,11 +343,12 @@ def hierarchical_attention(queries: mx.array, kv: HierarchicalKV, scale: float,
     probs = mx.softmax(scores, axis=-1, precise=True).astype(dtype)
 
     p_buf = probs[..., kv.q_len:]
-    out = value_out(probs[..., : kv.q_len], kv.values_q) if kv.q_len else None
+    head_dim = kv.buf_v.shape[-1]
+    out = value_out(probs[..., : kv.q_len], kv.values_q)[..., :head_dim] if kv.q_len else None
     if m:
         pv = quantize_values(kv.buf_v[..., :m, :], gv)
         zero = mx.zeros((), dtype)
-        o_pend = value_out(mx.where(use_q, p_buf[..., :m], zero), pv)
+        o_pend = value_out(mx.where(use_q, p_buf[..., :m], zero), pv)[..., :head_dim]
         out = o_pend if out is None else out + o_pend
         p_buf = mx.concatenate([mx.where(use_q, zero, p_buf[..., :m]), p_buf[..., m:]], axis=-1)
     o_buf = p_buf @ buf_v
