@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import mlxspec  # noqa: F401  (BLAS set-up before mlx.core)
-
 import click
+
+import mlxspec  # noqa: F401  (BLAS set-up before mlx.core)
 
 from .generate import generate
 

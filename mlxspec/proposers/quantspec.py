@@ -7,15 +7,22 @@ the full-precision buffer and are trimmed away before the target's verify forwar
 
 Engine contract: the engine calls `make_target_cache(model)` (or gives the proposer its cache
 through `bind_cache`), prefills prompt[:-1] with it, calls `reset`, then per step `propose` ->
-one target forward over [last token] + proposal -> trim the rejected -> `update`.
+one target forward over [last token] + proposal -> trim the rejected -> `update`. The cache
+auto-commits (flushes due groups into the packed planes) at the start of every forward except
+inside `propose`, where the draft's tokens are speculative; plain one-token steps in between are
+fine.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..quant.hierarchical_cache import (HierarchicalKVCache, commit, draft_view,
-                                        make_hierarchical_cache, make_reference_cache)
+from ..quant.hierarchical_cache import (
+    HierarchicalKVCache,
+    draft_view,
+    make_hierarchical_cache,
+    make_reference_cache,
+)
 from ..quant.weights import make_draft_model
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal
@@ -52,7 +59,7 @@ class QuantSpecProposer:
         if model is not self.model:
             raise ValueError("QuantSpecProposer was built for another model")
         self.cache = make_hierarchical_cache(model, self.group_size, self.buffer_size,
-                                             self.value_group_size)
+                                             self.value_group_size, auto_commit=True)
         return self.cache
 
     def bind_cache(self, cache: list) -> None:
@@ -65,7 +72,6 @@ class QuantSpecProposer:
         if self.cache is None:
             raise RuntimeError("quantspec: the target must use make_target_cache(model)")
         self.sampling = sampling
-        commit(self.cache)
 
     def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
         cache = self.cache
@@ -75,12 +81,11 @@ class QuantSpecProposer:
         if offset != len(context) - 1:
             raise RuntimeError(f"quantspec: the shared cache holds {offset} tokens, expected "
                                f"{len(context) - 1} (all committed tokens but the last)")
-        commit(cache)  # everything in the cache is committed now: flush what is due
         greedy = self.sampling.greedy
         keys = mx.random.split(key, num_draft) if (key is not None and not greedy) else None
         token = mx.array([[context[-1]]], mx.uint32)
         tokens, probs = [], []
-        with draft_view(cache):
+        with draft_view(cache):  # upper plane, no auto-commit; commits what is due on entry
             for i in range(num_draft):
                 logits = self.draft_model(token, cache=cache)[0, -1]
                 if greedy:
@@ -103,8 +108,6 @@ class QuantSpecProposer:
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self.accepted += num_accepted
-        if self.cache is not None:
-            commit(self.cache)  # the engine trimmed the rejected: all that is left is committed
 
     # -- reporting
     def stats(self) -> dict:

@@ -25,11 +25,14 @@ several positions, the rows that need a group the store has not flushed yet get 
 the fly (the same deterministic codes the later flush stores).
 
 Physical flushes (moving groups from the buffer into the packed store) happen only in `commit()`,
-which callers invoke when every token in the cache is committed: the QuantSpec proposer does at
-the start of each draft and after each verification; a reference cache (`auto_commit=True`, for
-plain decoding) does at the start of every forward. Speculative tokens therefore only ever live
-in the buffer and rollback is a trim of the buffer; `trim` refuses (trims less) to cut below
-what a flushed group requires (offset must stay >= quantized_tokens + buffer_size - G).
+which may only run when every token in the cache is committed. With `auto_commit=True` (the
+default of `make_hierarchical_cache`) the cache commits at the start of every `update_and_fetch`:
+that is right for a prefill chunk, a plain decoding step and a verify forward (the cache then
+holds committed tokens only; the new rows are not flushed before the next forward), and wrong
+only while a draft appends speculative tokens one forward after another - so `draft_view(caches)`
+switches auto-commit off for its duration. Speculative tokens therefore only ever live in the
+buffer and rollback is a trim of the buffer; `trim` refuses (trims less) to cut below what a
+flushed group requires (offset must stay >= quantized_tokens + buffer_size - G).
 
 Plugging into mlx-lm: `update_and_fetch(k, v)` returns a `HierarchicalKV` handle in place of each
 of the (keys, values) arrays, and `install_attention_adapter(model)` replaces the module-global
@@ -53,8 +56,15 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from .kvquant import BITS, SUPPORTED_GROUP_SIZES, TwoPlane, concat_two_plane, lower_triple
-from .kvquant import dequantize_two_plane, quantize_two_plane
+from .kvquant import (
+    BITS,
+    SUPPORTED_GROUP_SIZES,
+    TwoPlane,
+    concat_two_plane,
+    dequantize_two_plane,
+    lower_triple,
+    quantize_two_plane,
+)
 
 VIEWS = ("target", "draft")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -408,8 +418,11 @@ def install_attention_adapter(model) -> list[str]:
 
 def make_hierarchical_cache(model, group_size: int = 64, buffer_size: int | None = None,
                             value_group_size: int | None = None,
-                            auto_commit: bool = False) -> list[HierarchicalKVCache]:
-    """One `HierarchicalKVCache` per layer of `model`, with the attention adapter installed."""
+                            auto_commit: bool = True) -> list[HierarchicalKVCache]:
+    """One `HierarchicalKVCache` per layer of `model`, with the attention adapter installed.
+
+    Target view, auto-commit on: usable as-is for prefill, plain decoding and verification; wrap
+    draft forwards in `draft_view(cache)`."""
     if hasattr(model, "make_cache"):
         kinds = {type(c).__name__ for c in model.make_cache()}
         if kinds - {"KVCache"}:
@@ -427,8 +440,8 @@ def make_hierarchical_cache(model, group_size: int = 64, buffer_size: int | None
 def make_reference_cache(model, group_size: int = 64, buffer_size: int | None = None,
                          value_group_size: int | None = None) -> list[HierarchicalKVCache]:
     """The cache for plain (non-speculative) decoding with the hierarchical cache, target view:
-    the lossless reference `quantspec` is token-identical to at temperature 0. It commits (and
-    flushes) at every forward, so use it only where every forward's tokens are committed."""
+    the lossless reference `quantspec` is token-identical to at temperature 0 (the same cache
+    `QuantSpecProposer.make_target_cache` makes)."""
     return make_hierarchical_cache(model, group_size, buffer_size, value_group_size,
                                    auto_commit=True)
 
@@ -441,15 +454,18 @@ def commit(caches) -> None:
 
 @contextlib.contextmanager
 def draft_view(caches) -> Iterator[None]:
-    """Inside the block, every hierarchical cache in `caches` reads the draft (upper-plane) view."""
-    saved = [(c, c.view) for c in caches if isinstance(c, HierarchicalKVCache)]
-    for c, _ in saved:
-        c.view = "draft"
+    """Inside the block, every hierarchical cache in `caches` reads the draft (upper-plane) view
+    and does not auto-commit (what the draft appends is speculative). Commits once on entry: the
+    block must start with a cache of committed tokens only (as a proposer's `propose` does)."""
+    saved = [(c, c.view, c.auto_commit) for c in caches if isinstance(c, HierarchicalKVCache)]
+    for c, _, _ in saved:
+        c.commit()
+        c.view, c.auto_commit = "draft", False
     try:
         yield
     finally:
-        for c, v in saved:
-            c.view = v
+        for c, v, a in saved:
+            c.view, c.auto_commit = v, a
 
 
 def set_view(caches, view: str) -> None:

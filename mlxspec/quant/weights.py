@@ -63,7 +63,9 @@ def _quantized_copy(layer: nn.Module, bits: int, group_size: int) -> nn.Module |
 
 def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
                      quantize: str = "mlp") -> tuple[nn.Module, dict]:
-    """(draft_model, info). info: reused (bool), extra_bytes, quantized_layers, skipped, note."""
+    """(draft_model, info). info: reused (bool), extra_bytes, replaced_bytes, quantized_layers,
+    skipped (paths left in full precision: input dim not a multiple of 32), weight_bits,
+    weight_group_size, quantize, note."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     targets = [(p, m) for p, m in model.named_modules()
@@ -73,7 +75,7 @@ def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
     if all(isinstance(m, nn.QuantizedLinear) and m.bits <= bits for _, m in targets):
         have = sorted({m.bits for _, m in targets})
         info = dict(reused=True, extra_bytes=0, quantized_layers=0, skipped=[],
-                    bits=have[-1], group_size=targets[0][1].group_size, quantize=quantize,
+                    weight_bits=have[-1], weight_group_size=targets[0][1].group_size, quantize=quantize,
                     note=(f"the target is already quantized to {'/'.join(map(str, have))} bits: "
                           "the draft reuses its weights; only the KV cache is hierarchical"))
         return model, info
@@ -93,8 +95,8 @@ def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
     extra = sum(_nbytes(m) for m in replacements.values())
     replaced = sum(_nbytes(m) for p, m in targets if p in replacements)
     info = dict(reused=False, extra_bytes=extra, replaced_bytes=replaced,
-                quantized_layers=len(replacements), skipped=skipped, bits=bits,
-                group_size=group_size, quantize=quantize,
+                quantized_layers=len(replacements), skipped=skipped, weight_bits=bits,
+                weight_group_size=group_size, quantize=quantize,
                 note=(f"{len(replacements)} {quantize} linears copied at {bits} bits "
                       f"(+{extra / 2**20:.2f} MiB; they replace {replaced / 2**20:.2f} MiB "
                       "in the draft view only)"))

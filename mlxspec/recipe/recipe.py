@@ -117,10 +117,10 @@ def run_recipe(
 
 def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, vocab_size,
          seq_len, target_steps, draft_steps, eval_bytes, log):
-    import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
-
     import mlx.core as mx
     import numpy as np
+
+    import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 
     from . import corpus as C
     from . import tok as T
@@ -149,7 +149,6 @@ def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, 
     del enc
     log(f"tokenizer: vocab {vocab_size}; corpus {len(stream)} tokens "
         f"({corpus_bytes / len(stream):.2f} bytes/token)")
-    rows = TR.make_rows(stream, seq_len)
 
     held_texts = _eval_texts(held_files, eval_bytes, is_stdlib, root)
     if not held_texts:  # a one-file corpus: evaluate on (a prefix of) the training text
@@ -171,8 +170,9 @@ def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, 
             batch_size=(4 if which == "target" else 8) if not smoke else 2,
             warmup_steps=100 if not smoke else 2, steps=steps,
             log_every_s=30.0 if not smoke else 1.0,
+            short_seq_len=None if smoke else 256,
         )
-        stats = TR.train(model, rows, cfg, which, log)
+        stats = TR.train(model, stream, cfg, which, log)
         TR.save_model(model, args, tmp / which, eos)
         T.save_tokenizer(tok, tmp / which, seq_len)
         # Evaluate the saved (fp16) weights, computed in float32 as the runtime does on CPU.

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 # Model shapes. Target: ~8 M parameters; draft: ~1/10 of the target's compute per token.
-TARGET_SHAPE = dict(hidden_size=320, num_hidden_layers=6, num_attention_heads=5, intermediate_size=864)
-DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=384)
+TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, intermediate_size=704)
+DRAFT_SHAPE = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
 SMOKE_TARGET_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
 SMOKE_DRAFT_SHAPE = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=1, intermediate_size=64)
 
@@ -28,6 +28,10 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     steps: int | None = None  # fixed step count (exactly reproducible); None: from the budget
+    # Sequence-length warm-up: the first `short_frac` of training (of the steps, or of the time
+    # budget) uses rows of `short_seq_len` tokens in batches holding the same number of tokens.
+    short_seq_len: int | None = 256
+    short_frac: float = 0.5
     log_every_s: float = 30.0
 
 
@@ -84,19 +88,19 @@ def make_rows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return tokens[idx]
 
 
-def train(model, rows: np.ndarray, cfg: TrainConfig, name: str, log=print) -> dict:
-    """Train `model` on `rows` (int32, (N, seq_len + 1)) for cfg.minutes or cfg.steps steps.
+def train(model, stream: np.ndarray, cfg: TrainConfig, name: str, log=print) -> dict:
+    """Train `model` on the token stream for cfg.minutes (or exactly cfg.steps steps).
 
     AdamW, linear warm-up then cosine decay to min_lr_ratio * lr, gradient clipping at 1.0.
-    With a time budget the total step count is re-estimated from the measured step time every
-    few steps and the cosine follows that estimate, so the decay ends when the budget does.
+    The schedule follows progress p = step / steps, or with a time budget p = elapsed / budget,
+    so the decay ends when the budget does. Rows of cfg.short_seq_len tokens while
+    p < cfg.short_frac, then rows of cfg.seq_len tokens (same tokens per step).
     """
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
 
     rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(rows))
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay, betas=[0.9, 0.95])
 
     def loss_fn(m, x, y):
@@ -114,77 +118,90 @@ def train(model, rows: np.ndarray, cfg: TrainConfig, name: str, log=print) -> di
 
     step_c = mx.compile(step_fn, inputs=state, outputs=state)
 
-    budget_s = cfg.minutes * 60.0
-    total = cfg.steps if cfg.steps else max(cfg.warmup_steps + 1, 10)
-    warm = min(cfg.warmup_steps, max(1, total // 10)) if cfg.steps else cfg.warmup_steps
+    phases = []  # (seq_len, batch_size, rows)
+    use_short = bool(cfg.short_seq_len and cfg.short_seq_len < cfg.seq_len and cfg.short_frac > 0)
+    if use_short:
+        bs_short = cfg.batch_size * cfg.seq_len // cfg.short_seq_len
+        phases.append((cfg.short_seq_len, bs_short, make_rows(stream, cfg.short_seq_len)))
+    phases.append((cfg.seq_len, cfg.batch_size, make_rows(stream, cfg.seq_len)))
+    short_frac = cfg.short_frac if use_short else 0.0
 
-    def lr_at(step, total):
+    budget_s = cfg.minutes * 60.0
+    warm = cfg.warmup_steps
+    if cfg.steps:
+        warm = min(warm, max(1, cfg.steps // 10))
+
+    def lr_at(step, p):
         if step < warm:
             return cfg.lr * (step + 1) / warm
-        p = min(1.0, (step - warm) / max(1, total - warm))
         lo = cfg.lr * cfg.min_lr_ratio
-        return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * p))
+        return lo + 0.5 * (cfg.lr - lo) * (1 + math.cos(math.pi * min(1.0, p)))
 
     t0 = time.perf_counter()
     last_log = t0
     step = 0
-    pos = 0
     tokens_seen = 0
+    short_steps = 0
     losses: list[float] = []
     ema = None
-    timed_steps = 0
-    timed_s = 0.0
-    bs = cfg.batch_size
+    cur = None
+    order = None
+    pos = 0
     while True:
+        elapsed = time.perf_counter() - t0
         if cfg.steps:
             if step >= cfg.steps:
                 break
+            p = step / cfg.steps
         else:
-            elapsed = time.perf_counter() - t0
             if elapsed >= budget_s:
                 break
-            if timed_steps >= 2:
-                per = timed_s / timed_steps
-                total = max(step + 1, int(step + (budget_s - elapsed) / per))
-                warm = min(cfg.warmup_steps, max(1, total // 10))
+            p = elapsed / budget_s
+        ph = 0 if (use_short and p < short_frac) else len(phases) - 1
+        if ph != cur:
+            cur = ph
+            seq, bs, rows = phases[ph]
+            order = rng.permutation(len(rows))
+            pos = 0
+            if step:
+                log(f"[{name}] step {step}: switching to {seq}-token rows, batch {bs}")
         if pos + bs > len(order):
             order = rng.permutation(len(rows))
             pos = 0
         idx = order[pos : pos + bs] if len(order) >= bs else rng.integers(0, len(rows), bs)
         pos += bs
         batch = mx.array(rows[np.sort(idx)].astype(np.int32))
-        opt.learning_rate = mx.array(lr_at(step, total), dtype=mx.float32)
-        ts = time.perf_counter()
+        lr = lr_at(step, p)
+        opt.learning_rate = mx.array(lr, dtype=mx.float32)
         loss = step_c(batch[:, :-1], batch[:, 1:])
         mx.eval(loss, state)
-        dt = time.perf_counter() - ts
-        if step >= 1:  # the first step includes compilation
-            timed_steps += 1
-            timed_s += dt
         lv = float(loss.item())
         losses.append(lv)
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        tokens_seen += bs * cfg.seq_len
+        tokens_seen += bs * seq
+        short_steps += int(ph == 0 and use_short)
         step += 1
         now = time.perf_counter()
         if now - last_log >= cfg.log_every_s or step == 1:
             el = now - t0
             log(
-                f"[{name}] step {step}/{total} loss {lv:.4f} (ema {ema:.4f}) "
-                f"lr {lr_at(step - 1, total):.2e} tok/s {tokens_seen / el:.0f} "
-                f"elapsed {el / 60:.1f} min"
+                f"[{name}] step {step} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
+                f"seq {seq} tok/s {tokens_seen / el:.0f} elapsed {el / 60:.1f} min "
+                f"({100 * p:.0f}%)"
             )
             last_log = now
     el = time.perf_counter() - t0
     final = float(np.mean(losses[-20:])) if losses else float("nan")
-    log(f"[{name}] done: {step} steps, {tokens_seen} tokens, {el / 60:.2f} min, final loss {final:.4f}")
+    log(f"[{name}] done: {step} steps, {tokens_seen} tokens, {el / 60:.2f} min, "
+        f"final loss {final:.4f}")
     return {
         "steps": step,
+        "short_steps": short_steps,
         "tokens_seen": tokens_seen,
         "train_minutes": round(el / 60, 2),
         "final_loss": round(final, 4),
         "tokens_per_s": round(tokens_seen / max(el, 1e-9), 1),
-        "batch_size": bs,
+        "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
         "lr": cfg.lr,
         "config": asdict(cfg),

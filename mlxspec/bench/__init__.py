@@ -1,0 +1,1 @@
+"""`mlxspec bench`: every mode on every workload, interleaved, with paired ratios."""

@@ -1,0 +1,232 @@
+"""Run the benchmark: interleaved runners, paired ratios, the lossless audit, the report."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .. import backend
+from ..engine import Engine
+from .runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner, Run
+from .workloads import build_workload
+
+PEERS = ("mlx_lm", "mlx_lm_spec")
+
+
+def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
+    runners = []
+    for mode in modes:
+        if mode == "mlx_lm":
+            runners.append(MlxLmRunner(engine))
+        elif mode == "mlx_lm_spec":
+            if engine.draft_model is not None:
+                runners.append(MlxLmSpeculativeRunner(engine, num_draft))
+        elif mode == "draft" and engine.draft_model is None:
+            continue
+        else:
+            runners.append(EngineRunner(engine, mode, num_draft=num_draft))
+    return runners
+
+
+def weight_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def measure_bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a large elementwise read+write: the ceiling of memory-bound decoding."""
+    a = mx.ones((mb * 2**20 // 4,), mx.float32)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        mx.eval(a * 1.0001)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.nbytes / best
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled, self.start = total, 0, enabled, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            frac = self.done / max(1, self.total)
+            bar = "#" * int(30 * frac)
+            eta = (time.perf_counter() - self.start) / self.done * (self.total - self.done)
+            sys.stderr.write(f"\r[{bar:<30}] {self.done}/{self.total} {label:<28} eta {eta:4.0f}s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def summarize(runs: dict[str, list[Run]], weights: int) -> dict[str, dict]:
+    """Per-runner figures; speedup is the median of per-prompt ratios against `none`."""
+    out = {}
+    base = runs.get("none")
+    for label, rs in runs.items():
+        tokens = sum(len(r.tokens) for r in rs)
+        seconds = sum(r.decode_seconds for r in rs)
+        forwards = sum(r.target_forwards for r in rs)
+        drafted = sum(r.drafted for r in rs)
+        accepted = sum(r.accepted for r in rs)
+        ratios = [r.tps / b.tps for r, b in zip(rs, base) if b.tps > 0 and r.tokens] if base else []
+        by_pos_d, by_pos_a = defaultdict(int), defaultdict(int)
+        for r in rs:
+            for i, d in enumerate(r.stats.get("drafted_by_position", [])):
+                by_pos_d[i] += d
+            for i, a in enumerate(r.stats.get("accepted_by_position", [])):
+                by_pos_a[i] += a
+        out[label] = {
+            "prompts": len(rs),
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "speedup_median": statistics.median(ratios) if ratios else None,
+            "speedup_ratios": ratios,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": tokens / forwards if forwards else None,
+            "forwards_per_token": forwards / tokens if tokens else None,
+            "drafted": drafted,
+            "accepted": accepted,
+            "drafted_wasted": drafted - accepted,
+            "acceptance_by_position": [by_pos_a[i] / by_pos_d[i] for i in sorted(by_pos_d)],
+            "peak_memory_gb": max((r.stats.get("peak_memory_gb", 0.0) for r in rs), default=0.0),
+            "weight_bandwidth_gb_s": weights * forwards / seconds / 1e9 if seconds else 0.0,
+        }
+    return out
+
+
+def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts: int,
+                  max_tokens: int, temperatures: list[float], seed: int = 0,
+                  show_progress: bool = True) -> dict:
+    results = {}
+    plan = []
+    for w in workloads:
+        for temp in ([1.0] if w == "free" else temperatures):
+            plan.append((w, temp, build_workload(w, n_prompts, max_tokens, seed)))
+    progress = Progress(sum(len(items) for *_, items in plan) * len(runners), show_progress)
+    weights = weight_bytes(engine.model)
+    for w, temp, items in plan:
+        runs: dict[str, list[Run]] = {r.label: [] for r in runners}
+        for i, item in enumerate(items):
+            tokens = engine.encode(item.prompt)
+            order = runners[i % len(runners):] + runners[: i % len(runners)]  # A B C, B C A, ...
+            for runner in order:
+                runs[runner.label].append(runner.run(tokens, item.max_tokens, temp, seed + i,
+                                                     item.prediction))
+                progress.step(f"{w} t={temp:g} {runner.label}")
+        results[f"{w}@{temp:g}"] = {"workload": w, "temperature": temp,
+                                    "modes": summarize(runs, weights)}
+    progress.close()
+    return results
+
+
+def lossless_audit(engine: Engine, modes: list[str], n_prompts: int, max_tokens: int = 32,
+                   seed: int = 0, show_progress: bool = True) -> dict:
+    """Every speculative mode against `none`, token by token, at temperature 0. A divergence is
+    reported with the reference's top-2 logit gap at that step (> 1e-3 in float32: a bug)."""
+    items = build_workload("mixed", n_prompts, max_tokens, seed)
+    modes = [m for m in modes if m not in ("none",) + PEERS]
+    progress = Progress(len(items), show_progress)
+    report = {"prompts": len(items), "modes": {m: {"identical": 0, "divergences": []} for m in modes}}
+    for i, item in enumerate(items):
+        tokens = engine.encode(item.prompt)
+        ref = EngineRunner(engine, "none").run(tokens, item.max_tokens, 0.0, 0).tokens
+        for mode in modes:
+            got = EngineRunner(engine, mode).run(tokens, item.max_tokens, 0.0, 0,
+                                                 item.prediction).tokens
+            if got == ref:
+                report["modes"][mode]["identical"] += 1
+                continue
+            step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            logits = engine.model(mx.array(tokens + ref[:step])[None])[0, -1]
+            top2 = mx.sort(logits.astype(mx.float32))[-2:].tolist()
+            report["modes"][mode]["divergences"].append(
+                {"prompt": i, "step": step, "top2_gap": top2[1] - top2[0]})
+        progress.step("audit")
+    progress.close()
+    for m in modes:
+        divs = report["modes"][m]["divergences"]
+        report["modes"][m]["bugs"] = sum(1 for d in divs if d["top2_gap"] > 1e-3)
+    return report
+
+
+def markdown_table(results: dict) -> str:
+    lines = ["| workload | T | mode | tok/s | speedup (median) | acceptance | tok/forward | wasted drafts |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results.values():
+        for mode, f in r["modes"].items():
+            sp = f"{f['speedup_median']:.2f}×" if f["speedup_median"] is not None else "–"
+            acc = f"{100 * f['acceptance_rate']:.0f}%" if f["acceptance_rate"] is not None else "–"
+            tpf = f"{f['mean_accepted_length']:.2f}" if f["mean_accepted_length"] else "–"
+            lines.append(f"| {r['workload']} | {r['temperature']:g} | {mode} | "
+                         f"{f['tokens_per_s']:.1f} | {sp} | {acc} | {tpf} | {f['drafted_wasted']} |")
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: Path, report: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "bench.json", out_dir / "bench.md"]
+    written[0].write_text(json.dumps(report, indent=1))
+    md = [f"Machine: {report['machine']}", "", markdown_table(report["results"])]
+    if report.get("audit"):
+        md += ["", "Lossless audit (temperature 0, vs none):"]
+        for m, a in report["audit"]["modes"].items():
+            md.append(f"- {m}: {a['identical']}/{report['audit']['prompts']} identical, "
+                      f"{len(a['divergences'])} divergences, {a['bugs']} with top-2 gap > 1e-3")
+    written[1].write_text("\n".join(md) + "\n")
+    written += plot(out_dir, report)
+    return written
+
+
+def plot(out_dir: Path, report: dict) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    results = report["results"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    keys = list(results)
+    modes = sorted({m for r in results.values() for m in r["modes"]})
+    width = 0.8 / max(1, len(modes))
+    for j, m in enumerate(modes):
+        ys = [results[k]["modes"].get(m, {}).get("speedup_median") or 0 for k in keys]
+        ax.bar([i + j * width for i in range(len(keys))], ys, width, label=m)
+    ax.set_xticks([i + 0.4 for i in range(len(keys))], keys, rotation=20)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_ylabel("speedup over none")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "speedup_by_workload.png"
+    fig.savefig(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in modes:
+        for k in keys[:1]:
+            pos = results[k]["modes"].get(m, {}).get("acceptance_by_position") or []
+            if pos:
+                ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{m} ({k})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path2 = out_dir / "acceptance_by_position.png"
+    fig.savefig(path2)
+    return [path, path2]
+
+
+def machine_summary() -> str:
+    info = backend.machine_info()
+    return (f"{info['processor']} ({info['cpu_count']} cores), backend {info['backend']}, "
+            f"BLAS {info['blas']}, MLX {info['mlx']}, mlx-lm {info['mlx_lm']}")

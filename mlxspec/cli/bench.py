@@ -1,0 +1,84 @@
+"""`mlxspec bench`: measure every mode on every workload against mlx-lm, interleaved."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from ..errors import MlxspecError
+from ..proposers import MODES
+from .common import exits_cleanly, load_engine
+
+
+@click.command()
+@click.option("--model", "-m", default=None, help="Target (default: the bundled model).")
+@click.option("--draft-model", default=None, help="Draft (default with the bundled model: its draft).")
+@click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
+              help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec.")
+@click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True)
+@click.option("--prompts", "n_prompts", type=int, default=20, show_default=True, help="Prompts per workload.")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. '0,1' ('free' always uses 1).")
+@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True)
+@click.option("--audit", "audit_prompts", type=int, default=200, show_default=True,
+              help="Prompts in the lossless audit (0 skips it).")
+@click.option("--quick", is_flag=True, help="A two-minute run: 3 prompts per workload, 32 tokens, audit of 10.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for bench.json, bench.md and plots (default: bench-results/DATE).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@exits_cleanly
+def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
+          audit_prompts, quick, out_dir, seed):
+    """Benchmark speculation modes and mlx-lm on held-out workloads."""
+    from .. import backend
+    from ..bench.run import (
+        lossless_audit,
+        machine_summary,
+        make_runners,
+        markdown_table,
+        run_workloads,
+        write_outputs,
+    )
+    from ..bench.workloads import WORKLOADS
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for m in mode_list:
+        if m not in MODES + ("mlx_lm", "mlx_lm_spec"):
+            raise MlxspecError(f"unknown mode {m!r} in --modes")
+    if "none" not in mode_list:
+        mode_list.insert(0, "none")  # the reference every ratio is taken against
+    workload_list = [w.strip() for w in workloads.split(",") if w.strip()]
+    for w in workload_list:
+        if w not in WORKLOADS + ("mixed",):
+            raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}, mixed")
+    try:
+        temperatures = [float(t) for t in temps.split(",")]
+    except ValueError:
+        raise MlxspecError(f"--temps must be comma-separated numbers, got {temps!r}") from None
+    if quick:
+        n_prompts, max_tokens, audit_prompts = min(n_prompts, 3), min(max_tokens, 32), min(audit_prompts, 10)
+    if n_prompts < 1:
+        raise MlxspecError("--prompts must be >= 1")
+    wants_draft = any(m in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
+    # The bundled target comes with its draft; another target needs --draft-model for those rows.
+    with_draft = wants_draft and (draft_model is not None or model is None)
+    engine = load_engine(model, draft_model, "draft" if with_draft else "none", num_draft)
+    runners = make_runners(engine, mode_list, num_draft)
+    click.echo(f"machine: {machine_summary()}", err=True)
+    click.echo(f"runners: {', '.join(r.label for r in runners)}", err=True)
+    results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures, seed)
+    report = {"machine": machine_summary(), "machine_info": backend.machine_info(),
+              "model": engine.name, "num_draft": num_draft, "max_tokens": max_tokens,
+              "prompts_per_workload": n_prompts, "results": results}
+    if audit_prompts:
+        report["audit"] = lossless_audit(engine, [r.label for r in runners], audit_prompts, seed=seed)
+    out = Path(out_dir or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    written = write_outputs(out, report)
+    click.echo(markdown_table(results))
+    if report.get("audit"):
+        for m, a in report["audit"]["modes"].items():
+            click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
+                       f"{a['bugs']} divergences with top-2 gap > 1e-3")
+    click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)

@@ -1,0 +1,291 @@
+"""`mlxspec chat`: an interactive assistant that streams its replies and shows, after each one,
+how much the speculation saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ..chat_session import ChatSession, check_chat_template
+from ..errors import MlxspecError
+from ..proposers import MODES
+from .common import exits_cleanly, load_engine, model_options, sampling_options
+from .statsline import dim, stats_line
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+FENCE = '"""'
+
+HELP = f"""\
+commands:
+  /help            this help
+  /reset           start a new conversation (the system prompt stays)
+  /mode [NAME]     show or switch the speculation mode ({", ".join(MODES)})
+  /system [TEXT]   show or set the system prompt ('/system -' removes it)
+  /stats           totals for this session
+  /save FILE       save the conversation as JSON
+  /exit            quit (also Ctrl-D, or Ctrl-C twice at the prompt)
+  {FENCE}              start or end a multi-line message
+Ctrl-C while a reply streams stops it and keeps what was written."""
+
+
+def describe_model(engine, seconds: float) -> str:
+    """What was loaded and how much memory its weights take."""
+    from mlx.utils import tree_flatten
+
+    def size(model):
+        leaves = [v for _, v in tree_flatten(model.parameters())]
+        return sum(v.size for v in leaves), sum(v.nbytes for v in leaves)
+
+    n, nbytes = size(engine.model)
+    text = f"loaded {engine.name}: {n / 1e6:.1f} M parameters, {nbytes / 1e6:.1f} MB"
+    if engine.draft_model is not None:
+        dn, dbytes = size(engine.draft_model)
+        text += f"; draft {dn / 1e6:.1f} M parameters, {dbytes / 1e6:.1f} MB"
+    if engine.max_context:
+        text += f"; context {engine.max_context} tokens"
+    return text + f" ({seconds:.1f} s)"
+
+
+class DeferredInterrupt:
+    """While active, Ctrl-C sets `hit` instead of raising: the reply stops between two engine
+    steps, where its KV cache is consistent, never in the middle of one."""
+
+    def __init__(self):
+        self.hit = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        self.hit = True
+
+    def __enter__(self):
+        self.hit = False
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: Ctrl-C keeps its default behaviour
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def setup_readline() -> str | None:
+    """Line editing and a persistent history when stdin is a terminal; the history file."""
+    if not sys.stdin.isatty():
+        return None
+    try:
+        import readline
+    except ImportError:
+        return None
+    path = os.environ.get("MLXSPEC_HISTORY") or os.path.expanduser("~/.mlxspec_history")
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return path
+
+
+def save_readline(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        import readline
+
+        readline.write_history_file(path)
+    except (ImportError, OSError):
+        pass
+
+
+class ChatREPL:
+    """The read-eval-print loop around a `ChatSession`."""
+
+    def __init__(self, session: ChatSession, draft_source: str | None = None, input_fn=input):
+        self.session = session
+        self.engine = session.engine
+        self.draft_source = draft_source  # loaded on the first `/mode draft` when needed
+        self.input = input_fn
+
+    # -- input
+    def read_message(self) -> str:
+        """One message: a line, or the lines between two \"\"\" fences."""
+        line = self.input(PROMPT)
+        stripped = line.strip()
+        if not stripped.startswith(FENCE):
+            return line
+        rest = stripped[len(FENCE):]
+        if rest.endswith(FENCE) and len(rest) >= len(FENCE):  # """one line"""
+            return rest[: -len(FENCE)]
+        lines = [rest] if rest else []
+        while True:
+            line = self.input(CONTINUATION)
+            if line.rstrip().endswith(FENCE):
+                last = line.rstrip()[: -len(FENCE)]
+                if last:
+                    lines.append(last)
+                return "\n".join(lines)
+            lines.append(line)
+
+    # -- the loop
+    def run(self) -> None:
+        armed = False  # a Ctrl-C at the prompt now exits
+        while True:
+            try:
+                text = self.read_message()
+            except EOFError:
+                click.echo()
+                return
+            except KeyboardInterrupt:
+                click.echo()
+                if armed:
+                    return
+                armed = True
+                click.echo(dim("(Ctrl-C again, Ctrl-D or /exit to quit)"))
+                continue
+            armed = False
+            if not text.strip():
+                continue
+            if text.lstrip().startswith("/") and "\n" not in text:
+                if self.command(text.strip()) == "exit":
+                    return
+                continue
+            armed = self.respond(text)
+
+    def respond(self, text: str) -> bool:
+        """Stream a reply; True when Ctrl-C stopped it."""
+        session = self.session
+        before = len(session.turn_stats)
+        ends_with_newline = True
+        with DeferredInterrupt() as interrupt:
+            steps = session.send(text)
+            try:
+                for out in steps:
+                    if out.text:
+                        click.echo(out.text, nl=False)
+                        ends_with_newline = out.text.endswith("\n")
+                    if interrupt.hit:
+                        break
+            except MlxspecError as e:
+                click.echo(f"error: {e}", err=True)
+                return False
+            finally:
+                steps.close()
+        if not ends_with_newline:
+            click.echo()
+        if len(session.turn_stats) == before:  # nothing was generated
+            return interrupt.hit
+        turn = session.last
+        if turn.dropped_messages:
+            click.echo(dim(f"({turn.dropped_messages} old messages dropped to fit the context)"))
+        click.echo(dim(stats_line(turn.stats, interrupted=turn.interrupted)))
+        if turn.finish_reason == "length":
+            click.echo(dim(f"(reply cut at {session.settings['max_tokens']} tokens: --max-tokens)"))
+        return turn.interrupted
+
+    # -- commands
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        name = name.lower()
+        if name in ("/exit", "/quit", "/q"):
+            return "exit"
+        if name in ("/help", "/?"):
+            click.echo(HELP)
+        elif name == "/reset":
+            self.session.reset()
+            click.echo(dim("new conversation"))
+        elif name == "/mode":
+            self.switch_mode(arg)
+        elif name == "/system":
+            if not arg:
+                click.echo(self.session.system or "(no system prompt)")
+            else:
+                self.session.set_system(None if arg == "-" else arg)
+                click.echo(dim("system prompt removed" if arg == "-" else "system prompt set"))
+        elif name == "/stats":
+            click.echo(f"model              {self.engine.name}, mode {self.engine.mode}, "
+                       f"{len(self.session.messages)} messages in the conversation")
+            for ln in self.session.totals.lines():
+                click.echo(ln)
+        elif name == "/save":
+            self.save(arg)
+        else:
+            click.echo(f"unknown command {name}: /help lists the commands "
+                       f'(start a message with {FENCE} to send text that begins with "/")')
+        return None
+
+    def switch_mode(self, name: str) -> None:
+        engine = self.engine
+        if not name:
+            click.echo(f"mode {engine.mode} (k={engine.num_draft}); modes: {', '.join(MODES)}")
+            return
+        try:
+            if name == "draft" and engine.draft_model is None and self.draft_source:
+                self.load_draft()
+            engine.set_mode(name)
+        except MlxspecError as e:
+            click.echo(f"error: {e}", err=True)
+            return
+        click.echo(dim(f"mode {engine.mode}"))
+
+    def load_draft(self) -> None:
+        from ..engine import check_draft_compatible, load_model
+
+        click.echo(dim(f"loading the draft model {self.draft_source}"), err=True)
+        draft, draft_tok, _, draft_name = load_model(self.draft_source)
+        check_draft_compatible(self.engine.tokenizer, draft_tok, self.engine.model, draft,
+                               self.engine.name, draft_name)
+        self.engine.draft_model = draft
+
+    def save(self, arg: str) -> None:
+        if not arg:
+            click.echo("error: /save needs a file name", err=True)
+            return
+        path = Path(arg).expanduser()
+        try:
+            path.write_text(json.dumps(self.session.to_json(), indent=2, ensure_ascii=False) + "\n",
+                            encoding="utf-8")
+        except OSError as e:
+            click.echo(f"error: cannot write {path}: {e}", err=True)
+            return
+        click.echo(dim(f"saved {len(self.session.messages)} messages to {path}"))
+
+
+def bundled_draft_path() -> str | None:
+    try:
+        from ..models import bundled_model_path
+
+        return str(bundled_model_path("draft"))
+    except Exception:
+        return None
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System prompt.")
+@exits_cleanly
+def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system):
+    """Chat with a model (default: the bundled one). /help lists the commands."""
+    start = time.perf_counter()
+    engine = load_engine(model, draft_model, mode, num_draft)
+    click.echo(describe_model(engine, time.perf_counter() - start), err=True)
+    session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
+                          top_p=top_p, top_k=top_k, seed=seed)
+    check_chat_template(engine.tokenizer)  # fail now, not at the first message
+    draft_source = draft_model if draft_model else (bundled_draft_path() if model is None else None)
+    click.echo(dim(f"mode {engine.mode} · /help for commands · Ctrl-D or /exit to quit"))
+    history = setup_readline()
+    try:
+        ChatREPL(session, draft_source=draft_source).run()
+    finally:
+        save_readline(history)

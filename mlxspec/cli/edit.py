@@ -1,0 +1,137 @@
+"""`mlxspec edit FILE --instruction TEXT`: an offline code-editing assistant. The original text
+is the predicted output, so the unchanged lines are drafted from it and cost almost nothing.
+
+Safe by default: prints a unified diff and changes nothing. `--write` replaces the file
+atomically, keeps a backup and the file's permissions, and refuses if the file changed on disk
+since it was read."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from ..editing import edit_text, read_source, split_lines, unified_diff, write_atomic
+from ..errors import MlxspecError
+from .common import exits_cleanly, load_engine, model_options
+from .statsline import dim, stats_dict, stats_line
+
+
+def colored_diff(diff: str) -> str:
+    out = []
+    for line in split_lines(diff):
+        if line.startswith(("+++", "---")):
+            out.append(click.style(line, bold=True))
+        elif line.startswith("+"):
+            out.append(click.style(line, fg="green"))
+        elif line.startswith("-"):
+            out.append(click.style(line, fg="red"))
+        elif line.startswith("@@"):
+            out.append(click.style(line, fg="cyan"))
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+class Progress:
+    """`editing: N tokens` on a terminal's stderr while the answer is generated."""
+
+    def __init__(self, enabled: bool, expected: int | None = None):
+        self.enabled = enabled
+        self.count = 0
+        self.last = 0.0
+
+    def __call__(self, out) -> None:
+        self.count += len(out.tokens)
+        now = time.perf_counter()
+        if self.enabled and now - self.last > 0.1:
+            self.last = now
+            click.echo(f"\rediting: {self.count} tokens", nl=False, err=True)
+
+    def done(self) -> None:
+        if self.enabled and self.last:
+            click.echo("\r\x1b[K", nl=False, err=True)
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--instruction", "-i", required=True, help="What to change, e.g. 'Rename `x` to `y`.'")
+@click.option("--lines", "line_range", default=None, metavar="A:B",
+              help="Edit only lines A to B (1-based, inclusive; A: and :B are open-ended).")
+@click.option("--write", is_flag=True,
+              help="Replace the file (atomically, keeping a backup); default: print a diff only.")
+@click.option("--backup-suffix", default=".orig", show_default=True,
+              help="The backup's name is FILE + this suffix ('' for no backup).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"path", "diff", "stats"} as JSON.')
+@click.option("--print", "print_text", is_flag=True,
+              help="Print the whole edited text instead of a diff.")
+@click.option("--verbatim", is_flag=True,
+              help="Send the instruction as typed (by default common phrasings such as "
+                   "'rename a to b' are rewritten into the bundled model's training wording).")
+@model_options
+@click.option("--max-tokens", type=int, default=None,
+              help="Answer length limit (default: the selection's length plus a margin).")
+@click.option("--temp", type=float, default=0.0, show_default=True,
+              help="Sampling temperature (0: greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@exits_cleanly
+def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
+         model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed):
+    """Edit FILE as --instruction says, with the original text as the predicted output."""
+    if max_tokens is not None and max_tokens < 1:
+        raise MlxspecError(f"--max-tokens must be >= 1, got {max_tokens}")
+    src = read_source(file)
+    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
+    progress = Progress(enabled=not as_json and sys.stderr.isatty())
+    try:
+        result = edit_text(engine, src.text, instruction, lines=line_range, max_tokens=max_tokens,
+                           temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
+                           canonical=not verbatim, on_step=progress)
+    finally:
+        progress.done()
+    diff = unified_diff(src.text, result.edited, src.shown)
+
+    error = None
+    written, backup = False, None
+    if not result.complete:
+        error = (f"the answer was cut at {result.stats.generated_tokens} tokens "
+                 "(raise --max-tokens)" + ("; nothing written" if write else ""))
+    elif write and result.changed:
+        try:
+            backup = write_atomic(src, result.edited, backup_suffix or None)
+            written = True
+        except MlxspecError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"{src.shown}: cannot write: {e.strerror or e}; nothing changed"
+
+    if as_json:
+        payload = {"path": src.shown, "diff": diff, "stats": stats_dict(result.stats),
+                   "instruction": result.instruction, "lines": [result.start + 1, result.end],
+                   "finish_reason": result.finish_reason, "written": written,
+                   "backup": str(backup) if backup else None}
+        if print_text:
+            payload["text"] = result.edited
+        if error:
+            payload["error"] = error
+        click.echo(json.dumps(payload, ensure_ascii=False))
+    else:
+        if print_text:
+            click.echo(result.edited, nl=False)
+        elif diff:
+            click.echo(colored_diff(diff) if sys.stdout.isatty() else diff, nl=False)
+        click.echo(dim(stats_line(result.stats, prediction=True)), err=True)
+        if not result.changed:
+            click.echo("no changes", err=True)
+        elif written:
+            click.echo(f"wrote {src.shown}" + (f" (backup: {backup})" if backup else ""), err=True)
+        elif not write:
+            click.echo(dim("dry run: nothing written (--write replaces the file)"), err=True)
+    if error:
+        if not as_json:
+            click.echo(f"error: {error}", err=True)
+        sys.exit(2 if write else 1)

@@ -1,0 +1,101 @@
+"""`mlxspec serve`: a local completion backend for editors, chat clients and scripts."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+
+import click
+
+from ..errors import MlxspecError
+from ..proposers import MODES
+from .common import exits_cleanly, load_engine
+
+# `auto` once it exists, else prompt lookup: free, and it pays on input-grounded work.
+DEFAULT_MODE = "auto" if importlib.util.find_spec("mlxspec.proposers.auto") else "ngram"
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 512MB or 2GB")
+    unit = (m.group(2) or "").rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(unit or " "))
+
+
+@click.command()
+@click.option("--model", "-m", default=None,
+              help="Model directory or Hugging Face repo id (default: the bundled model).")
+@click.option("--draft-model", default=None, help="Draft model for --mode draft.")
+@click.option("--mode", type=click.Choice(MODES), default=DEFAULT_MODE, show_default=True,
+              help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
+@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
+              help="Tokens proposed per step (1-64).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. Loopback by default; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--spec-max-concurrency", type=int, default=2, show_default=True,
+              help="Speculate while at most this many requests are active; above it, new "
+                   "requests run in a batch of plain decoding.")
+@click.option("--max-batch", type=int, default=8, show_default=True,
+              help="Most requests decoded together in the plain-decoding batch.")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests running or waiting before new ones get 503.")
+@click.option("--prompt-cache-size", default="2GB", show_default=True,
+              help="Memory budget of the prompt caches kept between requests.")
+@click.option("--prompt-cache-entries", type=int, default=8, show_default=True,
+              help="Most prompt caches kept (one per recent conversation or file).")
+@click.option("--max-tokens", type=int, default=512, show_default=True,
+              help="Tokens generated when a request does not say.")
+@click.option("--temp", type=float, default=0.0, show_default=True,
+              help="Temperature when a request does not say (0: greedy, exact).")
+@click.option("--max-context", type=int, default=None,
+              help="Context length (default: the model's max_position_embeddings).")
+@click.option("--max-body-bytes", default="16MB", show_default=True,
+              help="Largest request body accepted (413 above it).")
+@click.option("--model-name", default=None,
+              help="Name to report in /v1/models and responses (default: the model path).")
+@click.option("--cors-origin", default="*", show_default=True,
+              help="Access-Control-Allow-Origin for browser clients ('' to send none).")
+@click.option("--log-requests", is_flag=True, help="Log every request to stderr.")
+@exits_cleanly
+def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
+          max_queue, prompt_cache_size, prompt_cache_entries, max_tokens, temp, max_context,
+          max_body_bytes, model_name, cors_origin, log_requests):
+    """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
+    outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
+    from ..server.app import is_loopback, make_server
+
+    if spec_max_concurrency < 0 or max_batch < 1 or max_queue < 1:
+        raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
+    logging.basicConfig(level=logging.INFO if log_requests else logging.WARNING,
+                        format="%(asctime)s %(message)s")
+    engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context)
+    try:
+        server = make_server(
+            engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
+            max_queue=max_queue, cache_bytes=parse_size(prompt_cache_size),
+            cache_entries=prompt_cache_entries, max_body_bytes=parse_size(max_body_bytes),
+            default_max_tokens=max_tokens, default_temperature=temp,
+            cors_origin=cors_origin or None, model_name=model_name)
+    except OSError as e:
+        raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    fim = server.parser.fim
+    click.echo(f"mlxspec serve: model {server.config.model_name} | mode {engine.mode} "
+               f"(k={engine.num_draft}, speculative up to {spec_max_concurrency} concurrent "
+               f"requests, then batched plain decoding) | FIM {fim.style if fim else 'none'}",
+               err=True)
+    if is_loopback(host):
+        click.echo(f"listening on {server.url} (loopback only; --host 0.0.0.0 to expose it)",
+                   err=True)
+    else:
+        click.echo(f"listening on {server.url} -- reachable from other machines, with no "
+                   "authentication", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        click.echo("shutting down", err=True)
+    finally:
+        server.server_close()
+        server.worker.stop()

@@ -1,0 +1,89 @@
+"""Figures the benchmark reports for QuantSpec: how far the hierarchical-cache target (and the
+draft) are from the full-precision target, and the bytes each draft / verify step reads.
+
+Teacher-forced cross-entropy through a hierarchical cache in chunks is exactly what token-by-token
+decoding with that cache computes (a query's mix of precisions depends on its position only, see
+`hierarchical_cache.py`), so it is a fair "quality of the lossless reference" figure.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .hierarchical_cache import HierarchicalKVCache, make_hierarchical_cache, set_view
+from .memory import model_kv_shape
+
+
+def cross_entropy_bits(model, tokens: list[int], cache=None, chunk: int = 512) -> float:
+    """Mean bits per predicted token of tokens[1:] given the prefix, teacher-forced in chunks."""
+    cache = make_prompt_cache(model) if cache is None else cache
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, chunk):
+        x = mx.array(tokens[start : min(start + chunk, len(tokens) - 1)])[None]
+        y = mx.array(tokens[start + 1 : start + 1 + x.shape[1]])
+        logits = model(x, cache=cache)[0].astype(mx.float32)
+        nll = nn.losses.cross_entropy(logits, y, reduction="sum")
+        mx.eval(nll, [c.state for c in cache])
+        total += nll.item()
+        count += y.size
+    return total / max(count, 1) / math.log(2)
+
+
+def quality_report(model, draft_model, tokens: list[int], group_size: int = 64,
+                   buffer_size: int | None = None, num_bytes: int | None = None) -> dict:
+    """Bits per token (and per byte when `num_bytes` of text the tokens encode is given) of:
+    the target with an fp cache, the target with the hierarchical cache (8-bit view, the
+    reference `quantspec` is exact to), and the draft (4-bit weights, 4-bit view)."""
+    out = {"tokens": len(tokens)}
+    out["target_fp_cache"] = cross_entropy_bits(model, tokens)
+    out["target_hierarchical"] = cross_entropy_bits(
+        model, tokens, make_hierarchical_cache(model, group_size, buffer_size))
+    cache = make_hierarchical_cache(model, group_size, buffer_size)
+    set_view(cache, "draft")  # teacher-forced text is all committed: auto-commit stays on
+    out["draft"] = cross_entropy_bits(draft_model, tokens, cache)
+    if num_bytes:
+        per_byte = (len(tokens) - 1) / num_bytes
+        for k in ("target_fp_cache", "target_hierarchical", "draft"):
+            out[k + "_bits_per_byte"] = out[k] * per_byte
+    return out
+
+
+def _weight_bytes(model) -> int:
+    """Weight bytes one forward reads: every parameter, except that an untied embedding table
+    is only gathered from (a row per token, counted as nothing)."""
+    params = dict(tree_flatten(model.parameters()))
+    tied = not any(k.startswith("lm_head.") for k in params)
+    return sum(v.nbytes for k, v in params.items()
+               if tied or "embed_tokens" not in k)
+
+
+def step_bytes(model, draft_model, context_len: int, group_size: int = 64,
+               buffer_size: int | None = None, kv_dtype=None) -> dict:
+    """Bytes read by one draft step, one verify step and one plain step at `context_len`
+    (weights + KV). KV is measured on a filled hierarchical cache layer times the layer count;
+    the plain step's KV is an fp cache in `kv_dtype` (default: the model's dtype)."""
+    n_kv, head_dim, layers = model_kv_shape(model)
+    dtype = kv_dtype or next(v for _, v in tree_flatten(model.parameters())).dtype
+    cache = HierarchicalKVCache(group_size, buffer_size)
+    done = 0
+    while done < context_len:
+        n = min(1024, context_len - done)
+        k = mx.random.normal((1, n_kv, n, head_dim)).astype(dtype)
+        cache.update_and_fetch(k, k)
+        cache.commit()
+        mx.eval(cache.state)
+        done += n
+    parts = cache.nbytes_by_part()
+    kv_target = cache.nbytes * layers
+    kv_draft = (cache.nbytes - parts["lower_plane"]) * layers
+    kv_fp = 2 * context_len * n_kv * head_dim * dtype.size * layers
+    w_target, w_draft = _weight_bytes(model), _weight_bytes(draft_model)
+    return dict(context=context_len,
+                draft_weights=w_draft, draft_kv=kv_draft, draft_step=w_draft + kv_draft,
+                verify_weights=w_target, verify_kv=kv_target, verify_step=w_target + kv_target,
+                plain_weights=w_target, plain_kv=kv_fp, plain_step=w_target + kv_fp)

@@ -1,0 +1,13 @@
+"""`mlxspec serve`: an OpenAI- and llama.cpp-compatible local HTTP server (see docs/serve.md)."""
+
+from __future__ import annotations
+
+__all__ = ["make_server", "MlxspecHTTPServer"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'mlxspec.server' has no attribute {name!r}")

@@ -1,0 +1,615 @@
+"""What clients send and what they get back: request parsing and validation for the OpenAI and
+llama.cpp endpoints, fill-in-the-middle prompt assembly, and the response bodies.
+
+Nothing here touches MLX: handlers run it on their own threads before a request reaches the
+worker, so bad input is answered without ever queueing behind generation.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error answered as JSON with an HTTP status, in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None,
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# ----------------------------------------------------------------------------- FIM tokens
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A model family's fill-in-the-middle special tokens (ids), found in its vocabulary."""
+
+    style: str
+    prefix: int
+    suffix: int
+    middle: int
+    file_sep: int | None = None
+    repo_name: int | None = None
+    suffix_first: bool = False  # SPM order: suffix before prefix
+
+
+_FIM_STYLES = [
+    # (style, prefix, suffix, middle, file separator, repo name, suffix first)
+    ("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>",
+     "<|repo_name|>", False),
+    ("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<reponame>",
+     False),
+    ("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", None, None, False),
+    ("codellama", "<PRE>", "<SUF>", "<MID>", None, None, False),
+    ("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None, False),
+]
+
+
+def detect_fim(vocab: dict[str, int]) -> FimTokens | None:
+    """The FIM tokens of the first style whose prefix/suffix/middle tokens are all present."""
+    for style, pre, suf, mid, sep, repo, spm in _FIM_STYLES:
+        if pre in vocab and suf in vocab and mid in vocab:
+            return FimTokens(style, vocab[pre], vocab[suf], vocab[mid],
+                             vocab.get(sep) if sep else None, vocab.get(repo) if repo else None,
+                             spm)
+    return None
+
+
+SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"  # llama.cpp's chunk separator without file tokens
+
+
+def build_fim_prompt(encode, fim: FimTokens, prefix: str, suffix: str, *,
+                     extra: list[dict] | None = None, middle: str = "", bos: int | None = None,
+                     budget: int | None = None) -> tuple[list[int], bool]:
+    """Token ids of a FIM prompt, llama.cpp's `/infill` layout:
+
+        [extra context] [bos] <PRE> prefix+middle <SUF> suffix <MID>
+
+    where the extra context (llama.vim's `input_extra` chunks) is, with repo-level tokens,
+    `<repo_name>myproject\\n (<file_sep>filename\\n text)* <file_sep>filename\\n`, and otherwise
+    each chunk's text after a `--- snippet ---` separator. `middle` (llama.cpp's `prompt`: the
+    current line up to the cursor) is tokenized together with the prefix, so the cursor adds no
+    artificial token boundary. Over `budget` tokens, extra chunks go first (oldest first), then
+    the prefix loses its start and the suffix its end, 3:1. Returns (ids, truncated).
+    """
+    pre = encode(prefix + middle)
+    suf = encode(suffix)
+    chunks: list[list[int]] = []
+    head: list[int] = []
+    if extra:
+        if fim.repo_name is not None and fim.file_sep is not None:
+            head = [fim.repo_name] + encode("myproject\n")
+        for chunk in extra:
+            if fim.file_sep is not None:
+                ids = [fim.file_sep] + encode(str(chunk.get("filename") or "tmp") + "\n")
+            else:
+                ids = encode(SNIPPET_SEPARATOR)
+            chunks.append(ids + encode(str(chunk.get("text") or "")))
+    tail = [fim.file_sep] + encode("filename\n") if extra and fim.file_sep is not None else []
+    fixed = 3 + (bos is not None)
+    truncated = False
+    if budget is not None:
+        def total() -> int:
+            return fixed + len(pre) + len(suf) + len(head) + len(tail) + sum(map(len, chunks))
+
+        while chunks and total() > budget:
+            chunks.pop(0)
+            truncated = True
+        if not chunks:
+            head, tail = [], []
+        over = total() - budget
+        if over > 0:
+            truncated = True
+            room = max(0, budget - fixed)
+            take_suf = min(len(suf), room // 4)
+            take_pre = min(len(pre), room - take_suf)
+            take_suf = min(len(suf), room - take_pre)
+            pre = pre[len(pre) - take_pre :]
+            suf = suf[:take_suf]
+    ids = head + [t for c in chunks for t in c] + tail
+    if bos is not None:
+        ids.append(bos)
+    p, s = [fim.prefix] + pre, [fim.suffix] + suf
+    ids += (s + p) if fim.suffix_first else (p + s)
+    ids.append(fim.middle)
+    return ids, truncated
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class GenRequest:
+    """One generation, as the worker runs it."""
+
+    endpoint: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    prediction: list[int] | None = None
+    mode: str | None = None
+    num_draft: int | None = None
+    warmup: bool = False  # n_predict 0: prefill and cache the prompt, generate nothing
+    t_max_predict_ms: float | None = None
+    truncated: bool = False
+    response_fields: list[str] | None = None
+    model: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise bad(f"'{name}' must be an integer, got {value}", name)
+        value = int(value)
+    else:
+        value = float(value)
+    if lo is not None and value < lo:
+        raise bad(f"'{name}' must be >= {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise bad(f"'{name}' must be <= {hi}, got {value}", name)
+    return value
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise bad("'stop' must be a string or a list of strings", "stop")
+
+
+def _text_parts(content, where: str) -> str:
+    """OpenAI content: a string or a list of {"type": "text", "text": ...} parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
+                    part.get("text"), str):
+                out.append(part["text"])
+            else:
+                raise bad(f"{where}: only text parts are supported", where)
+        return "".join(out)
+    raise bad(f"{where} must be a string or a list of text parts", where)
+
+
+@dataclass
+class ServerConfig:
+    """What request parsing needs to know about the model and the server's defaults."""
+
+    model_name: str
+    model_aliases: set[str]
+    max_context: int | None
+    default_max_tokens: int = 512
+    default_temperature: float = 0.0
+    modes: tuple[str, ...] = ()
+    max_num_draft: int = 64
+
+
+class RequestParser:
+    """Turns request bodies into `GenRequest`s, tokenizing with the engine's tokenizer."""
+
+    def __init__(self, tokenizer, config: ServerConfig, tokenize_lock=None):
+        import threading
+
+        self.tokenizer = tokenizer
+        self.config = config
+        self.lock = tokenize_lock or threading.Lock()
+        self.fim = detect_fim(tokenizer.get_vocab())
+        self.bos = self._bos_id()
+
+    def _bos_id(self) -> int | None:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            return None
+        with self.lock:
+            ids = self.tokenizer.encode("a", add_special_tokens=True)
+        return bos if ids and ids[0] == bos else None
+
+    # -- tokenizing
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt as the engine encodes one (BOS added unless the text starts with it)."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        with self.lock:
+            return list(self.tokenizer.encode(
+                text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+    # -- shared fields
+    def _common(self, body: dict, endpoint: str, prompt: list[int], *, max_tokens_keys,
+                allow_warmup: bool) -> GenRequest:
+        cfg = self.config
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise bad("'model' must be a string", "model")
+        if model and model not in cfg.model_aliases:
+            raise ApiError(404, f"model '{model}' is not served here; this server serves "
+                                f"'{cfg.model_name}' (see GET /v1/models)",
+                           param="model", code="model_not_found")
+        max_tokens = None
+        for key in max_tokens_keys:
+            if body.get(key) is not None:
+                max_tokens = _number(body, key, None, int)
+                if key == "n_predict" and max_tokens < 0:  # llama.cpp: -1 = unlimited
+                    max_tokens = None
+                elif max_tokens < (0 if allow_warmup and key == "n_predict" else 1):
+                    raise bad(f"'{key}' must be >= 1, got {max_tokens}", key)
+                break
+        warmup = max_tokens == 0
+        ctx = cfg.max_context
+        if ctx and max_tokens is not None and max_tokens > ctx:
+            raise bad(f"'max_tokens' is {max_tokens} but the model's context is {ctx} tokens",
+                      "max_tokens")
+        if not prompt:
+            raise bad("the prompt is empty", "prompt")
+        if ctx and len(prompt) >= ctx:
+            raise bad(f"the prompt has {len(prompt)} tokens but the model's context is {ctx} "
+                      "tokens", "prompt")
+        if max_tokens is None:
+            max_tokens = cfg.default_max_tokens
+            if ctx:
+                max_tokens = min(max_tokens, ctx - len(prompt))
+        seed = body.get("seed")
+        if seed is not None:
+            seed = _number(body, "seed", None, int)
+            if seed < 0:  # llama.cpp: -1 = random
+                seed = None
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad("'stream' must be a boolean", "stream")
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise bad("only n = 1 is supported", "n")
+        spec = body.get("speculative") or {}
+        if not isinstance(spec, dict):
+            raise bad("'speculative' must be an object like {\"mode\": \"ngram\", \"num_draft\": 4}",
+                      "speculative")
+        mode = spec.get("mode")
+        if mode is not None and mode not in cfg.modes:
+            raise bad(f"unknown speculative mode {mode!r}; choose one of: {', '.join(cfg.modes)}",
+                      "speculative.mode")
+        num_draft = None
+        if spec.get("num_draft") is not None:
+            num_draft = _number(spec, "num_draft", None, int, 1, cfg.max_num_draft)
+        t_max = body.get("t_max_predict_ms")
+        t_max = _number(body, "t_max_predict_ms", None, float) if t_max is not None else None
+        fields = body.get("response_fields")
+        if fields is not None and not (isinstance(fields, list) and all(
+                isinstance(f, str) for f in fields)):
+            raise bad("'response_fields' must be a list of strings", "response_fields")
+        return GenRequest(
+            endpoint=endpoint, prompt=prompt, max_tokens=max_tokens,
+            temperature=_number(body, "temperature", cfg.default_temperature, float, 0.0, 100.0),
+            top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
+            top_k=max(0, _number(body, "top_k", 0, int)),
+            min_p=_number(body, "min_p", 0.0, float, 0.0, 0.999999),
+            seed=seed, stop=_stops(body), stream=stream,
+            include_usage=bool(so.get("include_usage", False)), mode=mode,
+            num_draft=num_draft, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
+            response_fields=fields, model=cfg.model_name)
+
+    # -- endpoints
+    def completion(self, body: dict) -> GenRequest:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise bad("'prompt' is required", "prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise bad("'suffix' must be a string", "suffix")
+        if isinstance(prompt, str):
+            if suffix:
+                ids, truncated = self._fim(prompt, suffix, body)
+            elif suffix is not None and self.fim is not None:
+                ids, truncated = self._fim(prompt, "", body)
+            else:
+                ids, truncated = self.encode_prompt(prompt), False
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+            if suffix:
+                raise bad("'suffix' needs a text prompt, not token ids", "suffix")
+            vocab = self._vocab_size()
+            if any(t < 0 or (vocab and t >= vocab) for t in prompt):
+                raise bad("the prompt has token ids outside the vocabulary", "prompt")
+            ids, truncated = list(prompt), False
+        else:
+            raise bad("'prompt' must be a string, a list of token ids, or a list of one of "
+                      "those", "prompt")
+        req = self._common(body, "completions", ids,
+                           max_tokens_keys=("max_tokens", "n_predict"), allow_warmup=True)
+        req.truncated = truncated
+        return req
+
+    def chat(self, body: dict) -> GenRequest:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' must be a non-empty list", "messages")
+        conv = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
+            role = "system" if m["role"] == "developer" else m["role"]
+            if role not in ("system", "user", "assistant", "tool"):
+                raise bad(f"messages[{i}]: unknown role {m['role']!r}", f"messages[{i}].role")
+            msg = {"role": role, "content": _text_parts(m.get("content"), f"messages[{i}].content")}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if key in m:
+                    msg[key] = m[key]
+            conv.append(msg)
+        kwargs = {}
+        if isinstance(body.get("tools"), list):
+            kwargs["tools"] = body["tools"]
+        try:
+            with self.lock:
+                text = self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=conv[-1]["role"] != "assistant",
+                    continue_final_message=conv[-1]["role"] == "assistant", tokenize=False,
+                    **kwargs)
+        except Exception as e:  # a template that rejects the conversation
+            raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
+        ids = self.encode(text)
+        req = self._common(body, "chat", ids,
+                           max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
+                           allow_warmup=True)
+        pred = body.get("prediction")
+        if pred is not None:
+            if not isinstance(pred, dict) or pred.get("type", "content") != "content":
+                raise bad("'prediction' must be {\"type\": \"content\", \"content\": ...}",
+                          "prediction")
+            text = _text_parts(pred.get("content"), "prediction.content")
+            req.prediction = self.encode(text) if text else None
+        return req
+
+    def infill(self, body: dict) -> GenRequest:
+        for key in ("input_prefix", "input_suffix", "prompt"):
+            if body.get(key) is not None and not isinstance(body[key], str):
+                raise bad(f"'{key}' must be a string", key)
+        extra = body.get("input_extra") or []
+        if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
+            raise bad("'input_extra' must be a list of {\"filename\", \"text\"} objects",
+                      "input_extra")
+        for i, c in enumerate(extra):
+            if not isinstance(c.get("text", ""), str) or not isinstance(c.get("filename", ""), str):
+                raise bad(f"input_extra[{i}]: 'filename' and 'text' must be strings",
+                          f"input_extra[{i}]")
+        if self.fim is None:
+            raise bad("this model has no fill-in-the-middle tokens, so /infill cannot be served",
+                      "input_prefix")
+        n_predict = body.get("n_predict", body.get("max_tokens"))
+        n = n_predict if isinstance(n_predict, int) and n_predict > 0 else self.config.default_max_tokens
+        ids, truncated = build_fim_prompt(
+            self.encode, self.fim, body.get("input_prefix") or "", body.get("input_suffix") or "",
+            extra=extra, middle=body.get("prompt") or "", bos=self.bos,
+            budget=self._budget(n))
+        req = self._common(body, "infill", ids, max_tokens_keys=("n_predict", "max_tokens"),
+                           allow_warmup=True)
+        req.truncated = truncated
+        return req
+
+    def llama_completion(self, body: dict) -> GenRequest:
+        """llama.cpp's native `/completion`: `prompt` (text or ids), `n_predict`, `stream`."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = self.encode_prompt(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise bad("'prompt' must be a string or a list of token ids", "prompt")
+        return self._common(body, "completion", ids, max_tokens_keys=("n_predict", "max_tokens"),
+                            allow_warmup=True)
+
+    def _fim(self, prefix: str, suffix: str, body: dict) -> tuple[list[int], bool]:
+        if self.fim is None:
+            raise bad("'suffix' needs fill-in-the-middle, and this model's tokenizer has no FIM "
+                      "tokens (<|fim_prefix|>, <fim_prefix> or <PRE>)", "suffix")
+        n = body.get("max_tokens")
+        n = n if isinstance(n, int) and n > 0 else self.config.default_max_tokens
+        return build_fim_prompt(self.encode, self.fim, prefix, suffix, bos=self.bos,
+                                budget=self._budget(n))
+
+    def _budget(self, max_tokens: int) -> int | None:
+        ctx = self.config.max_context
+        if not ctx:
+            return None
+        return max(16, ctx - min(max_tokens, ctx // 2) - 1)
+
+    def _vocab_size(self) -> int | None:
+        try:
+            return len(self.tokenizer.get_vocab())
+        except Exception:
+            return None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+@dataclass
+class Usage:
+    """Per-request counts, filled in by the worker when a generation ends."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    mode: str = "none"
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    batched: bool = False
+
+    def openai(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "accepted_prediction_tokens": self.prediction_accepted,
+                "rejected_prediction_tokens": self.prediction_rejected,
+            },
+            "speculative": self.speculative(),
+        }
+
+    def speculative(self) -> dict:
+        return {
+            "mode": self.mode,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "target_forwards": self.target_forwards,
+            "batched": self.batched,
+        }
+
+    def timings(self) -> dict:
+        """llama.cpp's `timings` object."""
+        prompt_n = self.prompt_tokens - self.cached_tokens
+        pms, gms = 1000 * self.prefill_seconds, 1000 * self.decode_seconds
+        n = self.completion_tokens
+        return {
+            "cache_n": self.cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": pms,
+            "prompt_per_token_ms": pms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": 1000 * prompt_n / pms if pms > 0 else 0.0,
+            "predicted_n": n,
+            "predicted_ms": gms,
+            "predicted_per_token_ms": gms / n if n else 0.0,
+            "predicted_per_second": 1000 * n / gms if gms > 0 else 0.0,
+            "draft_n": self.drafted,
+            "draft_n_accepted": self.accepted,
+        }
+
+
+def completion_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None) -> dict:
+    body = {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created,
+            "model": req.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage.openai()
+    return body
+
+
+def chat_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None) -> dict:
+    body = {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created,
+            "model": req.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage.openai()
+    return body
+
+
+def chat_chunk(req: GenRequest, delta: dict | None, finish: str | None,
+               usage: Usage | None = None) -> dict:
+    body = {"id": f"chatcmpl-{req.id}", "object": "chat.completion.chunk",
+            "created": req.created, "model": req.model,
+            "choices": [] if delta is None else [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage.openai()
+    return body
+
+
+def completion_chunk(req: GenRequest, text: str | None, finish: str | None,
+                     usage: Usage | None = None) -> dict:
+    body = {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created,
+            "model": req.model,
+            "choices": [] if text is None else [
+                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage.openai()
+    return body
+
+
+def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None,
+               stopping_word: str = "") -> dict:
+    """llama.cpp's `/completion` and `/infill` response (final when `usage` is given)."""
+    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "id_slot": 0,
+                            "stop": usage is not None, "model": req.model}
+    if usage is not None:
+        stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit"}.get(
+            finish or "", "none")
+        body.update({
+            "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens,
+            "tokens_cached": usage.cached_tokens,
+            "truncated": req.truncated,
+            "has_new_line": "\n" in text,
+            "stop_type": stop_type,
+            "stopping_word": stopping_word,
+            "generation_settings": {
+                "n_predict": 0 if req.warmup else req.max_tokens,
+                "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
+                "min_p": req.min_p, "seed": req.seed, "stop": req.stop,
+                "speculative.mode": usage.mode},
+            "timings": usage.timings(),
+        })
+    if req.response_fields is not None and usage is not None:
+        body = pick_fields(body, req.response_fields)
+    return body
+
+
+def pick_fields(body: dict, fields: list[str]) -> dict:
+    """llama.cpp's `response_fields`: keep these (nested `a/b` paths become flat keys)."""
+    out = {}
+    for f in fields:
+        node: Any = body
+        for part in f.split("/"):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                node = None
+                break
+        if node is not None and f:
+            out[f] = node
+    return out

@@ -1,0 +1,443 @@
+"""The one thread that owns the model and runs every MLX computation of the server.
+
+Handlers submit a `Job` and read its events from the job's own queue. The worker loop:
+
+1. admits new jobs. While at most `spec_max_concurrency` requests are active, a job runs on an
+   engine *slot* (an `Engine` sharing the model, with its own proposers) through
+   `Engine.stream_steps`: speculative, exact, with the prompt cache. Above that, new jobs join
+   a batch of plain decoding run by mlx-lm's `BatchGenerator` (continuous batching: one
+   forward per step for all of them), since speculation loses at high concurrency.
+2. advances every engine job by one step (one target forward each, round robin);
+3. advances the batch by one step.
+
+A cancelled job (its client went away) is closed before its next step: the generator's
+`close()` leaves its cache consistent, and the cache goes back to the prompt-cache store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..engine import Engine, PromptCache
+from ..errors import MlxspecError
+from ..proposers.draft import common_prefix_len
+from ..stats import Stats
+from .protocol import ApiError, GenRequest, Usage
+
+log = logging.getLogger("mlxspec.server")
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    usage: Usage
+    stopping_word: str = ""
+
+
+@dataclass
+class Failed:
+    error: ApiError
+
+
+@dataclass
+class Job:
+    req: GenRequest
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    # worker-side state
+    gen: object = None
+    slot: Engine | None = None
+    cache: PromptCache | None = None
+    uid: int | None = None
+    stats: Stats | None = None
+    text: TextStream | None = None
+    text_so_far: str = ""
+    started: float = 0.0
+    first_token: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+# ----------------------------------------------------------------------------- prompt cache
+
+
+class PromptCacheStore:
+    """A few `PromptCache`s (one per recent conversation or file), least recently used first
+    out, bounded by total bytes and count. A request takes the entry sharing the longest
+    prefix with its prompt (the engine trims it to that prefix) and gives it back when done."""
+
+    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 8):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.entries: list[PromptCache] = []  # least recently used first
+
+    def nbytes(self) -> int:
+        return sum(pc.nbytes() for pc in self.entries)
+
+    def take(self, tokens: list[int]) -> PromptCache:
+        best, best_len = None, 0
+        for pc in self.entries:
+            n = common_prefix_len(pc.tokens, tokens)
+            if n > best_len:
+                best, best_len = pc, n
+        if best is None:
+            return PromptCache()
+        if best_len * 2 >= len(best.tokens):
+            # Mostly shared (the next keystroke, the next chat turn): take it over.
+            self.entries.remove(best)
+            return best
+        # A short shared prefix (a common system prompt): copy that prefix, keep the entry.
+        return copy_prefix(best, best_len) or PromptCache()
+
+    def put(self, pc: PromptCache | None) -> None:
+        if pc is None or pc.cache is None or not pc.tokens:
+            return
+        self.entries = [e for e in self.entries if e is not pc]
+        self.entries.append(pc)
+        while self.entries and (len(self.entries) > self.max_entries
+                                or self.nbytes() > self.max_bytes):
+            self.entries.pop(0)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
+    """A new PromptCache holding the first n tokens of `pc` (plain KV caches only)."""
+    from mlx_lm.models.cache import KVCache
+
+    if n <= 0 or not pc.cache or any(type(c) is not KVCache or c.keys is None for c in pc.cache):
+        return None
+    caches = []
+    for c in pc.cache:
+        new = KVCache()
+        new.state = (mx.array(c.keys[..., :n, :]), mx.array(c.values[..., :n, :]))
+        caches.append(new)
+    mx.eval([c.state for c in caches])
+    return PromptCache(caches, pc.tokens[:n], pc.kind)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+class TextStream:
+    """Detokenization and stop strings for the batched path (what `Engine._detokenize` does
+    for the engine path): text that might start a stop string is held back."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.held = ""
+        self.stopping_word = ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.detok.add_token(token)
+        return self._emit(self.detok.last_segment, final=False)
+
+    def finish(self) -> str:
+        self.detok.finalize()
+        text, _ = self._emit(self.detok.last_segment, final=True)
+        return text
+
+    def _emit(self, segment: str, final: bool) -> tuple[str, bool]:
+        text = self.held + segment
+        for s in self.stops:
+            cut = text.find(s)
+            if cut >= 0:
+                self.held, self.stopping_word = "", s
+                return text[:cut], True
+        if self.hold and not final:
+            cut = max(0, len(text) - self.hold)
+            self.held, text = text[cut:], text[:cut]
+        else:
+            self.held = ""
+        return text, False
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+class Worker(threading.Thread):
+    def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
+                 max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
+                 metrics=None):
+        super().__init__(name="mlxspec-worker", daemon=True)
+        self.engine = engine
+        self.spec_max_concurrency = spec_max_concurrency
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.inbox: queue.Queue[Job | None] = queue.Queue()
+        self.cache = PromptCacheStore(cache_bytes, cache_entries)
+        self.spec_jobs: list[Job] = []
+        self.batch_jobs: dict[int, Job] = {}
+        self.idle_slots: list[Engine] = [engine]
+        self.batch = None
+        self._stopping = False
+        self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
+        self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+
+    # -- handler side
+    def submit(self, req: GenRequest) -> Job:
+        if self.inbox.qsize() + self.active() >= self.max_queue:
+            raise ApiError(503, f"the server is busy ({self.max_queue} requests queued or "
+                                "running); retry shortly", type="server_busy")
+        job = Job(req)
+        self.inbox.put(job)
+        return job
+
+    def active(self) -> int:
+        return len(self.spec_jobs) + len(self.batch_jobs)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.inbox.put(None)
+
+    # -- the loop
+    def run(self) -> None:
+        # Everything MLX happens on this thread, on this thread's default stream.
+        stream = mx.default_stream(mx.default_device())
+        while not self._stopping:
+            try:
+                self._admit(block=not self.spec_jobs and not self.batch_jobs)
+                for job in list(self.spec_jobs):
+                    self._step_engine(job)
+                if self.batch_jobs:
+                    self._step_batch(stream)
+            except Exception:  # never let the worker die: fail what is in flight
+                log.error("worker error:\n%s", traceback.format_exc())
+                for job in list(self.spec_jobs):
+                    self._fail(job, ApiError(500, "internal error during generation"))
+                self._reset_batch()
+        for job in list(self.spec_jobs):
+            self._close_engine_job(job)
+
+    def _admit(self, block: bool) -> None:
+        while True:
+            try:
+                job = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                return
+            block = False
+            if job.cancelled.is_set():
+                self._count_cancel(job)
+                continue
+            self.last_prompt = job.req.prompt
+            job.started = time.perf_counter()
+            if self.metrics:
+                self.metrics.queue_seconds(job.started - job.submitted)
+            if job.req.warmup or self.active() < self.spec_max_concurrency:
+                self._start_engine(job)
+            else:
+                self._start_batch(job)
+
+    # -- engine jobs (speculative, exact, prompt-cached)
+    def _slot(self) -> Engine:
+        if self.idle_slots:
+            return self.idle_slots.pop()
+        e = self.engine
+        return Engine(e.model, e.tokenizer, mode=e.mode, draft_model=e.draft_model,
+                      num_draft=e.num_draft, config=e.config, name=e.name,
+                      max_context=e.max_context, **e.mode_options)
+
+    def _start_engine(self, job: Job) -> None:
+        r = job.req
+        job.slot = self._slot()
+        job.cache = self.cache.take(r.prompt)
+        job.gen = job.slot.stream_steps(
+            r.prompt, max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
+            prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
+            mode=r.mode)
+        self.spec_jobs.append(job)
+
+    def _step_engine(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._count_cancel(job)
+            self._close_engine_job(job)
+            return
+        try:
+            out = next(job.gen)
+        except StopIteration:
+            self._finish_engine(job, "length", None)
+            return
+        except MlxspecError as e:
+            self._fail(job, ApiError(400, str(e)))
+            return
+        except Exception as e:
+            log.error("generation failed:\n%s", traceback.format_exc())
+            self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+            return
+        job.stats = out.stats
+        if job.req.warmup:  # prefilled and cached; the token is not wanted
+            self._finish_engine(job, "length", out.stats, drop_output=True)
+            return
+        if not job.first_token:
+            job.first_token = time.perf_counter()
+        if out.text or out.tokens:
+            job.text_so_far += out.text
+            job.events.put(Delta(out.text, len(out.tokens)))
+        if out.finish_reason:
+            self._finish_engine(job, out.finish_reason, out.stats)
+        elif self._over_time(job):
+            self._finish_engine(job, "length", out.stats)
+
+    def _over_time(self, job: Job) -> bool:
+        """llama.cpp's t_max_predict_ms: stop once over time and a newline was generated."""
+        t = job.req.t_max_predict_ms
+        return bool(t) and job.first_token > 0 and "\n" in job.text_so_far and (
+            time.perf_counter() - job.first_token) * 1000 > t
+
+    def _close_engine_job(self, job: Job) -> None:
+        try:
+            job.gen.close()  # the engine's finally: the cache holds exactly its tokens
+        except Exception:
+            log.error("closing a generation failed:\n%s", traceback.format_exc())
+            job.cache = None
+        if job in self.spec_jobs:
+            self.spec_jobs.remove(job)
+        self.cache.put(job.cache)
+        if job.slot is not None:
+            self.idle_slots.append(job.slot)
+            job.slot = None
+
+    def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
+                       drop_output: bool = False) -> None:
+        self._close_engine_job(job)
+        stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
+        usage = usage_from_stats(stats)
+        if drop_output:
+            usage.completion_tokens = 0
+        self._done(job, Done(finish, usage))
+
+    def _fail(self, job: Job, error: ApiError) -> None:
+        if job in self.spec_jobs:
+            self._close_engine_job(job)
+        job.events.put(Failed(error))
+        if self.metrics:
+            self.metrics.failed()
+
+    def _done(self, job: Job, done: Done) -> None:
+        job.events.put(done)
+        if self.metrics:
+            self.metrics.generation(done.usage)
+
+    def _count_cancel(self, job: Job) -> None:
+        if self.metrics:
+            self.metrics.cancelled()
+
+    # -- batched plain decoding (above spec_max_concurrency)
+    def _start_batch(self, job: Job) -> None:
+        from mlx_lm.generate import BatchGenerator, StopSequences
+        from mlx_lm.sample_utils import make_sampler
+
+        r = job.req
+        if self.batch is None:
+            self.batch = BatchGenerator(
+                self.engine.model, completion_batch_size=self.max_batch,
+                prefill_batch_size=min(8, self.max_batch),
+                prefill_step_size=self.engine.prefill_step_size,
+                stream=mx.default_stream(mx.default_device()))
+        max_tokens = r.max_tokens
+        if self.engine.max_context:
+            max_tokens = max(1, min(max_tokens, self.engine.max_context - len(r.prompt)))
+        cache = self.cache.take(r.prompt)
+        keep = common_prefix_len(cache.tokens, r.prompt[:-1]) if cache.cache else 0
+        copied = copy_prefix(cache, keep) if keep else None
+        self.cache.put(cache)  # the batch works on a copy; the entry stays for later requests
+        if copied is None:
+            keep = 0
+        sampler = make_sampler(r.temperature, r.top_p if r.top_p < 1.0 else 0.0, r.min_p,
+                               top_k=r.top_k)
+        (uid,) = self.batch.insert(
+            [r.prompt[keep:]], max_tokens=[max_tokens],
+            caches=[copied.cache] if copied is not None else None,
+            all_tokens=[r.prompt[:keep]], samplers=[sampler],
+            stop_sequences=[StopSequences([[t] for t in self.eos] or None)])
+        job.uid = uid
+        job.stats = Stats(mode="none", prompt_tokens=len(r.prompt), cached_tokens=keep)
+        job.text = TextStream(self.engine.tokenizer, r.stop)
+        self.batch_jobs[uid] = job
+
+    def _step_batch(self, stream) -> None:
+        gone = [uid for uid, job in self.batch_jobs.items() if job.cancelled.is_set()]
+        if gone:
+            self.batch.remove(gone)
+            for uid in gone:
+                self._count_cancel(self.batch_jobs.pop(uid))
+        if not self.batch_jobs:
+            return
+        with mx.stream(stream):
+            _, responses = self.batch.next()
+        now = time.perf_counter()
+        for r in responses:
+            job = self.batch_jobs.get(r.uid)
+            if job is None:
+                continue
+            s = job.stats
+            if not job.first_token:
+                job.first_token = now
+                s.prefill_seconds = now - job.started
+            s.decode_seconds = now - job.first_token
+            s.target_forwards += 1
+            if r.finish_reason == "stop":  # an end-of-sequence token: not part of the answer
+                text, finish, hit = job.text.finish(), "stop", False
+            else:
+                s.generated_tokens += 1
+                text, hit = job.text.add(r.token)
+                finish = "stop" if hit else r.finish_reason
+                if finish == "length":
+                    text += job.text.finish()
+            if not finish and self._over_time(job):
+                finish = "length"
+                text += job.text.finish()
+            if text:
+                job.text_so_far += text
+                job.events.put(Delta(text, 1))
+            if finish:
+                if r.finish_reason is None:
+                    self.batch.remove([r.uid])
+                del self.batch_jobs[r.uid]
+                usage = usage_from_stats(s)
+                usage.batched = True
+                self._done(job, Done(finish, usage, stopping_word=job.text.stopping_word))
+
+    def _reset_batch(self) -> None:
+        for job in self.batch_jobs.values():
+            job.events.put(Failed(ApiError(500, "internal error during batched generation")))
+        self.batch_jobs.clear()
+        if self.batch is not None:
+            self.batch.close()
+        self.batch = None
+
+
+def usage_from_stats(s: Stats) -> Usage:
+    pred_drafted = s.drafted_by_source.get("prediction", 0)
+    pred_accepted = s.accepted_by_source.get("prediction", 0)
+    return Usage(
+        prompt_tokens=s.prompt_tokens, completion_tokens=s.generated_tokens,
+        cached_tokens=s.cached_tokens, mode=s.mode, drafted=s.drafted, accepted=s.accepted,
+        target_forwards=s.target_forwards, prediction_accepted=pred_accepted,
+        prediction_rejected=pred_drafted - pred_accepted, prefill_seconds=s.prefill_seconds,
+        decode_seconds=s.decode_seconds)

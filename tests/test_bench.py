@@ -1,0 +1,58 @@
+"""`mlxspec bench --quick` produces every figure from paired runs, and the audit runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlxspec.bench.run import summarize
+from mlxspec.bench.runners import Run
+from mlxspec.bench.workloads import WORKLOADS, build_workload
+from mlxspec.cli.main import main
+from mlxspec.recipe.heldout import heldout_files, training_files
+
+
+def test_workloads_come_from_heldout_modules():
+    held = {p.name for p in heldout_files()}
+    assert held and not held & {p.name for p in training_files()} - {"__init__.py", "__main__.py"}
+    for w in WORKLOADS + ("mixed",):
+        items = build_workload(w, 7, 16)
+        assert len(items) == 7 and all(it.prompt for it in items)
+    assert all(it.prediction for it in build_workload("edit", 3))
+    assert all(it.temperature == 1.0 for it in build_workload("free", 3))
+
+
+def test_speedup_is_median_of_paired_ratios():
+    runs = {"none": [Run([1] * 10, 1.0, 10), Run([1] * 10, 2.0, 10), Run([1] * 10, 1.0, 10)],
+            "ngram": [Run([1] * 10, 0.5, 4, 8, 6), Run([1] * 10, 0.5, 4, 8, 6),
+                      Run([1] * 10, 2.0, 10, 4, 0)]}
+    s = summarize(runs, weights=1000)
+    assert s["ngram"]["speedup_ratios"] == [2.0, 4.0, 0.5]
+    assert s["ngram"]["speedup_median"] == 2.0
+    assert s["ngram"]["acceptance_rate"] == 12 / 20
+    assert s["ngram"]["mean_accepted_length"] == 30 / 18
+    assert s["ngram"]["drafted_wasted"] == 8
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [
+        "bench", "-m", str(model_dirs["llama"]), "--draft-model", str(model_dirs["llama-draft"]),
+        "--quick", "--prompts", "2", "--max-tokens", "12", "--workloads", "edit,free",
+        "--audit", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["machine_info"]["backend"] == "cpu" and "blas" in report["machine_info"]
+    assert set(report["results"]) == {"edit@0", "free@1"}
+    for r in report["results"].values():
+        assert set(r["modes"]) == {"none", "ngram", "draft", "mlx_lm", "mlx_lm_spec"}
+        for label, f in r["modes"].items():
+            assert f["prompts"] == 2 and f["tokens_per_s"] > 0
+            assert len(f["speedup_ratios"]) == 2 and f["speedup_median"] is not None
+    assert report["audit"]["prompts"] == 3
+    for m in ("ngram", "draft"):
+        assert report["audit"]["modes"][m]["bugs"] == 0
+    assert "| edit | 0 | ngram |" in (out / "bench.md").read_text()

@@ -1,0 +1,241 @@
+"""The hierarchical INT4/INT8 KV cache: error bounds, attention through each view against the
+explicitly dequantized cache, rollback, and independence of how tokens are batched."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from conftest import build_model
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec.quant.hierarchical_cache import (
+    HierarchicalKVCache,
+    hierarchical_attention,
+    make_hierarchical_cache,
+    quantize_keys,
+    quantize_values,
+)
+from mlxspec.quant.kvquant import dequantize_two_plane, pack4, quantize_two_plane, unpack4
+
+SLACK = 1e-5  # float32 rounding, relative to s
+
+
+def _bounds(x, g):
+    q = quantize_two_plane(x, g)
+    s = mx.repeat(q.scales, g, axis=-1)
+    tiny = SLACK * (mx.abs(x).max() + 1)
+    e_up = mx.abs(dequantize_two_plane(q, g, planes=1) - x)
+    e_two = mx.abs(dequantize_two_plane(q, g, planes=2) - x)
+    assert mx.all(e_up <= s / 2 + tiny).item(), (e_up / s).max().item()
+    assert mx.all(e_two <= s / 16 + tiny).item(), (e_two / s).max().item()
+    return (e_up / mx.maximum(s, 1e-30)).max().item(), (e_two / mx.maximum(s, 1e-30)).max().item()
+
+
+def test_packing_order_matches_mlx():
+    codes = mx.random.randint(0, 16, (3, 64)).astype(mx.uint32)
+    packed = pack4(codes)
+    assert mx.array_equal(unpack4(packed), codes).item()
+    ones = mx.ones((3, 2))
+    # MLX's own dequantize reads element i at bits 4i: scale 1, bias 0 gives the codes back
+    assert mx.array_equal(mx.dequantize(packed, ones, 0 * ones, group_size=32, bits=4),
+                          codes.astype(mx.float32)).item()
+    # and mx.quantize packs in the same order
+    w = mx.random.normal((2, 64))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    assert mx.allclose(mx.dequantize(wq, s, b, group_size=32, bits=4),
+                       mx.repeat(s, 32, -1) * unpack4(wq).astype(mx.float32)
+                       + mx.repeat(b, 32, -1), atol=1e-6).item()
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_error_bounds_random(g):
+    mx.random.seed(g)
+    for x in (mx.random.normal((4, 8, 256)) * 3, mx.random.uniform(-1, 1, (2, 512)),
+              mx.random.normal((3, 256)) ** 3, mx.zeros((1, 128)) + 0.7):  # constant groups too
+        up, two = _bounds(x, g)
+        assert up <= 0.5 + 1e-4 and two <= 1 / 16 + 1e-4
+
+
+def test_error_bounds_real_activations():
+    model, _ = build_model("llama", seed=3, hidden=128, heads=4, kv_heads=2, vocab=128)
+    cache = make_prompt_cache(model)
+    model(mx.random.randint(0, 128, (1, 128)), cache=cache)
+    for c in cache:
+        k, v = c.keys[..., :128, :], c.values[..., :128, :]
+        for g in (32, 64):
+            _bounds(k.swapaxes(-1, -2), g)  # keys per channel along tokens
+            _bounds(v, 32)  # values per token along head_dim
+        # the cache's own quantizers agree with the generic one
+        kq = quantize_keys(k, 32)
+        assert mx.allclose(dequantize_two_plane(kq, 32).swapaxes(-1, -2), k,
+                           atol=float(kq.scales.max()) / 16 + 1e-5).item()
+        vq = quantize_values(v, 32)
+        assert vq.scales.shape == (*v.shape[:-1], v.shape[-1] // 32)
+
+
+def test_two_plane_attention_scores_tighter_than_upper():
+    mx.random.seed(1)
+    k = mx.random.normal((1, 2, 256, 64))
+    q = mx.random.normal((1, 2, 4, 64))
+    kq = quantize_keys(k, 64)
+    exact = q @ k.swapaxes(-1, -2)
+    up = q @ dequantize_two_plane(kq, 64, 1)
+    two = q @ dequantize_two_plane(kq, 64, 2)
+    e_up, e_two = mx.abs(up - exact).max().item(), mx.abs(two - exact).max().item()
+    assert e_two < e_up / 4
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _reference(queries, k_all, v_all, start, view, g, gv, scale):
+    """Attention computed from the explicitly dequantized cache, row by row: a query at position
+    p reads keys/values [0, Q(p)) through the view's planes and [Q(p), p] in full precision."""
+    planes = 1 if view == "draft" else 2
+    helper = HierarchicalKVCache(g)
+    B, H, L, D = queries.shape
+    n_kv = k_all.shape[1]
+    outs = []
+    for r in range(L):
+        p = start + r
+        qn = helper.quantized_before(p)
+        ks, vs = [k_all[..., qn : p + 1, :]], [v_all[..., qn : p + 1, :]]
+        if qn:
+            ks.insert(0, dequantize_two_plane(quantize_keys(k_all[..., :qn, :], g), g,
+                                              planes).swapaxes(-1, -2))
+            vs.insert(0, dequantize_two_plane(quantize_values(v_all[..., :qn, :], gv), gv,
+                                              planes)[..., :D])
+        k, v = mx.concatenate(ks, axis=-2), mx.concatenate(vs, axis=-2)
+        k = mx.repeat(k, H // n_kv, axis=1)
+        v = mx.repeat(v, H // n_kv, axis=1)
+        w = mx.softmax((queries[:, :, r : r + 1] * scale) @ k.swapaxes(-1, -2), axis=-1)
+        outs.append(w @ v)
+    return mx.concatenate(outs, axis=2)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 16])
+def test_attention_matches_dequantized_cache(head_dim):
+    g = 32
+    mx.random.seed(head_dim)
+    n_heads, n_kv = 4, 2  # GQA
+    scale = head_dim**-0.5
+    caches = {v: HierarchicalKVCache(g) for v in ("target", "draft")}
+    for v, c in caches.items():
+        c.view = v
+    k_all = mx.zeros((1, n_kv, 0, head_dim))
+    v_all = mx.zeros((1, n_kv, 0, head_dim))
+    # a many-token prefill (rows need groups quantized on the fly), one-token decodes, verifies
+    steps = [150, 1, 1, 5, 7, 1, 33, 3]
+    for i, n in enumerate(steps):
+        k = mx.random.normal((1, n_kv, n, head_dim)) * 2
+        val = mx.random.normal((1, n_kv, n, head_dim))
+        q = mx.random.normal((1, n_heads, n, head_dim))
+        start = k_all.shape[2]
+        k_all = mx.concatenate([k_all, k], axis=2)
+        v_all = mx.concatenate([v_all, val], axis=2)
+        for view, c in caches.items():
+            if i % 2:
+                c.commit()  # flushing or not must not change any result
+            kv, _ = c.update_and_fetch(k, val)
+            got = hierarchical_attention(q, kv, scale, "causal" if n > 1 else None)
+            want = _reference(q, k_all, v_all, start, view, g, c.value_group_size, scale)
+            assert got.shape == want.shape
+            err = mx.abs(got - want).max().item()
+            assert err < 2e-4, (view, i, err)
+    # the two views differ (the lower plane matters) and the target is closer to exact
+    c = caches["target"]
+    c.commit()
+    assert c.q_len > 0
+
+
+def test_views_differ_and_target_is_closer():
+    mx.random.seed(7)
+    c_t, c_d = HierarchicalKVCache(32), HierarchicalKVCache(32)
+    c_d.view = "draft"
+    k = mx.random.normal((1, 2, 200, 32)) * 3
+    v = mx.random.normal((1, 2, 200, 32))
+    q = mx.random.normal((1, 4, 1, 32))
+    for c in (c_t, c_d):
+        c.update_and_fetch(k, v)
+        c.commit()
+    kvt, _ = c_t.update_and_fetch(k[..., :1, :], v[..., :1, :])
+    kvd, _ = c_d.update_and_fetch(k[..., :1, :], v[..., :1, :])
+    exact = mx.fast.scaled_dot_product_attention(
+        q, mx.concatenate([k, k[..., :1, :]], 2), mx.concatenate([v, v[..., :1, :]], 2),
+        scale=32**-0.5)
+    e_t = mx.abs(hierarchical_attention(q, kvt, 32**-0.5) - exact).max().item()
+    e_d = mx.abs(hierarchical_attention(q, kvd, 32**-0.5) - exact).max().item()
+    assert e_t < e_d / 3
+
+
+# ----------------------------------------------------------------------------- rollback
+
+def _state(c):
+    return c.offset, c.q_len, [a.tolist() for a in c.state]
+
+
+@pytest.mark.parametrize("prefix", [40, 63, 64, 90, 95, 127])
+def test_rollback_is_exact(prefix):
+    g = 32
+    mx.random.seed(prefix)
+    k = mx.random.normal((1, 2, prefix + 40, 32))
+    v = mx.random.normal((1, 2, prefix + 40, 32))
+    fresh = HierarchicalKVCache(g)
+    fresh.update_and_fetch(k[..., :prefix, :], v[..., :prefix, :])
+    fresh.commit()
+    for spec in (1, 3, 6, 33):
+        for chunked in (False, True):
+            c = HierarchicalKVCache(g)
+            c.update_and_fetch(k[..., :prefix, :], v[..., :prefix, :])
+            c.commit()
+            ks, vs = k[..., prefix : prefix + spec, :], v[..., prefix : prefix + spec, :]
+            if chunked:  # draft-style: one token at a time, in the draft view
+                c.view = "draft"
+                for j in range(spec):
+                    kv, _ = c.update_and_fetch(ks[..., j : j + 1, :], vs[..., j : j + 1, :])
+                    hierarchical_attention(mx.random.normal((1, 4, 1, 32)), kv, 0.1)
+                c.view = "target"
+            else:  # verify-style: all at once
+                kv, _ = c.update_and_fetch(ks, vs)
+                hierarchical_attention(mx.random.normal((1, 4, spec, 32)), kv, 0.1, "causal")
+            assert c.trim(spec) == spec
+            assert _state(c) == _state(fresh)
+            # and both continue identically, across the next flush
+            for cc in (c, fresh):
+                cc.commit()
+            out = []
+            for cc in (c, HierarchicalKVCache(g)):
+                if cc is not c:
+                    cc.update_and_fetch(k[..., :prefix, :], v[..., :prefix, :])
+                    cc.commit()
+                kv, _ = cc.update_and_fetch(k[..., prefix:, :], v[..., prefix:, :])
+                out.append(hierarchical_attention(mx.ones((1, 4, 40, 32)), kv, 0.1, "causal"))
+                cc.commit()
+            assert mx.array_equal(out[0], out[1]).item()
+
+
+def test_trim_never_cuts_into_flushed_groups():
+    c = HierarchicalKVCache(32)
+    c.update_and_fetch(mx.zeros((1, 1, 100, 32)), mx.zeros((1, 1, 100, 32)))
+    assert c.commit() == 64  # Q(100) = 32 * floor((100 - 32) / 32)
+    assert c.buffer_len == 36
+    assert c.trimmable() == 4  # offset may not go below q_len + (buffer_size - G) = 96
+    assert c.trim(10) == 4 and c.offset == 96
+
+
+def test_batching_does_not_change_results():
+    """Prefill in one chunk, in several, or token by token: the same outputs (position rule)."""
+    model, _ = build_model("qwen2", seed=5, hidden=128, heads=4, kv_heads=2, vocab=128,
+                           scale=4.0)
+    tokens = mx.random.randint(0, 128, (1, 150))
+    outs = []
+    for chunks in ([150], [70, 80], [40, 1, 1, 1, 60, 47]):
+        cache = make_hierarchical_cache(model, group_size=32)
+        done, logits = 0, []
+        for n in chunks:
+            logits.append(model(tokens[:, done : done + n], cache=cache))
+            for c in cache:
+                c.commit()
+            done += n
+        outs.append(mx.concatenate(logits, axis=1))
+    for o in outs[1:]:
+        assert mx.allclose(o, outs[0], atol=1e-4).item()
