@@ -144,6 +144,7 @@ class ChatSession:
         self.totals = Totals()
         self.turn_stats: list[dict] = []
         self.last: Turn | None = None
+        self.dropped = 0  # old messages dropped, over the session, to fit the context
         self.started = time.time()
         add_turn_end_tokens(engine.tokenizer)
 
@@ -174,6 +175,7 @@ class ChatSession:
                 break
             del self.messages[:2]  # the oldest user message and its reply
             dropped += 2
+            self.dropped += 2
         if ctx and len(tokens) >= ctx:
             raise MlxspecError(f"the message needs {len(tokens)} tokens but the model's context "
                                f"is {ctx} tokens")

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from . import backend
 from .errors import MlxspecError
-from .policy import FixedK
+from .policy import AdaptiveK, FixedK
 from .proposers import MODES, make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
@@ -80,9 +80,11 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
     while generated < max_tokens:
         key, propose_key, verify_key = mx.random.split(key, 3)
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
-        k = min(policy.choose(getattr(proposer, "name", "")), max_tokens - generated - 1)
+        k = min(policy.cap(proposer.name), max_tokens - generated - 1)
         start = time.perf_counter()
         proposal = proposer.propose(context, k, propose_key) if k > 0 else None
+        if proposal is not None and len(proposal):
+            k = min(k, policy.choose(proposal.source))  # the source's own estimate refines the cap
         num_draft = min(len(proposal), k) if proposal is not None else 0
         if num_draft:
             draft = mx.array(proposal.tokens[:num_draft], mx.uint32) if isinstance(
@@ -251,13 +253,14 @@ def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
 
 
 def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
-         num_draft: int = 4, max_context: int | None = None, **mode_options) -> Engine:
+         num_draft: int = 4, max_context: int | None = None, adaptive: bool = False,
+         **mode_options) -> Engine:
     """Load a target (path, repo id, or None for the bundled model) and an optional draft."""
     _check_mode(mode)
     _check_num_draft(num_draft)
     target_path = resolve_model_path(model)
     draft_path = None
-    if draft is None and mode in ("draft",):
+    if draft is None and mode == "draft":
         if model is not None:
             raise MlxspecError(f"mode '{mode}' needs a draft model (--draft-model)")
         from .models import bundled_model_path
@@ -272,7 +275,8 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         draft_model, draft_tok, _, draft_name = load_model(draft if draft is not None else str(draft_path))
         check_draft_compatible(tokenizer, draft_tok, net, draft_model, name, draft_name)
     return Engine(net, tokenizer, mode=mode, draft_model=draft_model, num_draft=num_draft,
-                  config=config, name=name, max_context=max_context, **mode_options)
+                  config=config, name=name, max_context=max_context, adaptive=adaptive,
+                  **mode_options)
 
 
 def _check_mode(mode: str) -> None:
@@ -294,7 +298,8 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer, *, mode: str = "none",
                  draft_model: nn.Module | None = None, num_draft: int = 4,
                  config: dict | None = None, name: str = "model",
-                 max_context: int | None = None, prefill_step_size: int = 2048, **mode_options):
+                 max_context: int | None = None, prefill_step_size: int = 2048,
+                 adaptive: bool = False, **mode_options):
         self.model = model
         self.tokenizer = tokenizer
         self.draft_model = draft_model
@@ -302,6 +307,7 @@ class Engine:
         self.name = name
         self.max_context = max_context or self.config.get("max_position_embeddings")
         self.prefill_step_size = prefill_step_size
+        self.adaptive = adaptive
         self.prompt_cache = PromptCache()
         self._proposers: dict = {}
         self.set_mode(mode, num_draft=num_draft, **mode_options)
@@ -316,7 +322,10 @@ class Engine:
         self.mode = mode
         self.mode_options = mode_options
         self.proposer = self._proposer_for(mode, **mode_options)
-        self.policy = FixedK(self.num_draft)
+        # A proposer may bring its own policy (auto does); else k is fixed or adapted, with
+        # num_draft as the cap.
+        self.policy = getattr(self.proposer, "policy", None) or (
+            AdaptiveK(max_k=self.num_draft) if self.adaptive else FixedK(self.num_draft))
 
     def _proposer_for(self, mode: str, **mode_options) -> Proposer | None:
         # One proposer per (mode, options), kept: a draft model's cache and QuantSpec's weight
@@ -385,7 +394,12 @@ class Engine:
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
-        policy = FixedK(num_draft) if num_draft is not None else self.policy
+        if num_draft is not None:
+            policy = FixedK(num_draft)
+        elif proposer is self.proposer:
+            policy = self.policy
+        else:
+            policy = getattr(proposer, "policy", None) or FixedK(self.num_draft)
         pc = prompt_cache if prompt_cache is not None else self.prompt_cache
         stats = Stats(mode=mode, prompt_tokens=len(tokens))
         key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)

@@ -130,3 +130,46 @@ def test_mlxspec_load_generates():
                         num_draft=4)
     res2 = spec.generate("def fibonacci(n):", max_tokens=24)
     assert res2.tokens == res.tokens  # greedy speculative decoding is exact
+
+
+@needs_models
+def test_draft_acceptance_matches_card(pair, card):
+    import mlx.core as mx
+
+    from mlxspec.recipe.recipe import acceptance_prompts
+    from mlxspec.recipe.train import greedy_acceptance
+
+    target, ttok, draft, _ = pair
+    acc = card["acceptance"]
+    target.set_dtype(mx.float32)
+    draft.set_dtype(mx.float32)
+    try:
+        texts = heldout_eval_texts(card["eval_bytes"])
+        eot = ttok.convert_tokens_to_ids("<|endoftext|>")
+        prompts = acceptance_prompts(lambda s: ttok.encode(s, add_special_tokens=False), texts,
+                                     eot, n=acc["prompts"], length=acc.get("prompt_tokens", 256))
+        got = greedy_acceptance(target, draft, prompts, gen_tokens=acc["gen_tokens"], k=acc["k"])
+    finally:
+        target.set_dtype(mx.float16)
+        draft.set_dtype(mx.float16)
+    assert abs(got["agreement"] - acc["agreement"]) < 0.02
+    assert abs(got["chain_acceptance"] - acc["chain_acceptance"]) < 0.02
+
+
+def test_wheel_layout_resolution(tmp_path, monkeypatch):
+    """An installed wheel: no models/ next to the package, the pair under <prefix>/share."""
+    import sys
+
+    import mlxspec.models as M
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    fake_pkg = tmp_path / "lib" / "site-packages" / "mlxspec"
+    fake_pkg.mkdir(parents=True)
+    monkeypatch.setattr(M, "__file__", str(fake_pkg / "models.py"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "prefix"))
+    for which in ("target", "draft"):
+        d = tmp_path / "prefix" / "share" / "mlxspec" / "models" / which
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"")
+    assert M.bundled_model_path("draft") == tmp_path / "prefix" / "share" / "mlxspec" / "models" / "draft"

@@ -195,7 +195,7 @@ def test_sampling_is_exact_chi_square():
     # a crude draft (2-bit weights everywhere) so that rejections are frequent
     engine = make_engine(model, "quantspec", vocab=vocab, num_draft=1, group_size=G,
                          weight_bits=2, quantize="all")
-    runs = 700
+    runs = 500
     counts = _joint_counts(engine, prompt, runs)
     drafted = engine.proposer.drafted
     assert 0.05 < engine.proposer.accepted / drafted < 0.98  # both paths taken
@@ -260,3 +260,12 @@ def test_engine_prefill_in_chunks_flushes():
     c = engine.proposer.cache[0]
     assert c.buffer_len <= 2 * G + 1 and c.auto_commit  # draft_view restored it
     assert c.view == "target"
+
+
+def test_long_drafts_cross_several_groups():
+    """k > G: a draft and its verify span more than one group boundary."""
+    model = _model("llama", seed=12)
+    prompt = _prompts(1, seed=12, lo=3 * G - 3, hi=3 * G - 3)[0]
+    got, prop = speculative_greedy(model, prompt, 2 * G + 10, k=G + 5, weight_bits=8)
+    assert got == reference_decode(model, prompt, 2 * G + 10, group_size=G)
+    assert prop.accepted > G  # 8-bit weights: long runs are accepted, crossing boundaries

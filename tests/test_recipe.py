@@ -85,12 +85,15 @@ def test_heldout_functions_and_edit_examples():
 
 def test_fim_example_format():
     text = (STDLIB / "bisect.py").read_text()
-    ex = make_fim_example(text, random.Random(0))
-    assert ex.startswith(FIM_PREFIX) and ex.endswith(EOT)
-    pre, rest = ex[len(FIM_PREFIX):].split(FIM_SUFFIX)
-    suf, mid = rest.split(FIM_MIDDLE)
-    mid = mid[: -len(EOT)]
-    assert pre + mid + suf in text
+    rng = random.Random(0)
+    examples = [ex for ex in (make_fim_example(text, rng) for _ in range(20)) if ex]
+    assert len(examples) >= 10  # None only when the cut lands on too little text
+    for ex in examples:
+        assert ex.startswith(FIM_PREFIX) and ex.endswith(EOT)
+        pre, rest = ex[len(FIM_PREFIX):].split(FIM_SUFFIX)
+        suf, mid = rest.split(FIM_MIDDLE)
+        mid = mid[: -len(EOT)]
+        assert mid.strip() and pre + mid + suf in text
 
 
 def test_documents_are_deterministic(tiny_corpus):

@@ -38,7 +38,7 @@ def colored_diff(diff: str) -> str:
 class Progress:
     """`editing: N tokens` on a terminal's stderr while the answer is generated."""
 
-    def __init__(self, enabled: bool, expected: int | None = None):
+    def __init__(self, enabled: bool):
         self.enabled = enabled
         self.count = 0
         self.last = 0.0

@@ -279,7 +279,7 @@ class HierarchicalKV:
 
     @property
     def shape(self):  # so that generic code that only inspects shapes does not break
-        return self.buf_k.shape[:2] + (self.cache.offset,) + self.buf_k.shape[3:]
+        return (*self.buf_k.shape[:2], self.q_len + self.buf_k.shape[2], self.buf_k.shape[3])
 
 
 def _qmm(x, triple, group_size):

@@ -7,6 +7,22 @@ def _m(x: int) -> str:
     return f"{x / 1e6:.2f} M"
 
 
+def _steps_text(r: dict) -> str:
+    cfg = r["config"]
+    short = r.get("short_steps", 0)
+    long_steps = r["steps"] - short
+    tokens_per_step = r["batch_size"] * r["seq_len"]
+    if short:
+        ss = cfg["short_seq_len"]
+        return (
+            f"{r['steps']} steps of {tokens_per_step:,} tokens: {short} steps of "
+            f"{tokens_per_step // ss}×{ss}-token rows (sequence-length warm-up, the first "
+            f"{cfg['short_frac']:.0%} of the budget), then {long_steps} steps of "
+            f"{r['batch_size']}×{r['seq_len']}-token rows"
+        )
+    return f"{r['steps']} steps of {r['batch_size']}×{r['seq_len']}-token rows"
+
+
 def _model_section(name: str, r: dict, card: dict, role: str) -> str:
     s = r["shape"]
     ev = r["heldout"]
@@ -24,10 +40,11 @@ def _model_section(name: str, r: dict, card: dict, role: str) -> str:
         f"| parameters | {r['params']:,} ({_m(r['params'])}) |",
         f"| compute per token | {_m(r['macs_per_token'])} multiply-accumulates (matmuls incl. LM head) |",
         f"| vocabulary | {r['vocab_size']} (byte-level BPE, shared by target and draft) |",
-        f"| context | trained on {r['max_position_embeddings']}-token rows "
-        f"(`max_position_embeddings: {r['max_position_embeddings']}`) |",
+        f"| context | trained on {r['max_position_embeddings']}-token rows"
+        + (f" for the last {r['steps'] - r['short_steps']} steps" if r.get("short_steps") else "")
+        + f" (`max_position_embeddings: {r['max_position_embeddings']}`) |",
         "| weights | float16 safetensors (compute in float32 on CPU) |",
-        f"| training | {r['steps']} steps × {r['batch_size']} × {r['seq_len']} tokens, AdamW "
+        f"| training | {_steps_text(r)}, AdamW "
         f"(β 0.9/0.95, wd 0.1), lr {r['lr']:g} with {r['config']['warmup_steps']} warm-up steps "
         f"and cosine decay to {r['config']['min_lr_ratio']:g}×, grad clip 1.0, float32 |",
         f"| tokens seen | {r['tokens_seen']:,} ({r['tokens_seen'] / max(1, card['corpus']['tokens']):.2f} "
@@ -81,7 +98,8 @@ def render_card(card: dict) -> str:
         f"source ({c['documents']['source']}), fill-in-the-middle examples ({c['documents']['fim']}), "
         f"chat examples asking what a function does or to show it ({c['documents']['chat']}) and "
         f"edit examples (a function + a mechanical instruction → the whole edited function, "
-        f"{c['documents']['edit']}), shuffled by the seed and cut into 1024-token rows",
+        f"{c['documents']['edit']}), shuffled by the seed, joined with `<|endoftext|>` and cut "
+        "into training rows",
         f"- tokenizer: {card['tokenizer']['type']} (Hugging Face `tokenizers`), "
         f"{card['tokenizer']['vocab_size']} tokens, special tokens "
         + ", ".join(f"`{s}`" for s in card["tokenizer"]["special_tokens"]),
@@ -105,7 +123,8 @@ def render_card(card: dict) -> str:
         ),
         "## Draft vs target (greedy)",
         "",
-        f"On {acc['prompts']} held-out prompts of 256 tokens, the target's greedy continuation of "
+        f"On {acc['prompts']} held-out prompts of {acc.get('prompt_tokens', 256)} tokens (evenly "
+        "spaced in the evaluation text), the target's greedy continuation of "
         f"{acc['gen_tokens']} tokens:",
         "",
         f"- next-token agreement (draft argmax = target argmax, both conditioned on the target's "
@@ -124,9 +143,11 @@ def render_card(card: dict) -> str:
         "",
         "Without `--corpus` it trains on the standard library of the running interpreter (minus "
         "the held-out modules, test suites and `site-packages`). The budgets are wall-clock "
-        "minutes; the cosine schedule follows the measured step time so it ends with the budget. "
-        "Results are deterministic for a seed and a step count: pass `--target-steps N "
-        "--draft-steps M` (the counts above) to reproduce a run exactly on another machine. "
+        "minutes, and the learning-rate schedule and the switch from 256- to 1024-token rows follow "
+        "the elapsed fraction of the budget, so a budgeted run depends on the machine's speed. "
+        "Corpus, tokenizer, initialisation and data order are deterministic for a seed, and "
+        "with `--target-steps N --draft-steps M` the schedule follows the step count instead, "
+        "which makes a run bit-for-bit reproducible on the same software stack. "
         "`--smoke` allows fractional-minute budgets with tiny shapes, for tests. Output is staged "
         "in a temporary folder inside `--out` and renamed into place at the end, so an "
         "interrupted run leaves no half-written model folder.",

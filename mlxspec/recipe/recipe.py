@@ -202,6 +202,7 @@ def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, 
                                   length=32 if smoke else 256)
     acc = TR.greedy_acceptance(models["target"], models["draft"], prompts,
                                gen_tokens=16 if smoke else 64, k=4)
+    acc["prompt_tokens"] = 32 if smoke else 256
     log(f"draft vs target: agreement {acc['agreement']:.3f}, 4-token chain acceptance "
         f"{acc['chain_acceptance']:.3f}, {acc['tokens_per_target_step']:.2f} tokens/target step")
 
@@ -269,10 +270,15 @@ def _eval_texts(held_files, eval_bytes, is_stdlib, root):
 
 
 def _acceptance_prompts(tok, texts, eos_id, n, length):
-    """`n` prompts of `length` tokens at evenly spaced offsets of the held-out text."""
+    return acceptance_prompts(lambda t: tok.encode(t).ids, texts, eos_id, n, length)
+
+
+def acceptance_prompts(encode, texts, eos_id, n=16, length=256):
+    """`n` prompts of `length` tokens at evenly spaced offsets of the held-out text (each text
+    preceded by <|endoftext|>): the prompts of the card's draft-acceptance figure."""
     ids = []
     for t in texts:
-        ids += [eos_id] + tok.encode(t).ids
+        ids += [eos_id] + list(encode(t))
     if len(ids) < length + 1:
         ids = ids * (length // max(1, len(ids)) + 2)
     stride = max(1, (len(ids) - length) // n)

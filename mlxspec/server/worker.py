@@ -128,9 +128,9 @@ def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
     caches = []
     for c in pc.cache:
         new = KVCache()
-        new.state = (mx.array(c.keys[..., :n, :]), mx.array(c.values[..., :n, :]))
+        new.keys, new.values, new.offset = c.keys[..., :n, :], c.values[..., :n, :], n
         caches.append(new)
-    mx.eval([c.state for c in caches])
+    mx.eval([(c.keys, c.values) for c in caches])
     return PromptCache(caches, pc.tokens[:n], pc.kind)
 
 
@@ -223,10 +223,8 @@ class Worker(threading.Thread):
                     self._step_engine(job)
                 if self.batch_jobs:
                     self._step_batch(stream)
-            except Exception:  # never let the worker die: fail what is in flight
+            except Exception:  # never let the worker die: fail the batch in flight
                 log.error("worker error:\n%s", traceback.format_exc())
-                for job in list(self.spec_jobs):
-                    self._fail(job, ApiError(500, "internal error during generation"))
                 self._reset_batch()
         for job in list(self.spec_jobs):
             self._close_engine_job(job)
@@ -247,10 +245,19 @@ class Worker(threading.Thread):
             job.started = time.perf_counter()
             if self.metrics:
                 self.metrics.queue_seconds(job.started - job.submitted)
-            if job.req.warmup or self.active() < self.spec_max_concurrency:
-                self._start_engine(job)
-            else:
-                self._start_batch(job)
+            try:
+                if job.req.warmup or self.active() < self.spec_max_concurrency:
+                    self._start_engine(job)
+                else:
+                    self._start_batch(job)
+            except Exception as e:
+                log.error("cannot start a generation:\n%s", traceback.format_exc())
+                if job in self.spec_jobs:
+                    self._close_engine_job(job)
+                elif job.slot is not None:
+                    self.idle_slots.append(job.slot)
+                self.batch_jobs.pop(job.uid, None)
+                job.events.put(Failed(ApiError(500, f"cannot start: {type(e).__name__}: {e}")))
 
     # -- engine jobs (speculative, exact, prompt-cached)
     def _slot(self) -> Engine:
