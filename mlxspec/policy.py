@@ -51,7 +51,7 @@ class AdaptiveK:
     """Choose k per step from measured acceptance and cost (see module docstring)."""
 
     max_k: int = 8
-    decay: float = 0.97  # per observation: estimates follow the content as it changes
+    decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
     prior_accept: float = 0.5
     prior_strength: float = 2.0  # pseudo-observations behind the prior
     prior_slope: float = 0.05  # marginal cost of one more token, as a fraction of a plain step

@@ -49,7 +49,7 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
     assert set(report["results"]) == {"edit@0", "free@1"}
     for r in report["results"].values():
         assert set(r["modes"]) == {"none", "ngram", "draft", "mlx_lm", "mlx_lm_spec"}
-        for label, f in r["modes"].items():
+        for f in r["modes"].values():
             assert f["prompts"] == 2 and f["tokens_per_s"] > 0
             assert len(f["speedup_ratios"]) == 2 and f["speedup_median"] is not None
     assert report["audit"]["prompts"] == 3

@@ -192,3 +192,23 @@ def test_ctrl_c_interrupts_a_reply_and_twice_at_the_prompt_exits(long_model, tmp
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_repl_fences_and_commands_in_process(model_dirs, tmp_path, capsys):
+    from mlxspec.cli.chat import ChatREPL
+
+    lines = iter(['"""/not a command"""', '"""', "first", "", 'last"""', "/mode bogus",
+                  "/mode none", "/system -", f"/save {tmp_path / 's.json'}", "/exit", "never"])
+
+    def fake_input(prompt):
+        print(prompt, end="")
+        return next(lines)
+
+    session = ChatSession(load(str(model_dirs["llama"]), mode="ngram"), max_tokens=4)
+    ChatREPL(session, input_fn=fake_input).run()
+    out = capsys.readouterr()
+    assert "unknown mode 'bogus'" in out.err and session.engine.mode == "none"
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == [
+        "/not a command", "first\n\nlast"]
+    assert next(lines) == "never"  # /exit stopped the loop

@@ -231,16 +231,20 @@ def _run_sampled(toy: ToyModel, make_tree, trials: int, walk, seed: int) -> np.n
     return counts
 
 
-def _pvalue(toy: ToyModel, counts: np.ndarray) -> float:
-    v = toy.vocab
-    expected = np.array([[toy(())[a] * toy((a,))[b] for b in range(v)] for a in range(v)])
-    expected = expected.ravel() * counts.sum()
-    observed = counts.ravel()
+def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of counts to probabilities (cells expected < 5 pooled)."""
+    expected = probs / probs.sum() * observed.sum()
     small = expected < 5
     obs, exp = observed[~small], expected[~small]
     if small.any():
         obs, exp = np.append(obs, observed[small].sum()), np.append(exp, expected[small].sum())
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _pvalue(toy: ToyModel, counts: np.ndarray) -> float:
+    v = toy.vocab
+    expected = np.array([[toy(())[a] * toy((a,))[b] for b in range(v)] for a in range(v)])
+    return chi2_pvalue(counts.ravel(), expected.ravel())
 
 
 def _fixed_tree(rng):

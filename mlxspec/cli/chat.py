@@ -116,15 +116,16 @@ class ChatREPL:
         self.input = input_fn
 
     # -- input
-    def read_message(self) -> str:
-        """One message: a line, or the lines between two \"\"\" fences."""
+    def read_message(self) -> tuple[str, bool]:
+        """One message: a line, or the lines between two \"\"\" fences; and whether fenced
+        (a fenced message is never a command)."""
         line = self.input(PROMPT)
         stripped = line.strip()
         if not stripped.startswith(FENCE):
-            return line
+            return line, False
         rest = stripped[len(FENCE):]
         if rest.endswith(FENCE) and len(rest) >= len(FENCE):  # """one line"""
-            return rest[: -len(FENCE)]
+            return rest[: -len(FENCE)], True
         lines = [rest] if rest else []
         while True:
             line = self.input(CONTINUATION)
@@ -132,7 +133,7 @@ class ChatREPL:
                 last = line.rstrip()[: -len(FENCE)]
                 if last:
                     lines.append(last)
-                return "\n".join(lines)
+                return "\n".join(lines), True
             lines.append(line)
 
     # -- the loop
@@ -140,7 +141,7 @@ class ChatREPL:
         armed = False  # a Ctrl-C at the prompt now exits
         while True:
             try:
-                text = self.read_message()
+                text, fenced = self.read_message()
             except EOFError:
                 click.echo()
                 return
@@ -154,7 +155,7 @@ class ChatREPL:
             armed = False
             if not text.strip():
                 continue
-            if text.lstrip().startswith("/") and "\n" not in text:
+            if not fenced and text.lstrip().startswith("/"):
                 if self.command(text.strip()) == "exit":
                     return
                 continue

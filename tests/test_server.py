@@ -1,0 +1,464 @@
+"""`mlxspec serve` end to end: the real server on a free loopback port, real clients (the
+`openai` package, and raw HTTP replaying what llama.vim and Continue send), assertions on
+content: greedy answers equal `Engine.generate`, FIM prompts carry the right tokens, predicted
+outputs are accepted, concurrency, disconnects and bad input."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import mlxspec  # noqa: E402
+from mlxspec.server.app import make_server  # noqa: E402
+from mlxspec.server.protocol import FimTokens, build_fim_prompt, detect_fim  # noqa: E402
+
+CODE = "def stream_steps(self, prompt, max_tokens):\n    tokens = self.encode(prompt)\n    "
+CHAT = [{"role": "system", "content": "You complete code."},
+        {"role": "user", "content": "Write a function that returns the prompt cache."}]
+CONTINUE_PREFIX = "class Engine:\n    def encode(self, prompt):\n        "
+CONTINUE_SUFFIX = "\n        return tokens\n"
+VIM_EXTRA = [{"text": "def common_prefix_len(a, b):\n    n = 0\n", "time": [1, 0],
+              "filename": "mlxspec/proposers/draft.py"},
+             {"text": "import mlx.core as mx\n", "time": [2, 0], "filename": "mlxspec/engine.py"}]
+VIM_PREFIX = "def generate(self, prompt, **kwargs):\n"
+VIM_MIDDLE = "    text, tokens = "
+VIM_SUFFIX = "\n    return GenerationResult(text)\n"
+CONCURRENT = [f"def step_{i}(self, tokens):\n    return {i} + " for i in range(8)]
+
+
+def llama_vim_body(prefix, middle, suffix, extra, n_predict=24):
+    """The body llama.vim's llama#fim sends (autoload/llama.vim), field for field."""
+    return {
+        "id_slot": 0,
+        "input_prefix": prefix,
+        "input_suffix": suffix,
+        "input_extra": extra,
+        "prompt": middle,
+        "n_predict": n_predict,
+        "stop": [],
+        "n_indent": 4,
+        "top_k": 40,
+        "top_p": 0.90,
+        "samplers": ["top_k", "top_p", "infill"],
+        "stream": False,
+        "cache_prompt": True,
+        "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 60000,
+        "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms",
+                            "timings/prompt_per_token_ms", "timings/prompt_per_second",
+                            "timings/predicted_n", "timings/predicted_ms",
+                            "timings/predicted_per_token_ms", "timings/predicted_per_second",
+                            "truncated", "tokens_cached"],
+    }
+
+
+def llama_vim_warmup_body(extra):
+    """llama.vim's ring-buffer cache warm-up (n_predict 0)."""
+    return {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": extra,
+            "prompt": "", "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False,
+            "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1,
+            "response_fields": [""]}
+
+
+def continue_fim_body(model, prefix, suffix):
+    """What Continue's OpenAI-compatible providers post for FIM autocomplete."""
+    return {"model": model, "prompt": prefix, "suffix": suffix, "max_tokens": 24,
+            "temperature": 0, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
+            "stop": ["\n\n\n", "\n\n\n\n\n"], "stream": True}
+
+
+def post(url, path, body, raw: bytes | None = None, headers=None, timeout=60):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, payload
+
+
+def sse_events(payload: bytes) -> list:
+    out = []
+    for line in payload.decode().splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ref(model_dirs):
+    """The reference: plain decoding with a separately loaded engine, all computed before the
+    server starts (so no two threads ever run MLX at once)."""
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="none")
+    tok = engine.tokenizer
+    vocab = tok.get_vocab()
+
+    def enc(s):
+        return list(tok.encode(s, add_special_tokens=False))
+
+    pre, suf, mid = (vocab[t] for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    chat_ids = enc(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
+    continue_ids = [pre] + enc(CONTINUE_PREFIX) + [suf] + enc(CONTINUE_SUFFIX) + [mid]
+    snippet = "\n\n--- snippet ---\n\n"
+    vim_ids = [t for c in VIM_EXTRA for t in enc(snippet) + enc(c["text"])]
+    vim_ids += [pre] + enc(VIM_PREFIX + VIM_MIDDLE) + [suf] + enc(VIM_SUFFIX) + [mid]
+
+    def gen(prompt, n):
+        return engine.generate(prompt, max_tokens=n, temperature=0.0)
+
+    out = {
+        "engine": engine, "enc": enc,
+        "code": gen(CODE, 24), "code_ids": engine.encode(CODE),
+        "chat_ids": chat_ids, "chat": gen(chat_ids, 40),
+        "continue_ids": continue_ids, "continue": gen(continue_ids, 24),
+        "vim_ids": vim_ids, "vim": gen(vim_ids, 24),
+        "concurrent": [gen(p, 12) for p in CONCURRENT],
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs, ref):
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    srv = make_server(engine, "127.0.0.1", 0, spec_max_concurrency=2, max_batch=8,
+                      max_body_bytes=64 * 1024, cors_origin=None)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def wait_idle(server, timeout=5.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if server.worker.active() == 0 and server.worker.inbox.qsize() == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# ----------------------------------------------------------------------------- OpenAI API
+
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.config.model_name]
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+
+
+def test_completion_greedy_equals_generate(server, client, ref):
+    name = server.config.model_name
+    r = client.completions.create(model=name, prompt=CODE, max_tokens=24, temperature=0)
+    assert r.choices[0].text == ref["code"].text
+    assert r.usage.completion_tokens == len(ref["code"].tokens)
+    assert r.usage.prompt_tokens == len(ref["code_ids"])
+    spec = r.usage.model_extra["speculative"]
+    assert spec["mode"] == "ngram" and spec["target_forwards"] >= 1
+    # Token ids as the prompt, and streaming with usage: the same text.
+    r = client.completions.create(model=name, prompt=ref["code_ids"], max_tokens=24,
+                                  temperature=0, stream=True,
+                                  stream_options={"include_usage": True})
+    chunks = list(r)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref["code"].text
+    assert chunks[-1].usage.completion_tokens == len(ref["code"].tokens)
+    # The second request extends nothing new but reuses the cached prompt.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_speculative_override_and_prompt_cache(server, client, ref):
+    r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0,
+                                  extra_body={"speculative": {"mode": "none"}})
+    assert r.choices[0].text == ref["code"].text
+    spec = r.usage.model_extra["speculative"]
+    assert spec["mode"] == "none" and spec["drafted_tokens"] == 0
+    # A prompt extending an earlier one reuses its cached prefix.
+    r = client.completions.create(model="mlxspec", prompt=CODE + ref["code"].text + "\n",
+                                  max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(ref["code_ids"]) - 1
+
+
+def test_chat_and_streaming(server, client, ref):
+    r = client.chat.completions.create(model=server.config.model_name, messages=CHAT,
+                                       max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == ref["chat"].text
+    assert r.usage.prompt_tokens == len(ref["chat_ids"])
+    stream = client.chat.completions.create(model=server.config.model_name, messages=CHAT,
+                                            max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref["chat"].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.total_tokens == len(ref["chat_ids"]) + len(ref["chat"].tokens)
+
+
+def test_predicted_outputs(server, client, ref):
+    def ask(prediction=None):
+        extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
+        return client.chat.completions.create(
+            model=server.config.model_name, messages=CHAT, max_tokens=40, temperature=0,
+            extra_body={**extra, "speculative": {"mode": "ngram"}})
+
+    plain = ask()
+    predicted = ask(ref["chat"].text)
+    assert predicted.choices[0].message.content == ref["chat"].text  # lossless
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    fwd_plain = plain.usage.model_extra["speculative"]["target_forwards"]
+    fwd_pred = predicted.usage.model_extra["speculative"]["target_forwards"]
+    assert fwd_pred < fwd_plain  # fewer target forwards per token: faster per token
+    # The OpenAI SDK's list-of-parts form works too.
+    parts = client.chat.completions.create(
+        model=server.config.model_name, messages=CHAT, max_tokens=40, temperature=0,
+        prediction={"type": "content", "content": [{"type": "text", "text": ref["chat"].text}]})
+    assert parts.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+# ----------------------------------------------------------------------------- editors
+
+
+def test_continue_fim_completion_with_suffix(server, ref):
+    status, payload = post(server.url, "/v1/completions",
+                           continue_fim_body(server.config.model_name, CONTINUE_PREFIX,
+                                             CONTINUE_SUFFIX))
+    assert status == 200
+    assert server.worker.last_prompt == ref["continue_ids"]
+    events = sse_events(payload)
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert text == ref["continue"].text.split("\n\n\n")[0]
+
+
+def test_llama_vim_infill(server, ref):
+    status, payload = post(server.url, "/infill", llama_vim_warmup_body(VIM_EXTRA))
+    assert status == 200 and json.loads(payload) == {}  # response_fields [""]
+    status, payload = post(server.url, "/infill",
+                           llama_vim_body(VIM_PREFIX, VIM_MIDDLE, VIM_SUFFIX, VIM_EXTRA))
+    assert status == 200
+    assert server.worker.last_prompt == ref["vim_ids"]
+    body = json.loads(payload)
+    assert body["content"] == ref["vim"].text
+    assert body["timings/predicted_n"] == len(ref["vim"].tokens)
+    assert body["tokens_cached"] > 0  # the warm-up cached the extra context
+    assert body["truncated"] is False
+    assert set(body) == {"content", "timings/prompt_n", "timings/prompt_ms",
+                         "timings/prompt_per_token_ms", "timings/prompt_per_second",
+                         "timings/predicted_n", "timings/predicted_ms",
+                         "timings/predicted_per_token_ms", "timings/predicted_per_second",
+                         "truncated", "tokens_cached"}
+    # Without response_fields: llama.cpp's whole object, with the draft counts.
+    req = llama_vim_body(VIM_PREFIX, VIM_MIDDLE, VIM_SUFFIX, VIM_EXTRA)
+    del req["response_fields"]
+    status, payload = post(server.url, "/infill", req)
+    full = json.loads(payload)
+    assert full["content"] == ref["vim"].text and full["stop"] is True
+    assert full["tokens_predicted"] == len(ref["vim"].tokens)
+    assert {"draft_n", "draft_n_accepted", "prompt_n", "predicted_n"} <= set(full["timings"])
+    # Streaming /infill (llama.vscode can stream): llama.cpp's data lines, last one stop=true.
+    req["stream"] = True
+    status, payload = post(server.url, "/infill", req)
+    events = sse_events(payload)
+    assert events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == ref["vim"].text
+
+
+def test_fim_assembly_with_repo_tokens():
+    vocab = {"<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3, "<|file_sep|>": 4,
+             "<|repo_name|>": 5}
+    fim = detect_fim(vocab)
+    assert fim == FimTokens("qwen", 1, 2, 3, 4, 5)
+
+    def enc(s):
+        return [ord(c) + 100 for c in s]
+
+    ids, truncated = build_fim_prompt(enc, fim, "ab", "cd", extra=[{"filename": "f", "text": "x"}],
+                                      middle="m")
+    assert ids == ([5] + enc("myproject\n") + [4] + enc("f\n") + enc("x") + [4]
+                   + enc("filename\n") + [1] + enc("abm") + [2] + enc("cd") + [3])
+    assert not truncated
+    ids, truncated = build_fim_prompt(enc, fim, "p" * 100, "s" * 100, extra=[{"text": "x" * 50}],
+                                      budget=43)
+    assert truncated and len(ids) == 43
+    assert ids[:2] == [1, enc("p")[0]] and ids[-1] == 3  # extra dropped first, then trimmed 3:1
+    assert detect_fim({"<fim_prefix>": 1, "<fim_suffix>": 2, "<fim_middle>": 3}).style == "starcoder"
+    assert detect_fim({"▁<PRE>": 1, "▁<SUF>": 2, "▁<MID>": 3}).style == "codellama"
+    assert detect_fim({"a": 1}) is None
+
+
+# ----------------------------------------------------------------------------- load and faults
+
+
+def test_eight_concurrent_clients(server, client, ref):
+    results = [None] * len(CONCURRENT)
+
+    def run(i):
+        results[i] = client.completions.create(model="mlxspec", prompt=CONCURRENT[i],
+                                               max_tokens=12, temperature=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(CONCURRENT))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None for r in results)
+    for r, want in zip(results, ref["concurrent"]):
+        assert r.choices[0].text == want.text
+        assert r.usage.completion_tokens == len(want.tokens)
+    batched = [r.usage.model_extra["speculative"]["batched"] for r in results]
+    assert any(batched) and not all(batched)  # above --spec-max-concurrency: plain, batched
+
+
+def test_disconnect_mid_stream_frees_the_worker(server, client):
+    cancels = server.metrics.cancels
+    sock = socket.create_connection(server.server_address[:2], timeout=30)
+    body = json.dumps({"prompt": CODE, "max_tokens": 480, "stream": True,
+                       "temperature": 0.7, "seed": 1}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += sock.recv(4096)
+    sock.close()
+    start = time.time()
+    r = client.completions.create(model="mlxspec", prompt="x = ", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert time.time() - start < 5
+    assert wait_idle(server)
+    assert server.metrics.cancels == cancels + 1
+    assert server.metrics.disconnects >= 1
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"[1, 2]", 400),
+    ("/v1/completions", {"max_tokens": 4}, 400),  # missing prompt
+    ("/v1/completions", {"prompt": 42}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400),  # above the context
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400),
+    ("/v1/completions", {"prompt": "x", "speculative": {"mode": "telepathy"}}, 400),
+    ("/v1/completions", {"prompt": "x", "speculative": {"num_draft": 0}}, 400),
+    ("/v1/completions", {"prompt": "def f(): pass\n" * 400}, 400),  # longer than the context
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404),
+    ("/v1/completions", {"prompt": "x", "suffix": 5}, 400),
+    ("/v1/chat/completions", {"model": "mlxspec"}, 400),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prediction": {"type": "content", "content": 7}}, 400),
+    ("/infill", {"input_prefix": 3}, 400),
+    ("/infill", {"input_extra": "not a list"}, 400),
+    ("/v1/nope", {"prompt": "x"}, 404),
+    ("/v1/completions", b"x" * (100 * 1024), 413),  # over --max-body-bytes
+]
+
+
+def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, ref):
+    for path, body, status in BAD:
+        raw = body if isinstance(body, bytes) else None
+        got, payload = post(server.url, path, body, raw=raw)
+        assert got == status, (path, body if raw is None else raw[:40], payload[:200])
+        err = json.loads(payload)["error"]
+        assert err["message"] and err["type"]
+    # No Content-Length: 411.
+    sock = socket.create_connection(server.server_address[:2], timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"2\r\n{}\r\n0\r\n\r\n")
+    assert sock.recv(100).startswith(b"HTTP/1.1 411")
+    sock.close()
+    r = client.completions.create(model=server.config.model_name, prompt=CODE, max_tokens=24,
+                                  temperature=0)
+    assert r.choices[0].text == ref["code"].text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+def test_metrics(server, client):
+    client.completions.create(model="mlxspec", prompt=CODE, max_tokens=8, temperature=0)
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    for name in ("mlxspec_requests_total{", "mlxspec_prompt_tokens_total ",
+                 "mlxspec_generated_tokens_total ", 'mlxspec_drafted_tokens_total{mode="ngram"}',
+                 'mlxspec_accepted_tokens_total{mode="ngram"}',
+                 "mlxspec_request_duration_seconds_bucket{", "mlxspec_requests_active "):
+        assert name in text, name
+    assert 'mlxspec_requests_total{endpoint="/v1/completions",code="200"}' in text
+
+
+def test_model_without_fim_tokens_gets_400(llama_pair):
+    from conftest import make_engine
+
+    engine = make_engine(llama_pair[0], "ngram")  # byte tokenizer: no FIM tokens
+    srv = make_server(engine, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        status, payload = post(srv.url, "/v1/completions",
+                               {"prompt": "def f(", "suffix": "):\n", "max_tokens": 4})
+        assert status == 400 and "fill-in-the-middle" in json.loads(payload)["error"]["message"]
+        status, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []))
+        assert status == 400
+        status, payload = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
+        assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 4
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_cli_serve_starts_on_loopback(model_dirs):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxspec.cli.main", "serve", "-m",
+                             str(model_dirs["llama"]), "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert f"listening on http://127.0.0.1:{port} (loopback only" in "".join(lines)
+        status, payload = post(f"http://127.0.0.1:{port}", "/v1/completions",
+                               {"prompt": "def", "max_tokens": 3, "temperature": 0})
+        assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
