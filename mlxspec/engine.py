@@ -299,7 +299,13 @@ class Engine:
                  draft_model: nn.Module | None = None, num_draft: int = 4,
                  config: dict | None = None, name: str = "model",
                  max_context: int | None = None, prefill_step_size: int = 2048,
-                 adaptive: bool = False, **mode_options):
+                 adaptive: bool = False, kv: str = "fp", kv_group_size: int = 64,
+                 kv_buffer_size: int | None = None, **mode_options):
+        if kv not in ("fp", "hierarchical"):
+            raise MlxspecError(f"kv must be 'fp' or 'hierarchical', got {kv!r}")
+        # kv="hierarchical": plain decoding reads QuantSpec's 8-bit view of the hierarchical
+        # cache, the reference `quantspec` is token-identical to.
+        self.kv, self.kv_group_size, self.kv_buffer_size = kv, kv_group_size, kv_buffer_size
         self.model = model
         self.tokenizer = tokenizer
         self.draft_model = draft_model
@@ -426,7 +432,9 @@ class Engine:
     def _prefill(self, pc: PromptCache, tokens: list[int], stats: Stats, proposer,
                  progress) -> None:
         """Bring `pc` to hold tokens[:-1], reusing the longest common prefix it already holds."""
-        kind = getattr(proposer, "cache_kind", "kv")
+        kind = getattr(proposer, "cache_kind", None) or (
+            f"hierarchical-ref:{self.kv_group_size}:{self.kv_buffer_size}"
+            if self.kv == "hierarchical" else "kv")
         keep = common_prefix_len(pc.tokens, tokens[:-1]) if pc.cache is not None else 0
         if pc.cache is not None and pc.kind == kind and keep > 0:
             drop = len(pc.tokens) - keep
@@ -436,7 +444,14 @@ class Engine:
             keep = 0
         if keep == 0:
             maker = getattr(proposer, "make_target_cache", None)
-            pc.cache = maker(self.model) if maker else make_prompt_cache(self.model)
+            if maker is not None:
+                pc.cache = maker(self.model)
+            elif self.kv == "hierarchical":
+                from .quant.hierarchical_cache import make_reference_cache
+
+                pc.cache = make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
+            else:
+                pc.cache = make_prompt_cache(self.model)
             pc.kind = kind
         stats.cached_tokens = keep
         todo = tokens[keep:-1]
@@ -449,6 +464,8 @@ class Engine:
             if progress is not None:
                 progress(done, len(todo))
         pc.tokens = tokens[:-1]
+        if hasattr(proposer, "bind_cache"):  # a proposer that drafts on the target's own cache
+            proposer.bind_cache(pc.cache)
 
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],
                     start: float) -> Iterator[StepOutput]:

@@ -43,8 +43,8 @@ from .proposers.base import Proposal
 from .sampling import SamplingParams, probs_from_logits
 from .tree_verify import (
     TreeSpec,
-    device_sampled_q,
     device_sampled_deterministic,
+    device_sampled_q,
     walk_greedy,
     walk_sampled,
 )

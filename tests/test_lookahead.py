@@ -188,7 +188,7 @@ def test_lookahead_sampled_is_exact():
     stats = Stats()
     trials = 2000
     for t in range(trials):
-        out = generate_with(model, lambda: LookaheadProposer(model, 3, 3, 3, seed=t), prompt, 2,
+        out = generate_with(model, lambda t=t: LookaheadProposer(model, 3, 3, 3, seed=t), prompt, 2,
                             sampling, seed=t, num_draft=2, stats=stats)
         counts[out[0], out[1]] += 1
     assert stats.accepted > trials // 10  # multi-token steps were exercised

@@ -154,6 +154,16 @@ def test_engine_quantspec_greedy_matches_reference(arch):
             model, prompt, 20, group_size=G)
 
 
+def test_engine_none_with_hierarchical_kv_is_the_reference():
+    model = _model("qwen2", seed=23)
+    plain = make_engine(model, "none", vocab=SHAPE["vocab"], kv="hierarchical", kv_group_size=G)
+    spec = make_engine(model, "quantspec", vocab=SHAPE["vocab"], num_draft=4, group_size=G)
+    for prompt in _prompts(4, seed=9):
+        want = plain.generate(prompt, max_tokens=40).tokens
+        assert want == reference_decode(model, prompt, 40, group_size=G)
+        assert spec.generate(prompt, max_tokens=40).tokens == want
+
+
 def _chi_square_pvalue(stats, counts, probs):
     """Pearson's test; cells expected < 5 times are pooled into one."""
     counts, probs = counts.ravel(), probs.ravel() / probs.sum()

@@ -231,6 +231,8 @@ def test_predicted_outputs(server, client, ref):
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    print("PLAIN", plain.usage, plain.choices[0].message.content == ref["chat"].text)
+    print("PRED", predicted.usage)
     fwd_plain = plain.usage.model_extra["speculative"]["target_forwards"]
     fwd_pred = predicted.usage.model_extra["speculative"]["target_forwards"]
     assert fwd_pred < fwd_plain  # fewer target forwards per token: faster per token

@@ -81,7 +81,7 @@ def arch_model(request):
 def test_tree_forward_matches_sequential_forward(arch_model):
     _, model = arch_model
     rng = random.Random(5)
-    for trial in range(3):
+    for _ in range(3):
         prompt = [rng.randrange(256) for _ in range(rng.randint(1, 12))]
         tokens, parents = random_tree(rng, rng.randint(2, 14), 256)
         cache = prefill(model, prompt[:-1])
@@ -180,7 +180,7 @@ def test_tree_step_greedy_cap_and_sync_free_result():
         cache = prefill(model, prompt)
         seen = []
         prop = Proposal(tokens, parents=parents,
-                        extra={"want_argmax": [1], "on_result": lambda a, p: seen.append((a, p))})
+                        extra={"want_argmax": [1], "on_result": lambda a, p, s=seen: s.append((a, p))})
         new, n = tree_step(model, cache, 8, prop, SamplingParams(), None, max_accept=cap)
         assert n == want and new == ref[: want + 1]
         assert cache[0].offset == len(prompt) + 1 + n
@@ -255,7 +255,7 @@ def _fixed_tree(rng):
 def _wrong_walk(spec, node_values, u, residual_draws, deterministic=True):
     """Deliberately wrong: accepts child x with probability p(x), forgetting to renormalize
     by the mass of the children already rejected."""
-    tokens, children = spec.tokens, spec.children
+    children = spec.children
     path, row = [], 0
     while True:
         for c in children[row]:

@@ -55,3 +55,24 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **opti
                    f"BLAS {backend.blas_in_use})", err=True)
     engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, **options)
     return engine
+
+
+def quantspec_options(fn):
+    """Options of --mode quantspec (ignored by the other modes)."""
+    fn = click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64",
+                      show_default=True, help="quantspec: KV quantization group (tokens).")(fn)
+    fn = click.option("--buffer-size", type=int, default=None,
+                      help="quantspec: full-precision KV buffer, G..2G tokens (default 2G).")(fn)
+    fn = click.option("--weight-bits", type=click.Choice(["2", "3", "4", "8"]), default="4",
+                      show_default=True, help="quantspec: bits of the draft's weight copies.")(fn)
+    fn = click.option("--quantize", "quantize_layers", type=click.Choice(["mlp", "all"]),
+                      default="mlp", show_default=True,
+                      help="quantspec: which linear layers the draft runs in low precision.")(fn)
+    return fn
+
+
+def quantspec_kwargs(mode: str, group_size, buffer_size, weight_bits, quantize_layers) -> dict:
+    if mode != "quantspec":
+        return {}
+    return {"group_size": int(group_size), "buffer_size": buffer_size,
+            "weight_bits": int(weight_bits), "quantize": quantize_layers}

@@ -8,19 +8,28 @@ import sys
 import click
 
 from ..errors import MlxspecError
-from .common import exits_cleanly, load_engine, model_options, sampling_options
+from .common import (
+    exits_cleanly,
+    load_engine,
+    model_options,
+    quantspec_kwargs,
+    quantspec_options,
+    sampling_options,
+)
 
 
 @click.command()
 @model_options
 @sampling_options
+@quantspec_options
 @click.option("--prompt", "-p", default=None, help="Prompt text ('-' reads standard input).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read the prompt from a file.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @exits_cleanly
 def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-             prompt, prompt_file, chat, as_json):
+             group_size, buffer_size, weight_bits, quantize_layers, prompt, prompt_file, chat,
+             as_json):
     """Generate a completion of a prompt."""
     if (prompt is None) == (prompt_file is None):
         raise MlxspecError("give exactly one of --prompt or --prompt-file")
@@ -34,7 +43,9 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         prompt = sys.stdin.read()
     if not prompt:
         raise MlxspecError("the prompt is empty")
-    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
+    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
+                         **quantspec_kwargs(mode, group_size, buffer_size, weight_bits,
+                                            quantize_layers))
     if chat:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)

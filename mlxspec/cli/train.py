@@ -1,0 +1,21 @@
+"""`mlxspec train`: retrain the bundled target + draft pair, on the standard library or your code."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                 "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def train(args):
+    """Train a target + draft pair (the recipe of the bundled models).
+
+    Arguments go to `python -m mlxspec.recipe`: --out DIR, --target-minutes, --draft-minutes,
+    --seed, --corpus DIR (your own .py files), --smoke. `mlxspec train --help` lists them.
+    """
+    from ..recipe import main as recipe_main
+
+    sys.exit(recipe_main(list(args)))
