@@ -32,6 +32,8 @@ POST_ROUTES = {
     "/completions": "completion",
     "/v1/chat/completions": "chat",
     "/chat/completions": "chat",
+    "/v1/fim/completions": "fim",
+    "/fim/completions": "fim",
     "/infill": "infill",
     "/completion": "llama_completion",
 }
@@ -228,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
         start = time.perf_counter()
         try:
             body = self._read_body()
-            req = getattr(self.server.parser, kind)(body)
+            req = getattr(self.server.parser, "fim_completion" if kind == "fim" else kind)(body)
             job = self.server.worker.submit(req)
         except ApiError as e:
             self._send_error(e, path, close=e.status in (411, 413))
@@ -294,7 +296,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"")
         except OSError:
             raise ClientGone from None
-        if kind == "chat":
+        if kind in ("chat", "fim"):
             self._sse(P.chat_chunk(req, {"role": "assistant", "content": ""}, None))
         ev = first
         while True:
@@ -310,14 +312,14 @@ class Handler(BaseHTTPRequestHandler):
             ev = self._next_event(job)
 
     def _final_body(self, kind: str, req, text: str, done: Done) -> dict:
-        if kind == "chat":
+        if kind in ("chat", "fim"):
             return P.chat_body(req, text, done.finish_reason, done.usage)
         if kind == "completion":
             return P.completion_body(req, text, done.finish_reason, done.usage)
         return P.llama_body(req, text, done.finish_reason, done.usage, done.stopping_word)
 
     def _chunk(self, kind: str, req, text: str) -> dict:
-        if kind == "chat":
+        if kind in ("chat", "fim"):
             return P.chat_chunk(req, {"content": text}, None)
         if kind == "completion":
             return P.completion_chunk(req, text, None)
@@ -325,13 +327,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def _finish_stream(self, kind: str, req, done: Done) -> None:
         usage: Usage = done.usage
-        if kind in ("chat", "completion"):
-            if kind == "chat":
+        if kind in ("chat", "fim", "completion"):
+            chat = kind != "completion"
+            if chat:
                 self._sse(P.chat_chunk(req, {}, done.finish_reason))
             else:
                 self._sse(P.completion_chunk(req, "", done.finish_reason))
             if req.include_usage:
-                make = P.chat_chunk if kind == "chat" else P.completion_chunk
+                make = P.chat_chunk if chat else P.completion_chunk
                 self._sse(make(req, None, None, usage))
             self._sse("[DONE]")
         else:  # llama.cpp streams end with the full final object, stop = true, no [DONE]

@@ -366,6 +366,21 @@ class RequestParser:
         req.truncated = truncated
         return req
 
+    def fim_completion(self, body: dict) -> GenRequest:
+        """`/v1/fim/completions` (Mistral / DeepSeek style, what Continue's generic OpenAI
+        provider calls for FIM): `prompt` is the prefix, `suffix` the suffix; chat-shaped
+        answers."""
+        prompt, suffix = body.get("prompt"), body.get("suffix") or ""
+        if not isinstance(prompt, str):
+            raise bad("'prompt' (the text before the cursor) must be a string", "prompt")
+        if not isinstance(suffix, str):
+            raise bad("'suffix' must be a string", "suffix")
+        ids, truncated = self._fim(prompt, suffix, body)
+        req = self._common(body, "fim", ids, max_tokens_keys=("max_tokens", "n_predict"),
+                           allow_warmup=True)
+        req.truncated = truncated
+        return req
+
     def chat(self, body: dict) -> GenRequest:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -1,0 +1,200 @@
+"""Where speculation stops paying in `mlxspec serve`: mean latency and aggregate tokens/s
+against the number of concurrent clients, speculative vs plain decoding.
+
+    python bench/bench_server.py                       # the bundled model (else a random one)
+    python bench/bench_server.py --model DIR --clients 1,2,4,8 --requests 3 --max-tokens 64
+
+For each configuration a real server runs in this process on a free loopback port, and N client
+threads each send R greedy `/v1/completions` requests one after another (closed loop).
+Configurations:
+
+- `spec`   every request speculative (`--spec-max-concurrency 1000`): the worker interleaves
+           the requests' speculative steps, one target forward each, round robin;
+- `plain`  every request plain decoding, batched by mlx-lm's BatchGenerator
+           (`--spec-max-concurrency 0`): one forward per step for all active requests;
+- `hybrid` the server's default policy (`--spec-max-concurrency 2`): speculative up to two
+           active requests, batched plain decoding above.
+
+The workload is input-grounded (what editors send): each prompt is a held-out standard-library
+function followed by its first lines again, so the answer continues text found in the prompt.
+Prints a Markdown table (and JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
+from mlxspec.server.app import make_server  # noqa: E402
+
+CONFIGS = {"spec": 1000, "plain": 0, "hybrid": 2}
+
+
+def workload(n: int, max_chars: int = 1200) -> list[str]:
+    """Input-grounded prompts: a function, then its first lines again (to be continued)."""
+    sources: list[str] = []
+    try:
+        from mlxspec.recipe.heldout import heldout_functions
+
+        sources = [src for _, _, src in heldout_functions(n=4 * n)]
+    except Exception:
+        pass
+    if len(sources) < n:  # no standard library sources: the project's own code
+        for p in sorted((ROOT / "mlxspec").rglob("*.py")):
+            text = p.read_text()
+            for block in text.split("\n\n\n"):
+                if block.lstrip().startswith("def ") and 200 < len(block) < max_chars:
+                    sources.append(block.strip() + "\n")
+    prompts = []
+    for src in sources:
+        src = src[:max_chars]
+        lines = src.splitlines(keepends=True)
+        head = "".join(lines[: max(1, len(lines) // 4)])
+        prompts.append(f"# original\n{src}\n\n# copy\n{head}")
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def random_model_dir() -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import build_model, save_model_dir, train_tiny_tokenizer
+
+    d = Path(tempfile.mkdtemp(prefix="mlxspec-bench-")) / "random"
+    model, cfg = build_model("qwen2", seed=3, layers=4, hidden=256, heads=8, kv_heads=4,
+                             vocab=1024, scale=4.0, max_pos=4096)
+    cfg["eos_token_id"] = 0
+    save_model_dir(model, cfg, d)
+    train_tiny_tokenizer(d, vocab=1024)
+    return d
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {data}")
+    return time.perf_counter() - start, data["usage"]
+
+
+def run_config(engine, spec_max: int, clients: int, requests: int, prompts: list[str],
+               max_tokens: int) -> dict:
+    srv = make_server(engine, "127.0.0.1", 0, spec_max_concurrency=spec_max, max_batch=8)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        one_request(srv.url, prompts[-1], 4)  # warm-up (compiles, allocates)
+        srv.worker.cache.clear()
+        latencies, usages, errors = [], [], []
+        lock = threading.Lock()
+
+        def client(c: int) -> None:
+            for r in range(requests):
+                prompt = prompts[(c * requests + r) % len(prompts)]
+                try:
+                    t, u = one_request(srv.url, prompt, max_tokens)
+                except Exception as e:  # reported, not hidden
+                    with lock:
+                        errors.append(str(e))
+                    continue
+                with lock:
+                    latencies.append(t)
+                    usages.append(u)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    tokens = sum(u["completion_tokens"] for u in usages)
+    drafted = sum(u["speculative"]["drafted_tokens"] for u in usages)
+    accepted = sum(u["speculative"]["accepted_tokens"] for u in usages)
+    return {
+        "clients": clients, "requests": len(latencies), "errors": errors,
+        "mean_latency_s": statistics.mean(latencies) if latencies else float("nan"),
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "batched": sum(u["speculative"]["batched"] for u in usages),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: bundled, else random)")
+    ap.add_argument("--mode", default="ngram", help="speculation mode of the spec runs")
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--configs", default="spec,plain,hybrid")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    model = args.model
+    label = model
+    if model is None:
+        try:
+            from mlxspec.models import bundled_model_path
+
+            model = str(bundled_model_path("target"))
+            label = f"bundled ({model})"
+        except Exception:
+            model = str(random_model_dir())
+            label = f"random-weight qwen2 (d=256, 4 layers, vocab 1024) at {model}"
+    engine = mlxspec.load(model, mode=args.mode)
+    clients = [int(c) for c in args.clients.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    prompts = workload(max(clients) * args.requests + 1)
+    print(f"model: {label}; mode {args.mode}, k={engine.num_draft}; {args.requests} requests of "
+          f"{args.max_tokens} tokens per client; greedy", file=sys.stderr)
+    results: dict[str, list[dict]] = {}
+    for cfg in configs:
+        results[cfg] = []
+        for n in clients:
+            r = run_config(engine, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
+            results[cfg].append(r)
+            print(f"{cfg:6s} clients={n}: latency {r['mean_latency_s']:.2f}s, "
+                  f"{r['tokens_per_s']:.1f} tok/s, acceptance {r['acceptance']:.2f}, "
+                  f"batched {r['batched']}/{r['requests']}, errors {len(r['errors'])}",
+                  file=sys.stderr)
+
+    head = "| clients |" + "".join(f" {c} latency (s) | {c} tok/s |" for c in configs)
+    print(head)
+    print("|---:|" + "---:|---:|" * len(configs))
+    for i, n in enumerate(clients):
+        row = f"| {n} |"
+        for c in configs:
+            r = results[c][i]
+            row += f" {r['mean_latency_s']:.2f} | {r['tokens_per_s']:.1f} |"
+        print(row)
+    if "spec" in results:
+        acc = ", ".join(f"{r['acceptance']:.2f}" for r in results["spec"])
+        print(f"\nn-gram acceptance in the spec runs (by clients): {acc}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": label, "args": vars(args),
+                                               "results": results}, indent=2))
+    return 0 if all(not r["errors"] for rs in results.values() for r in rs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

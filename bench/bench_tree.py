@@ -1,0 +1,166 @@
+"""Chain n-gram vs tree n-gram vs lookahead: tokens per target forward and tokens/s.
+
+    python bench/bench_tree.py                       # bundled models/target if present
+    python bench/bench_tree.py --random              # random-weight llama (no bundled model)
+    python bench/bench_tree.py --grid                # also sweep lookahead (W, N, G)
+
+Every mode decodes exactly --max-tokens greedy tokens per prompt (EOS ignored) after the prompt
+is prefilled outside the timed region; outputs are checked token-identical to plain decoding.
+Plain decoding is mlx-lm's pipelined `generate_step`; speculative modes run
+`mlxspec.tree.tree_decode` (the engine's loop with the tree branch), chain n-gram included, so
+the comparison between proposers is like for like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlxspec  # noqa: E402,F401  (OpenBLAS before mlx.core)
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from mlxspec.proposers.lookahead import LookaheadProposer  # noqa: E402
+from mlxspec.proposers.ngram import NgramProposer  # noqa: E402
+from mlxspec.proposers.ngram_tree import TreeNgramProposer  # noqa: E402
+from mlxspec.sampling import SamplingParams  # noqa: E402
+from mlxspec.stats import Stats  # noqa: E402
+from mlxspec.tree import tree_decode  # noqa: E402
+
+
+def load_target(random_model: bool, path: str | None):
+    if not random_model:
+        p = Path(path) if path else ROOT / "models" / "target"
+        if (p / "config.json").exists():
+            from mlxspec.engine import load_model
+
+            model, tok, _, _ = load_model(str(p))
+            return model, tok, f"bundled:{p.name}"
+        print(f"# no model at {p}; using a random-weight model", file=sys.stderr)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import build_model
+
+    model, _ = build_model("llama", seed=11, scale=4.0, hidden=384, layers=6, heads=6,
+                           kv_heads=2, vocab=8192)
+    return model, None, "random llama d=384 L=6 V=8k"
+
+
+def workloads(tok, n: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+    if tok is None:
+        rep, non = [], []
+        for _ in range(n):
+            unit = [rng.randrange(1, 8192) for _ in range(rng.randint(3, 12))]
+            rep.append((unit * 20)[: rng.randint(40, 120)])
+            non.append([rng.randrange(1, 8192) for _ in range(rng.randint(20, 120))])
+        return {"repetitive": rep, "non-repetitive": non}
+    from mlxspec.bench.workloads import build_workload
+
+    out = {}
+    for name, label in [("completion", "code-completion"), ("edit", "edit"),
+                        ("chat", "chat")]:
+        items = build_workload(name, n, seed=seed)
+        out[label] = [tok.encode(it.prompt) for it in items]
+    return out
+
+
+def run_plain(model, prompt, max_tokens):
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    start = time.perf_counter()
+    out = [t for t, _ in generate_step(mx.array(prompt[-1:], mx.uint32), model,
+                                       max_tokens=max_tokens, prompt_cache=cache)]
+    return out, time.perf_counter() - start, len(out)
+
+
+def run_spec(model, prompt, max_tokens, proposer, num_draft):
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    stats = Stats()
+    proposer.reset(prompt, SamplingParams())
+    start = time.perf_counter()
+    out = []
+    for new in tree_decode(model, cache, list(prompt), proposer, SamplingParams(), max_tokens,
+                           mx.random.key(0), num_draft=num_draft, stats=stats):
+        out += new
+    return out, time.perf_counter() - start, stats.target_forwards, stats
+
+
+def bench(model, prompts, max_tokens, configs):
+    rows = {}
+    ref = {}
+    t_plain = n_plain = 0.0
+    for i, p in enumerate(prompts):
+        out, t, _ = run_plain(model, p, max_tokens)
+        ref[i] = out
+        t_plain += t
+        n_plain += len(out)
+    rows["none"] = {"tok_per_fwd": 1.0, "tps": n_plain / t_plain, "speedup": 1.0,
+                    "identical": True}
+    for label, (factory, k) in configs.items():
+        tot_t = tot_n = tot_f = drafted = 0
+        same = True
+        for i, p in enumerate(prompts):
+            out, t, f, st = run_spec(model, p, max_tokens, factory(), k)
+            same &= out == ref[i]
+            tot_t += t
+            tot_n += len(out)
+            tot_f += f
+            drafted += st.drafted
+        rows[label] = {"tok_per_fwd": tot_n / tot_f, "tps": tot_n / tot_t,
+                       "speedup": (tot_n / tot_t) / rows["none"]["tps"], "identical": same,
+                       "nodes_per_fwd": drafted / tot_f}
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random", action="store_true")
+    ap.add_argument("--model")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-draft", type=int, default=4)
+    ap.add_argument("--grid", action="store_true", help="sweep lookahead (W, N, G)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model, tok, name = load_target(args.random, args.model)
+    k = args.num_draft
+    configs = {
+        f"ngram chain k={k}": (lambda: NgramProposer(), k),
+        f"ngram tree k={k} B=8": (lambda: TreeNgramProposer(budget=8), k),
+        f"ngram tree k={k} B=16": (lambda: TreeNgramProposer(budget=16), k),
+        f"ngram tree k={k} B=32": (lambda: TreeNgramProposer(budget=32), k),
+        "lookahead default": (lambda: LookaheadProposer(model), 8),
+    }
+    if args.grid:
+        for w, n, g in [(2, 3, 2), (4, 3, 4), (4, 4, 4), (6, 4, 6), (8, 4, 8), (5, 5, 5),
+                        (8, 5, 8), (15, 5, 15), (3, 4, 8), (0, 4, 8)]:
+            configs[f"lookahead W={w} N={n} G={g}"] = (
+                lambda w=w, n=n, g=g: LookaheadProposer(model, w, n, g), 8)
+    report = {"model": name, "max_tokens": args.max_tokens, "prompts": args.prompts,
+              "workloads": {}}
+    for wname, prompts in workloads(tok, args.prompts).items():
+        rows = bench(model, prompts, args.max_tokens, configs)
+        report["workloads"][wname] = rows
+        print(f"\n## {wname} ({name}, {args.prompts} prompts x {args.max_tokens} tokens)")
+        print("| mode | tokens/forward | nodes/forward | tokens/s | vs none | identical |")
+        print("|---|---|---|---|---|---|")
+        for label, r in rows.items():
+            print(f"| {label} | {r['tok_per_fwd']:.2f} | {r.get('nodes_per_fwd', 0):.1f} | "
+                  f"{r['tps']:.1f} | {r['speedup']:.2f}x | {r['identical']} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
