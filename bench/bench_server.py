@@ -94,39 +94,35 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
     return time.perf_counter() - start, data["usage"]
 
 
-def run_config(engine, spec_max: int, clients: int, requests: int, prompts: list[str],
+def run_config(srv, spec_max: int, clients: int, requests: int, prompts: list[str],
                max_tokens: int) -> dict:
-    srv = make_server(engine, "127.0.0.1", 0, spec_max_concurrency=spec_max, max_batch=8)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        one_request(srv.url, prompts[-1], 4)  # warm-up (compiles, allocates)
-        srv.worker.cache.clear()
-        latencies, usages, errors = [], [], []
-        lock = threading.Lock()
+    # One server (one worker thread) for all runs; the policy threshold is set per run.
+    srv.worker.spec_max_concurrency = spec_max
+    one_request(srv.url, prompts[-1], 4)  # warm-up (compiles, allocates)
+    srv.worker.cache.clear()
+    latencies, usages, errors = [], [], []
+    lock = threading.Lock()
 
-        def client(c: int) -> None:
-            for r in range(requests):
-                prompt = prompts[(c * requests + r) % len(prompts)]
-                try:
-                    t, u = one_request(srv.url, prompt, max_tokens)
-                except Exception as e:  # reported, not hidden
-                    with lock:
-                        errors.append(str(e))
-                    continue
+    def client(c: int) -> None:
+        for r in range(requests):
+            prompt = prompts[(c * requests + r) % len(prompts)]
+            try:
+                t, u = one_request(srv.url, prompt, max_tokens)
+            except Exception as e:  # reported, not hidden
                 with lock:
-                    latencies.append(t)
-                    usages.append(u)
+                    errors.append(str(e))
+                continue
+            with lock:
+                latencies.append(t)
+                usages.append(u)
 
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
     tokens = sum(u["completion_tokens"] for u in usages)
     drafted = sum(u["speculative"]["drafted_tokens"] for u in usages)
     accepted = sum(u["speculative"]["accepted_tokens"] for u in usages)
@@ -167,17 +163,21 @@ def main(argv=None) -> int:
     prompts = workload(max(clients) * args.requests + 1)
     print(f"model: {label}; mode {args.mode}, k={engine.num_draft}; {args.requests} requests of "
           f"{args.max_tokens} tokens per client; greedy", file=sys.stderr)
+    srv = make_server(engine, "127.0.0.1", 0, max_batch=max(8, max(clients)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     results: dict[str, list[dict]] = {}
     for cfg in configs:
         results[cfg] = []
         for n in clients:
-            r = run_config(engine, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
+            r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
             results[cfg].append(r)
             print(f"{cfg:6s} clients={n}: latency {r['mean_latency_s']:.2f}s, "
                   f"{r['tokens_per_s']:.1f} tok/s, acceptance {r['acceptance']:.2f}, "
                   f"batched {r['batched']}/{r['requests']}, errors {len(r['errors'])}",
                   file=sys.stderr)
 
+    srv.shutdown()
+    srv.server_close()
     head = "| clients |" + "".join(f" {c} latency (s) | {c} tok/s |" for c in configs)
     print(head)
     print("|---:|" + "---:|---:|" * len(configs))

@@ -6,7 +6,9 @@
 
 Every mode decodes exactly --max-tokens greedy tokens per prompt (EOS ignored) after the prompt
 is prefilled outside the timed region; outputs are checked token-identical to plain decoding.
-Plain decoding is mlx-lm's pipelined `generate_step`; speculative modes run
+"modelled vs none" replaces wall time, which a busy machine makes noisy, by the median forward
+cost of each step's input size (measured first, interleaved): (tokens / sum of step costs) over
+(1 / cost of a one-token forward). Plain decoding is mlx-lm's pipelined `generate_step`; speculative modes run
 `mlxspec.tree.tree_decode` (the engine's loop with the tree branch), chain n-gram included, so
 the comparison between proposers is like for like.
 """
@@ -23,7 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import mlxspec  # noqa: E402,F401  (OpenBLAS before mlx.core)
+import mlxspec  # noqa: E402  (loads OpenBLAS: must precede mlx.core)
+
+assert mlxspec
+
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
@@ -82,11 +87,58 @@ def run_plain(model, prompt, max_tokens):
     return out, time.perf_counter() - start, len(out)
 
 
+class StepStats(Stats):
+    """Stats that also keep the number of nodes each target forward verified."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes_per_step: list[int] = []
+
+    def record_step(self, source, drafted, accepted, emitted):
+        super().record_step(source, drafted, accepted, emitted)
+        self.nodes_per_step.append(drafted)
+
+
+def forward_cost(model, sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), context=128, rounds=7):
+    """Median seconds of one tree forward over T input tokens (root + T-1 nodes) on a cache of
+    `context` tokens, T in `sizes`, measured in interleaved rounds (robust to background load)."""
+    import numpy as np
+
+    from mlxspec.tree import tree_forward
+
+    rng = random.Random(0)
+    vocab = model.args.vocab_size
+    cache = make_prompt_cache(model)
+    model(mx.array([rng.randrange(vocab) for _ in range(context)], mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    times = {t: [] for t in sizes}
+    for _ in range(rounds):
+        for t in sizes:
+            parents = [-1] + [rng.randrange(-1, i) for i in range(1, t - 1)] if t > 1 else []
+            toks = [rng.randrange(vocab) for _ in parents]
+            start = time.perf_counter()
+            mx.eval(tree_forward(model, cache, 1, toks, parents))
+            times[t].append(time.perf_counter() - start)
+            for c in cache:
+                c.trim(t)
+    return {t: float(np.median(v)) for t, v in times.items()}
+
+
+def cost_of(costs: dict, tokens: int) -> float:
+    sizes = sorted(costs)
+    if tokens <= sizes[0]:
+        return costs[sizes[0]]
+    for a, b in zip(sizes, sizes[1:]):
+        if tokens <= b:
+            return costs[a] + (costs[b] - costs[a]) * (tokens - a) / (b - a)
+    return costs[sizes[-1]] * tokens / sizes[-1]
+
+
 def run_spec(model, prompt, max_tokens, proposer, num_draft):
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
     mx.eval([c.state for c in cache])
-    stats = Stats()
+    stats = StepStats()
     proposer.reset(prompt, SamplingParams())
     start = time.perf_counter()
     out = []
@@ -96,7 +148,7 @@ def run_spec(model, prompt, max_tokens, proposer, num_draft):
     return out, time.perf_counter() - start, stats.target_forwards, stats
 
 
-def bench(model, prompts, max_tokens, configs):
+def bench(model, prompts, max_tokens, configs, costs):
     rows = {}
     ref = {}
     t_plain = n_plain = 0.0
@@ -106,9 +158,10 @@ def bench(model, prompts, max_tokens, configs):
         t_plain += t
         n_plain += len(out)
     rows["none"] = {"tok_per_fwd": 1.0, "tps": n_plain / t_plain, "speedup": 1.0,
-                    "identical": True}
+                    "identical": True, "est_speedup": 1.0}
     for label, (factory, k) in configs.items():
         tot_t = tot_n = tot_f = drafted = 0
+        est = 0.0  # modelled decode seconds: forward cost of each step's input size
         same = True
         for i, p in enumerate(prompts):
             out, t, f, st = run_spec(model, p, max_tokens, factory(), k)
@@ -117,9 +170,11 @@ def bench(model, prompts, max_tokens, configs):
             tot_n += len(out)
             tot_f += f
             drafted += st.drafted
+            est += sum(cost_of(costs, d + 1) for d in st.nodes_per_step)
         rows[label] = {"tok_per_fwd": tot_n / tot_f, "tps": tot_n / tot_t,
                        "speedup": (tot_n / tot_t) / rows["none"]["tps"], "identical": same,
-                       "nodes_per_fwd": drafted / tot_f}
+                       "nodes_per_fwd": drafted / tot_f,
+                       "est_speedup": tot_n * cost_of(costs, 1) / est}
     return rows
 
 
@@ -149,15 +204,20 @@ def main():
                 lambda w=w, n=n, g=g: LookaheadProposer(model, w, n, g), 8)
     report = {"model": name, "max_tokens": args.max_tokens, "prompts": args.prompts,
               "workloads": {}}
+    costs = forward_cost(model)
+    report["forward_ms"] = {t: round(c * 1e3, 2) for t, c in costs.items()}
+    print("# forward ms by input tokens:", report["forward_ms"])
     for wname, prompts in workloads(tok, args.prompts).items():
-        rows = bench(model, prompts, args.max_tokens, configs)
+        rows = bench(model, prompts, args.max_tokens, configs, costs)
         report["workloads"][wname] = rows
         print(f"\n## {wname} ({name}, {args.prompts} prompts x {args.max_tokens} tokens)")
-        print("| mode | tokens/forward | nodes/forward | tokens/s | vs none | identical |")
-        print("|---|---|---|---|---|---|")
+        print("| mode | tokens/forward | nodes/forward | tokens/s | vs none | modelled vs none "
+              "| identical |")
+        print("|---|---|---|---|---|---|---|")
         for label, r in rows.items():
             print(f"| {label} | {r['tok_per_fwd']:.2f} | {r.get('nodes_per_fwd', 0):.1f} | "
-                  f"{r['tps']:.1f} | {r['speedup']:.2f}x | {r['identical']} |", flush=True)
+                  f"{r['tps']:.1f} | {r['speedup']:.2f}x | {r['est_speedup']:.2f}x | "
+                  f"{r['identical']} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

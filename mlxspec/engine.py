@@ -47,19 +47,14 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
             return mx.argmax(logits, axis=-1)
         return sample(probs_from_logits(logits, sampling), step_key)
 
-    key_holder = [key]
-
-    def next_key() -> mx.array:
-        key_holder[0], sub = mx.random.split(key_holder[0])
-        return sub
-
-    y = step(mx.array([context[-1]], mx.uint32), next_key())
+    keys = mx.random.split(key, max_tokens + 1) if not sampling.greedy else [None] * (max_tokens + 1)
+    y = step(mx.array([context[-1]], mx.uint32), keys[0])
     mx.async_eval(y)
     fed_last = False  # whether the cache already holds the last emitted token
     try:
         for n in range(1, max_tokens + 1):
             if n < max_tokens:
-                next_y = step(y, next_key())
+                next_y = step(y, keys[n])
                 mx.async_eval(next_y)
             token = y.item()
             fed_last = n < max_tokens
