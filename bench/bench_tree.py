@@ -195,13 +195,17 @@ def main():
         f"ngram tree k={k} B=8": (lambda: TreeNgramProposer(budget=8), k),
         f"ngram tree k={k} B=16": (lambda: TreeNgramProposer(budget=16), k),
         f"ngram tree k={k} B=32": (lambda: TreeNgramProposer(budget=32), k),
-        "lookahead default": (lambda: LookaheadProposer(model), 8),
+        "lookahead default": (lambda: LookaheadProposer(model), k),
     }
     if args.grid:
         for w, n, g in [(2, 3, 2), (4, 3, 4), (4, 4, 4), (6, 4, 6), (8, 4, 8), (5, 5, 5),
-                        (8, 5, 8), (15, 5, 15), (3, 4, 8), (0, 4, 8)]:
+                        (8, 5, 8), (15, 5, 15), (3, 4, 8), (0, 4, 8), (2, 4, 4), (1, 3, 4)]:
             configs[f"lookahead W={w} N={n} G={g}"] = (
-                lambda w=w, n=n, g=g: LookaheadProposer(model, w, n, g), 8)
+                lambda w=w, n=n, g=g: LookaheadProposer(model, w, n, g), k)
+        configs["lookahead W=4 N=4 G=4 candidates-only"] = (
+            lambda: LookaheadProposer(model, 4, 4, 4, verify_window=False), k)
+        configs["lookahead W=4 N=4 G=4 no-output-pool"] = (
+            lambda: LookaheadProposer(model, 4, 4, 4, pool_from_output=False), k)
     report = {"model": name, "max_tokens": args.max_tokens, "prompts": args.prompts,
               "workloads": {}}
     costs = forward_cost(model)

@@ -96,15 +96,17 @@ class TrieBuilder:
             self.parents.append(parent)
         return node
 
-    def add_path(self, path, parent: int = -1, budget: int | None = None) -> int:
+    def add_path(self, path, parent: int = -1, budget: int | None = None) -> list[int]:
         """Insert a path under `parent`; stop before the tree exceeds `budget` nodes. Returns
-        how many of the path's tokens are in the tree."""
-        for depth, token in enumerate(path):
+        the nodes of the path's tokens that are in the tree."""
+        nodes = []
+        for token in path:
             existing = self._index.get((parent, token))
             if existing is None and budget is not None and len(self.tokens) >= budget:
-                return depth
+                break
             parent = existing if existing is not None else self.add(parent, token)
-        return len(path)
+            nodes.append(parent)
+        return nodes
 
 
 # ----------------------------------------------------------------------------- adapters

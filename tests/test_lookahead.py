@@ -193,3 +193,30 @@ def test_lookahead_sampled_is_exact():
         counts[out[0], out[1]] += 1
     assert stats.accepted > trials // 10  # multi-token steps were exercised
     assert chi2_pvalue(counts.ravel(), expected.ravel()) > 1e-3
+
+
+def test_bundled_model_greedy_is_token_identical():
+    """Greedy lookahead and tree n-gram on the bundled model, 50 prompts (when it exists)."""
+    from mlxspec.models import bundled_model_path
+
+    try:
+        path = bundled_model_path("target")
+    except Exception:
+        path = None
+    if path is None or not (path / "config.json").exists():
+        pytest.skip("no bundled model yet")
+    from mlxspec.bench.workloads import build_workload
+    from mlxspec.engine import Engine, load_model
+    from mlxspec.proposers.ngram_tree import TreeNgramProposer
+
+    model, tok, _, _ = load_model(str(path))
+    plain = Engine(model, tok, mode="none")
+    items = build_workload("completion", 25, seed=1) + build_workload("chat", 25, seed=1)
+    stats = Stats()
+    for item in items:
+        prompt = tok.encode(item.prompt)[-160:]
+        want = plain.generate(prompt, max_tokens=16).tokens
+        for factory in (lambda: LookaheadProposer(model), lambda: TreeNgramProposer()):
+            got = generate_with(model, factory, prompt, 16, SamplingParams(), stats=stats)
+            assert got[: len(want)] == want  # `want` stops at EOS; ours does not
+    assert stats.accepted > 0

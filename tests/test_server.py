@@ -32,6 +32,7 @@ VIM_EXTRA = [{"text": "def common_prefix_len(a, b):\n    n = 0\n", "time": [1, 0
 VIM_PREFIX = "def generate(self, prompt, **kwargs):\n"
 VIM_MIDDLE = "    text, tokens = "
 VIM_SUFFIX = "\n    return GenerationResult(text)\n"
+CHUNKED = "# a prompt prefilled in chunks\n" + VIM_PREFIX * 3 + CONTINUE_PREFIX
 CONCURRENT = [f"def step_{i}(self, tokens):\n    return {i} + " for i in range(8)]
 
 
@@ -127,6 +128,11 @@ def ref(model_dirs):
         "continue_ids": continue_ids, "continue": gen(continue_ids, 24),
         "vim_ids": vim_ids, "vim": gen(vim_ids, 24),
         "concurrent": [gen(p, 12) for p in CONCURRENT],
+        "chunked": gen(CHUNKED, 16), "chunked_ids": engine.encode(CHUNKED),
+        # A prompt whose greedy answer runs 200 tokens without an end-of-sequence token, for
+        # the cancellation tests (a random model's answer may otherwise end at once).
+        "long": next((p for p in [CODE] + CONCURRENT
+                      if gen(p, 200).finish_reason == "length"), None),
     }
     return out
 
@@ -202,6 +208,58 @@ def test_speculative_override_and_prompt_cache(server, client, ref):
     assert r.usage.prompt_tokens_details.cached_tokens >= len(ref["code_ids"]) - 1
 
 
+def stop_case(text: str) -> tuple[str, str]:
+    """A stop string from the middle of `text` and the text the answer must end before."""
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    return stop, text[: text.find(stop)]
+
+
+def test_stop_strings(server, client, ref):
+    stop, want = stop_case(ref["code"].text)
+    r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+
+
+def test_batched_plain_path(server, client, ref, monkeypatch):
+    """With --spec-max-concurrency 0 every request runs in mlx-lm's BatchGenerator: the same
+    greedy text, stop strings, streaming, usage."""
+    monkeypatch.setattr(server.worker, "spec_max_concurrency", 0)
+    r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0)
+    assert r.choices[0].text == ref["code"].text
+    assert r.usage.model_extra["speculative"]["batched"] is True
+    assert r.usage.completion_tokens == len(ref["code"].tokens)
+    stop, want = stop_case(ref["code"].text)
+    r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0,
+                                  stop=[stop], stream=True)
+    chunks = list(r)
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="mlxspec", messages=CHAT, max_tokens=40,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref["chat"].text
+
+
+def test_long_prompt_prefilled_in_chunks(server, client, ref, monkeypatch):
+    """A long prompt is prefilled a chunk per worker round (other streams go on meanwhile);
+    the answer is unchanged and the chunks are not reported as cached."""
+    monkeypatch.setattr(server.worker, "prefill_chunk", 8)
+    chunk = server.worker._prefill_chunk
+    chunks = []
+
+    def counting(job):
+        did = chunk(job)
+        chunks.append(did)
+        return did
+
+    monkeypatch.setattr(server.worker, "_prefill_chunk", counting)
+    assert len(ref["chunked_ids"]) > 3 * 8
+    r = client.completions.create(model="mlxspec", prompt=CHUNKED, max_tokens=16, temperature=0)
+    assert r.choices[0].text == ref["chunked"].text
+    assert r.usage.prompt_tokens_details.cached_tokens < 8  # at most a shared first chunk
+    assert sum(chunks) >= 3
+
+
 def test_chat_and_streaming(server, client, ref):
     r = client.chat.completions.create(model=server.config.model_name, messages=CHAT,
                                        max_tokens=40, temperature=0)
@@ -274,6 +332,17 @@ def test_continue_fim_completion_with_suffix(server, ref):
     events = sse_events(payload)
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]
                    if e["choices"]) == text
+
+
+def test_tabby_raw_fim_prompt(server, ref):
+    """Tabby's `openai/completion` backend formats `prompt_template` itself: the FIM tokens
+    arrive as text and must become the special tokens."""
+    prompt = f"<|fim_prefix|>{CONTINUE_PREFIX}<|fim_suffix|>{CONTINUE_SUFFIX}<|fim_middle|>"
+    status, payload = post(server.url, "/v1/completions",
+                           {"model": "mlxspec", "prompt": prompt, "max_tokens": 24,
+                            "temperature": 0.0, "stream": False, "presence_penalty": 0.0})
+    assert status == 200 and server.worker.last_prompt == ref["continue_ids"]
+    assert json.loads(payload)["choices"][0]["text"] == ref["continue"].text
 
 
 def test_continue_llama_cpp_provider(server, ref):
@@ -365,13 +434,20 @@ def test_eight_concurrent_clients(server, client, ref):
         assert r.usage.completion_tokens == len(want.tokens)
     batched = [r.usage.model_extra["speculative"]["batched"] for r in results]
     assert any(batched) and not all(batched)  # above --spec-max-concurrency: plain, batched
+    # A batched request's KV cache is kept too: its next turn reuses it.
+    i = batched.index(True)
+    r = client.completions.create(model="mlxspec", prompt=CONCURRENT[i] + results[i].choices[0].text,
+                                  max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= len(ref["enc"](CONCURRENT[i]))
 
 
-def test_disconnect_mid_stream_frees_the_worker(server, client):
+def test_disconnect_mid_stream_frees_the_worker(server, client, ref):
+    if ref["long"] is None:
+        pytest.skip("no prompt with a long answer for this random model")
     cancels = server.metrics.cancels
     sock = socket.create_connection(server.server_address[:2], timeout=30)
-    body = json.dumps({"prompt": CODE, "max_tokens": 480, "stream": True,
-                       "temperature": 0.7, "seed": 1}).encode()
+    body = json.dumps({"prompt": ref["long"], "max_tokens": 200, "stream": True,
+                       "temperature": 0}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     got = b""
@@ -385,6 +461,32 @@ def test_disconnect_mid_stream_frees_the_worker(server, client):
     assert wait_idle(server)
     assert server.metrics.cancels == cancels + 1
     assert server.metrics.disconnects >= 1
+
+
+def test_cancelled_non_streaming_request(server, client, ref, monkeypatch):
+    """Editors kill their request (llama.vim kills curl) when the cursor moves on."""
+    if ref["long"] is None:
+        pytest.skip("no prompt with a long answer for this random model")
+    step = server.worker._step_engine
+
+    def slow_step(job):  # a tiny model answers 200 tokens faster than a client can hang up
+        time.sleep(0.01)
+        step(job)
+
+    monkeypatch.setattr(server.worker, "_step_engine", slow_step)
+    cancels = server.metrics.cancels
+    sock = socket.create_connection(server.server_address[:2], timeout=30)
+    body = json.dumps({"prompt": ref["long"], "n_predict": 200, "temperature": 0}).encode()
+    sock.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    end = time.time() + 10
+    while server.worker.active() == 0 and time.time() < end:
+        time.sleep(0.005)
+    sock.close()
+    r = client.completions.create(model="mlxspec", prompt="y = ", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert wait_idle(server)
+    assert server.metrics.cancels == cancels + 1
 
 
 BAD = [
@@ -428,6 +530,10 @@ def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, re
                  b"2\r\n{}\r\n0\r\n\r\n")
     assert sock.recv(100).startswith(b"HTTP/1.1 411")
     sock.close()
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    conn.request("GET", "/v1/completions")
+    assert conn.getresponse().status == 405
+    conn.close()
     r = client.completions.create(model=server.config.model_name, prompt=CODE, max_tokens=24,
                                   temperature=0)
     assert r.choices[0].text == ref["code"].text
@@ -450,20 +556,25 @@ def test_metrics(server, client):
     assert 'mlxspec_requests_total{endpoint="/v1/completions",code="200"}' in text
 
 
-def test_model_without_fim_tokens_gets_400(llama_pair):
+def test_model_without_fim_tokens_and_api_key(llama_pair):
     from conftest import make_engine
 
     engine = make_engine(llama_pair[0], "ngram")  # byte tokenizer: no FIM tokens
-    srv = make_server(engine, "127.0.0.1", 0)
+    srv = make_server(engine, "127.0.0.1", 0, api_key="sekret")
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    auth = {"Authorization": "Bearer sekret"}
     try:
         status, payload = post(srv.url, "/v1/completions",
-                               {"prompt": "def f(", "suffix": "):\n", "max_tokens": 4})
+                               {"prompt": "def f(", "suffix": "):\n", "max_tokens": 4}, headers=auth)
         assert status == 400 and "fill-in-the-middle" in json.loads(payload)["error"]["message"]
-        status, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []))
+        status, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []), headers=auth)
         assert status == 400
-        status, payload = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
-        assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 4
+        status, _ = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
+        assert status == 401
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert c.completions.create(model="mlxspec", prompt="abc", max_tokens=4).usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
     finally:
         srv.shutdown()
         srv.server_close()
@@ -494,3 +605,43 @@ def test_cli_serve_starts_on_loopback(model_dirs):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_small_pieces():
+    from mlxspec.cli.serve import parse_size
+    from mlxspec.server.protocol import pick_fields
+    from mlxspec.server.worker import TextStream
+
+    assert parse_size("2GB") == 2 << 30 and parse_size("512mb") == 512 << 20
+    assert parse_size("1000") == 1000
+    body = {"content": "x", "timings": {"prompt_n": 3, "draft_n": 2}, "stop": True}
+    assert pick_fields(body, ["content", "timings/prompt_n", "nope", ""]) == {
+        "content": "x", "timings/prompt_n": 3}
+
+    class Detok:  # one character per token
+        def __init__(self):
+            self.text, self.last_segment = "", ""
+
+        def reset(self):
+            self.text = ""
+
+        def add_token(self, t):
+            self.last_segment += chr(t)
+
+        def finalize(self):
+            pass
+
+    class Tok:
+        @property
+        def detokenizer(self):
+            return Detok()
+
+    ts = TextStream(Tok(), ["END"])
+    out = []
+    for ch in "abcENxEND!":
+        text, hit = ts.add(ord(ch))
+        ts.detok.last_segment = ""
+        out.append(text)
+        if hit:
+            break
+    assert "".join(out) == "abcENx" and hit and ts.stopping_word == "END"

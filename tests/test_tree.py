@@ -62,10 +62,10 @@ def test_depths_and_mask():
 
 def test_trie_builder_shares_prefixes_and_respects_budget():
     trie = TrieBuilder()
-    assert trie.add_path([1, 2, 3]) == 3
-    assert trie.add_path([1, 2, 4]) == 3
+    assert trie.add_path([1, 2, 3]) == [0, 1, 2]
+    assert trie.add_path([1, 2, 4]) == [0, 1, 3]
     assert trie.tokens == [1, 2, 3, 4] and trie.parents == [-1, 0, 1, 1]
-    assert trie.add_path([5, 6], budget=5) == 1
+    assert trie.add_path([5, 6], budget=5) == [4]
     assert len(trie) == 5
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import signal
 
 import click
 
@@ -46,6 +47,9 @@ def parse_size(text: str) -> int:
               help="Memory budget of the prompt caches kept between requests.")
 @click.option("--prompt-cache-entries", type=int, default=8, show_default=True,
               help="Most prompt caches kept (one per recent conversation or file).")
+@click.option("--prefill-chunk", type=int, default=512, show_default=True,
+              help="Long prompts are prefilled this many tokens per worker round, so other "
+                   "requests keep streaming meanwhile.")
 @click.option("--max-tokens", type=int, default=512, show_default=True,
               help="Tokens generated when a request does not say.")
 @click.option("--temp", type=float, default=0.0, show_default=True,
@@ -56,13 +60,19 @@ def parse_size(text: str) -> int:
               help="Largest request body accepted (413 above it).")
 @click.option("--model-name", default=None,
               help="Name to report in /v1/models and responses (default: the model path).")
+@click.option("--model-alias", "model_aliases", multiple=True,
+              help="Another model name requests may use (repeatable), e.g. the name an editor "
+                   "uses to pick its FIM template.")
+@click.option("--api-key", default=None, envvar="MLXSPEC_API_KEY",
+              help="Require this key (Authorization: Bearer KEY) on every endpoint but /health; "
+                   "for use with --host. Also read from $MLXSPEC_API_KEY.")
 @click.option("--cors-origin", default="*", show_default=True,
               help="Access-Control-Allow-Origin for browser clients ('' to send none).")
 @click.option("--log-requests", is_flag=True, help="Log every request to stderr.")
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
-          max_queue, prompt_cache_size, prompt_cache_entries, max_tokens, temp, max_context,
-          max_body_bytes, model_name, cors_origin, log_requests):
+          max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
+          max_body_bytes, model_name, model_aliases, api_key, cors_origin, log_requests):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -76,9 +86,11 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         server = make_server(
             engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
             max_queue=max_queue, cache_bytes=parse_size(prompt_cache_size),
-            cache_entries=prompt_cache_entries, max_body_bytes=parse_size(max_body_bytes),
+            cache_entries=prompt_cache_entries, prefill_chunk=max(1, prefill_chunk),
+            max_body_bytes=parse_size(max_body_bytes),
             default_max_tokens=max_tokens, default_temperature=temp,
-            cors_origin=cors_origin or None, model_name=model_name)
+            cors_origin=cors_origin or None, model_name=model_name,
+            model_aliases=tuple(model_aliases), api_key=api_key or None)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     fim = server.parser.fim
@@ -90,8 +102,13 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         click.echo(f"listening on {server.url} (loopback only; --host 0.0.0.0 to expose it)",
                    err=True)
     else:
-        click.echo(f"listening on {server.url} -- reachable from other machines, with no "
-                   "authentication", err=True)
+        click.echo(f"listening on {server.url} -- reachable from other machines, "
+                   + ("API key required" if api_key else "with no authentication (--api-key)"),
+                   err=True)
+    def stop(signum, frame):  # SIGTERM: the same clean shutdown as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -99,3 +116,4 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     finally:
         server.server_close()
         server.worker.stop()
+        server.worker.join(timeout=30)

@@ -24,7 +24,8 @@ first, seeded with the prompt's own n-grams and (`pool_from_output`) the generat
 
 Every node of the tree - candidates and window alike - is a deterministic proposal and may be
 accepted: the verification (`mlxspec.tree_verify`) is exact for any fixed tree, greedy or
-sampled, and accepting a window path that the target agrees with is free.
+sampled, and accepting a window path that the target agrees with is free
+(`verify_window=False` restricts acceptance to the candidates, as in the paper).
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ class LookaheadProposer:
 
     def __init__(self, model=None, window: int = DEFAULT_WINDOW, ngram: int = DEFAULT_NGRAM,
                  candidates: int = DEFAULT_CANDIDATES, pool_from_output: bool = True,
-                 seed: int = 0):
+                 verify_window: bool = True, seed: int = 0):
         if candidates < 0:
             raise ValueError(f"candidates must be >= 0, got {candidates}")
         self.model = model  # the target is verified by the engine; kept for symmetry
         self.window_size, self.ngram, self.candidates = window, ngram, candidates
         self.pool_from_output = pool_from_output
+        self.verify_window = verify_window
         self.seed = seed
         self.rng = random.Random(seed)
         self.context: list[int] = []
@@ -157,9 +159,10 @@ class LookaheadProposer:
         self.context = context
         depth = min(self.ngram - 1, max(num_draft, 0))
         trie = TrieBuilder()
+        on_candidates: set[int] = set()
         if depth and self.candidates:
             for cont in self.pool.get(context[-1])[: self.candidates]:
-                trie.add_path(cont[:depth])
+                on_candidates.update(trie.add_path(cont[:depth]))
         cells: list[list[int]] = []
         for j, level in enumerate(self.window.levels):
             row = []
@@ -170,9 +173,11 @@ class LookaheadProposer:
         self._result = None
         if not len(trie):
             return None
+        extra = {"want_argmax": cells[-1] if cells else [], "on_result": self._on_result}
+        if not self.verify_window:
+            extra["verify"] = [i in on_candidates for i in range(len(trie))]
         return Proposal(tokens=trie.tokens, parents=trie.parents, source="lookahead",
-                        extra={"want_argmax": cells[-1] if cells else [],
-                               "on_result": self._on_result})
+                        extra=extra)
 
     def _on_result(self, argmax: list[int], path: list[int]) -> None:
         self._result = argmax if self.window.levels else None

@@ -55,9 +55,11 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address, engine: Engine, *, spec_max_concurrency: int = 2,
                  max_batch: int = 8, max_queue: int = 64, cache_bytes: int = 2 << 30,
-                 cache_entries: int = 8, max_body_bytes: int = 16 << 20,
+                 cache_entries: int = 8, prefill_chunk: int = 512,
+                 max_body_bytes: int = 16 << 20,
                  default_max_tokens: int = 512, default_temperature: float = 0.0,
-                 cors_origin: str | None = "*", model_name: str | None = None):
+                 cors_origin: str | None = "*", model_name: str | None = None,
+                 model_aliases: tuple[str, ...] = (), api_key: str | None = None):
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -66,9 +68,11 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.metrics = Metrics()
         self.max_body_bytes = max_body_bytes
         self.cors_origin = cors_origin
+        self.api_key = api_key
         self.started = time.time()
         name = model_name or engine.name
-        aliases = {name, engine.name, Path(str(engine.name)).name, "mlxspec", "default"}
+        aliases = {name, engine.name, Path(str(engine.name)).name, "mlxspec", "default",
+                   *model_aliases}
         if engine.name.startswith("bundled:"):
             aliases.add("bundled")
         self.config = ServerConfig(
@@ -78,7 +82,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.parser = RequestParser(engine.tokenizer, self.config)
         self.worker = Worker(engine, spec_max_concurrency=spec_max_concurrency,
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
-                             cache_entries=cache_entries, metrics=self.metrics)
+                             cache_entries=cache_entries, prefill_chunk=prefill_chunk,
+                             metrics=self.metrics)
         self.worker.start()
 
     @property
@@ -113,6 +118,8 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"mlxspec/{__version__}"
     timeout = 600  # idle keep-alive connections are closed after this
+
+    _last_check = 0.0
 
     def log_message(self, format, *args):  # noqa: A002
         log.info("%s %s", self.address_string(), format % args)
@@ -155,12 +162,18 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _next_event(self, job: Job):
+        """The job's next event; raises ClientGone once the client has hung up (checked at
+        least every 50 ms, also while events keep coming)."""
         while True:
+            now = time.monotonic()
+            if now - self._last_check >= 0.05:
+                self._last_check = now
+                if self._client_gone():
+                    raise ClientGone
             try:
                 return job.events.get(timeout=0.05)
             except queue.Empty:
-                if self._client_gone():
-                    raise ClientGone from None
+                continue
 
     def _sse(self, payload) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
@@ -180,9 +193,22 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
+    def _authorized(self, path: str) -> bool:
+        key = self.server.api_key
+        if not key or path in ("/health", "/v1/health"):
+            return True
+        given = self.headers.get("Authorization", "")
+        if given == f"Bearer {key}" or self.headers.get("x-api-key") == key:
+            return True
+        self._send_error(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                  type="authentication_error"), "other", close=True)
+        return False
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         srv = self.server
+        if not self._authorized(path):
+            return
         if path in ("/v1/models", "/models"):
             body = {"object": "list", "data": [{
                 "id": srv.config.model_name, "object": "model", "created": int(srv.started),
@@ -214,13 +240,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"name": "mlxspec", "version": __version__,
                                   "endpoints": sorted(POST_ROUTES) + list(GET_ROUTES[:-1])})
         else:
-            self._send_error(ApiError(404, f"no such endpoint: GET {path}", code="not_found"),
-                             "other")
+            code = 405 if path in POST_ROUTES else 404
+            self._send_error(ApiError(code, f"no such endpoint: GET {path}"), "other")
             return
         self.server.metrics.request(path, 200)
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
+        if not self._authorized(path):
+            return
         kind = POST_ROUTES.get(path)
         if kind is None:
             code = 405 if path in GET_ROUTES else 404
@@ -234,6 +262,10 @@ class Handler(BaseHTTPRequestHandler):
             job = self.server.worker.submit(req)
         except ApiError as e:
             self._send_error(e, path, close=e.status in (411, 413))
+            return
+        except Exception as e:  # a bug: answer 500 and keep serving
+            log.exception("request parsing failed")
+            self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
             return
         try:
             status = self._relay(job, kind)
@@ -279,17 +311,18 @@ class Handler(BaseHTTPRequestHandler):
         req = job.req
         first = self._next_event(job)
         if isinstance(first, Failed):
-            self._send_error(first.error, self.path)
-            return first.error.status
+            return self._answer_error(first.error)
         if not req.stream:
             text, ev = [], first
             while not isinstance(ev, Done):
                 if isinstance(ev, Failed):
-                    self._send_error(ev.error, self.path)
-                    return ev.error.status
+                    return self._answer_error(ev.error)
                 text.append(ev.text)
                 ev = self._next_event(job)
-            self._send_json(200, self._final_body(kind, req, "".join(text), ev))
+            try:
+                self._send_json(200, self._final_body(kind, req, "".join(text), ev))
+            except (BrokenPipeError, ConnectionResetError):
+                raise ClientGone from None
             return 200
         self._headers(200, "text/event-stream; charset=utf-8", close=True)
         try:
@@ -310,6 +343,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._finish_stream(kind, req, ev)
                 return 200
             ev = self._next_event(job)
+
+    def _answer_error(self, err: ApiError) -> int:
+        try:
+            self._send_json(err.status, err.body())
+        except (BrokenPipeError, ConnectionResetError):
+            raise ClientGone from None
+        return err.status
 
     def _final_body(self, kind: str, req, text: str, done: Done) -> dict:
         if kind in ("chat", "fim"):

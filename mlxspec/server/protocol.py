@@ -234,7 +234,9 @@ class RequestParser:
         self.tokenizer = tokenizer
         self.config = config
         self.lock = tokenize_lock or threading.Lock()
-        self.fim = detect_fim(tokenizer.get_vocab())
+        vocab = tokenizer.get_vocab()
+        self.fim = detect_fim(vocab)
+        self.vocab_size = len(vocab)
         self.bos = self._bos_id()
 
     def _bos_id(self) -> int | None:
@@ -354,8 +356,7 @@ class RequestParser:
                                               for t in prompt):
             if suffix:
                 raise bad("'suffix' needs a text prompt, not token ids", "suffix")
-            vocab = self._vocab_size()
-            if any(t < 0 or (vocab and t >= vocab) for t in prompt):
+            if any(t < 0 or t >= self.vocab_size for t in prompt):
                 raise bad("the prompt has token ids outside the vocabulary", "prompt")
             ids, truncated = list(prompt), False
         else:
@@ -473,12 +474,6 @@ class RequestParser:
         if not ctx:
             return None
         return max(16, ctx - min(max_tokens, ctx // 2) - 1)
-
-    def _vocab_size(self) -> int | None:
-        try:
-            return len(self.tokenizer.get_vocab())
-        except Exception:
-            return None
 
 
 # ----------------------------------------------------------------------------- responses

@@ -16,6 +16,7 @@ A cancelled job (its client went away) is closed before its next step: the gener
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
@@ -71,6 +73,9 @@ class Job:
     text_so_far: str = ""
     started: float = 0.0
     first_token: float = 0.0
+    prefill_pos: int | None = None
+    prefilled_here: int = 0
+    prefill_seconds: float = 0.0
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -179,12 +184,13 @@ class TextStream:
 class Worker(threading.Thread):
     def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
-                 metrics=None):
+                 prefill_chunk: int = 512, metrics=None):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         self.spec_max_concurrency = spec_max_concurrency
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
         self.metrics = metrics
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
@@ -192,6 +198,7 @@ class Worker(threading.Thread):
         self.batch_jobs: dict[int, Job] = {}
         self.idle_slots: list[Engine] = [engine]
         self.batch = None
+        self.batch_stream = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
@@ -208,14 +215,33 @@ class Worker(threading.Thread):
     def active(self) -> int:
         return len(self.spec_jobs) + len(self.batch_jobs)
 
+    def start(self) -> None:
+        super().start()
+        # Stopped before interpreter exit even if nobody calls stop(): a thread killed inside
+        # MLX with work pending aborts the process.
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        if self.is_alive():
+            self.stop()
+            self.join(timeout=10)
+
     def stop(self) -> None:
         self._stopping = True
         self.inbox.put(None)
+        atexit.unregister(self._stop_at_exit)
 
     # -- the loop
     def run(self) -> None:
-        # Everything MLX happens on this thread, on this thread's default stream.
-        stream = mx.default_stream(mx.default_device())
+        # Everything MLX happens on this thread, on a stream of its own. (Work left on a
+        # thread's default stream when the thread ends can abort the process at exit.)
+        stream = mx.new_stream(mx.default_device())
+        self.batch_stream = stream
+        with mx.stream(stream):
+            self._loop(stream)
+            mx.synchronize(stream)
+
+    def _loop(self, stream) -> None:
         while not self._stopping:
             try:
                 self._admit(block=not self.spec_jobs and not self.batch_jobs)
@@ -228,6 +254,8 @@ class Worker(threading.Thread):
                 self._reset_batch()
         for job in list(self.spec_jobs):
             self._close_engine_job(job)
+        for job in self.batch_jobs.values():
+            job.events.put(Failed(ApiError(503, "the server is shutting down")))
 
     def _admit(self, block: bool) -> None:
         while True:
@@ -263,21 +291,70 @@ class Worker(threading.Thread):
     def _slot(self) -> Engine:
         if self.idle_slots:
             return self.idle_slots.pop()
-        e = self.engine
+        e = self.engine  # another engine on the same weights, with its own proposers
+        extra = {"adaptive": e.adaptive} if hasattr(e, "adaptive") else {}
         return Engine(e.model, e.tokenizer, mode=e.mode, draft_model=e.draft_model,
                       num_draft=e.num_draft, config=e.config, name=e.name,
-                      max_context=e.max_context, **e.mode_options)
+                      max_context=e.max_context, **extra, **e.mode_options)
 
     def _start_engine(self, job: Job) -> None:
-        r = job.req
         job.slot = self._slot()
-        job.cache = self.cache.take(r.prompt)
+        job.cache = self.cache.take(job.req.prompt)
+        self.spec_jobs.append(job)
+
+    def _open_generation(self, job: Job) -> None:
+        r = job.req
         job.gen = job.slot.stream_steps(
             r.prompt, max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
             prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
             mode=r.mode)
-        self.spec_jobs.append(job)
+
+    def _prefill_chunk(self, job: Job) -> bool:
+        """Prefill a long prompt a chunk per worker round, so that other requests keep
+        streaming meanwhile; the engine then finds the prompt cached and prefills the last
+        chunk itself. False when there is nothing (more) to do here."""
+        tokens = job.req.prompt[:-1]
+        pc = job.cache
+        if job.prefill_pos is None:
+            job.prefill_pos = -1  # not chunked unless set below
+            if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
+                return False
+            if not self._plain_kv(job):
+                return False
+            keep = common_prefix_len(pc.tokens, tokens) if pc.cache is not None else 0
+            if pc.cache is not None and pc.kind == "kv" and keep > 0:
+                drop = len(pc.tokens) - keep
+                if drop and any(c.trim(drop) != drop for c in pc.cache):
+                    keep = 0
+            else:
+                keep = 0
+            if keep == 0:
+                pc.cache, pc.kind = make_prompt_cache(self.engine.model), "kv"
+            pc.tokens = tokens[:keep]
+            job.prefill_pos = keep
+        pos = job.prefill_pos
+        if pos < 0 or len(tokens) - pos <= self.prefill_chunk:
+            return False
+        start = time.perf_counter()
+        chunk = tokens[pos : pos + self.prefill_chunk]
+        self.engine.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
+        mx.eval([c.state for c in pc.cache])
+        job.prefill_pos = pos + len(chunk)
+        pc.tokens = tokens[: job.prefill_pos]
+        job.prefilled_here += len(chunk)
+        job.prefill_seconds += time.perf_counter() - start
+        return True
+
+    def _plain_kv(self, job: Job) -> bool:
+        """Whether this request's proposer uses the target's ordinary KV cache."""
+        slot, mode = job.slot, job.req.mode
+        try:
+            proposer = slot.proposer if mode in (None, slot.mode) else slot._proposer_for(mode)
+        except Exception:  # the engine reports a bad mode itself, at the first step
+            return False
+        return not hasattr(proposer, "make_target_cache") and getattr(
+            proposer, "cache_kind", "kv") == "kv"
 
     def _step_engine(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -285,6 +362,10 @@ class Worker(threading.Thread):
             self._close_engine_job(job)
             return
         try:
+            if job.gen is None:
+                if self._prefill_chunk(job):
+                    return
+                self._open_generation(job)
             out = next(job.gen)
         except StopIteration:
             self._finish_engine(job, "length", None)
@@ -318,7 +399,8 @@ class Worker(threading.Thread):
 
     def _close_engine_job(self, job: Job) -> None:
         try:
-            job.gen.close()  # the engine's finally: the cache holds exactly its tokens
+            if job.gen is not None:
+                job.gen.close()  # the engine's finally: the cache holds exactly its tokens
         except Exception:
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
@@ -334,6 +416,9 @@ class Worker(threading.Thread):
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
+        # Chunks prefilled by the worker look cached to the engine; they were not.
+        usage.cached_tokens = max(0, usage.cached_tokens - job.prefilled_here)
+        usage.prefill_seconds += job.prefill_seconds
         if drop_output:
             usage.completion_tokens = 0
         self._done(job, Done(finish, usage))
@@ -364,8 +449,7 @@ class Worker(threading.Thread):
             self.batch = BatchGenerator(
                 self.engine.model, completion_batch_size=self.max_batch,
                 prefill_batch_size=min(8, self.max_batch),
-                prefill_step_size=self.engine.prefill_step_size,
-                stream=mx.default_stream(mx.default_device()))
+                prefill_step_size=self.engine.prefill_step_size, stream=self.batch_stream)
         max_tokens = r.max_tokens
         if self.engine.max_context:
             max_tokens = max(1, min(max_tokens, self.engine.max_context - len(r.prompt)))
@@ -425,6 +509,10 @@ class Worker(threading.Thread):
             if finish:
                 if r.finish_reason is None:
                     self.batch.remove([r.uid])
+                elif r.prompt_cache and r.all_tokens:
+                    # The sequence's own KV cache, extracted by the batch: kept for the next
+                    # request that extends this one.
+                    self.cache.put(PromptCache(r.prompt_cache, list(r.all_tokens), "kv"))
                 del self.batch_jobs[r.uid]
                 usage = usage_from_stats(s)
                 usage.batched = True
