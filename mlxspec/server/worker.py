@@ -233,13 +233,18 @@ class Worker(threading.Thread):
 
     # -- the loop
     def run(self) -> None:
-        # Everything MLX happens on this thread, on a stream of its own. (Work left on a
-        # thread's default stream when the thread ends can abort the process at exit.)
+        # Everything MLX happens on this thread, on a stream of its own. A thread that used
+        # MLX must destroy its streams before it ends, or the process may abort at exit
+        # ("terminate called without an active exception"): hence clear_streams.
         stream = mx.new_stream(mx.default_device())
         self.batch_stream = stream
-        with mx.stream(stream):
-            self._loop(stream)
+        try:
+            with mx.stream(stream):
+                self._loop(stream)
+        finally:
             mx.synchronize(stream)
+            if hasattr(mx, "clear_streams"):
+                mx.clear_streams()
 
     def _loop(self, stream) -> None:
         while not self._stopping:
