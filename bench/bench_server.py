@@ -123,15 +123,27 @@ def run_config(srv, spec_max: int, clients: int, requests: int, prompts: list[st
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    tokens = sum(u["completion_tokens"] for u in usages)
-    drafted = sum(u["speculative"]["drafted_tokens"] for u in usages)
-    accepted = sum(u["speculative"]["accepted_tokens"] for u in usages)
     return {
-        "clients": clients, "requests": len(latencies), "errors": errors,
-        "mean_latency_s": statistics.mean(latencies) if latencies else float("nan"),
+        "clients": clients, "latencies": latencies, "errors": errors, "wall_s": wall,
+        "tokens": sum(u["completion_tokens"] for u in usages),
+        "drafted": sum(u["speculative"]["drafted_tokens"] for u in usages),
+        "accepted": sum(u["speculative"]["accepted_tokens"] for u in usages),
+        "batched": sum(u["speculative"]["batched"] for u in usages),
+    }
+
+
+def merge(runs: list[dict]) -> dict:
+    """Several repeats of one cell: mean latency over all requests, tokens over total wall."""
+    lat = [t for r in runs for t in r["latencies"]]
+    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+    return {
+        "clients": runs[0]["clients"], "requests": len(lat),
+        "errors": [e for r in runs for e in r["errors"]],
+        "mean_latency_s": statistics.mean(lat) if lat else float("nan"),
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
         "acceptance": accepted / drafted if drafted else 0.0,
-        "batched": sum(u["speculative"]["batched"] for u in usages),
+        "batched": sum(r["batched"] for r in runs), "runs": runs,
     }
 
 
@@ -143,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default="spec,plain,hybrid")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="sweeps; cells are measured interleaved and pooled over sweeps")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -162,19 +176,21 @@ def main(argv=None) -> int:
     configs = [c for c in args.configs.split(",") if c]
     prompts = workload(max(clients) * args.requests + 1)
     print(f"model: {label}; mode {args.mode}, k={engine.num_draft}; {args.requests} requests of "
-          f"{args.max_tokens} tokens per client; greedy", file=sys.stderr)
+          f"{args.max_tokens} tokens per client, {args.repeat} sweep(s); greedy", file=sys.stderr)
     srv = make_server(engine, "127.0.0.1", 0, max_batch=max(8, max(clients)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    results: dict[str, list[dict]] = {}
-    for cfg in configs:
-        results[cfg] = []
-        for n in clients:
-            r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
-            results[cfg].append(r)
-            print(f"{cfg:6s} clients={n}: latency {r['mean_latency_s']:.2f}s, "
-                  f"{r['tokens_per_s']:.1f} tok/s, acceptance {r['acceptance']:.2f}, "
-                  f"batched {r['batched']}/{r['requests']}, errors {len(r['errors'])}",
-                  file=sys.stderr)
+    for cfg in configs:  # warm-up: every configuration once, not counted
+        run_config(srv, CONFIGS[cfg], 1, 1, prompts, args.max_tokens)
+    raw: dict[str, dict[int, list[dict]]] = {c: {n: [] for n in clients} for c in configs}
+    for _ in range(args.repeat):
+        for n in clients:  # configurations interleaved, so that drift hits all alike
+            for cfg in configs:
+                r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
+                raw[cfg][n].append(r)
+                print(f"{cfg:6s} clients={n}: {r['tokens'] / r['wall_s']:.1f} tok/s, "
+                      f"mean latency {statistics.mean(r['latencies']):.2f}s, "
+                      f"batched {r['batched']}, errors {len(r['errors'])}", file=sys.stderr)
+    results = {c: [merge(raw[c][n]) for n in clients] for c in configs}
 
     srv.shutdown()
     srv.server_close()

@@ -186,17 +186,24 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--grid", action="store_true", help="sweep lookahead (W, N, G)")
+    ap.add_argument("--lookahead", nargs="*", default=[], metavar="W,N,G",
+                    help="extra lookahead settings to measure")
+    ap.add_argument("--budgets", nargs="*", type=int, default=[8, 16, 32],
+                    help="tree n-gram node budgets to measure")
     ap.add_argument("--json")
     args = ap.parse_args()
     model, tok, name = load_target(args.random, args.model)
     k = args.num_draft
     configs = {
         f"ngram chain k={k}": (lambda: NgramProposer(), k),
-        f"ngram tree k={k} B=8": (lambda: TreeNgramProposer(budget=8), k),
-        f"ngram tree k={k} B=16": (lambda: TreeNgramProposer(budget=16), k),
-        f"ngram tree k={k} B=32": (lambda: TreeNgramProposer(budget=32), k),
+        **{f"ngram tree k={k} B={b}": (lambda b=b: TreeNgramProposer(budget=b), k)
+           for b in args.budgets},
         "lookahead default": (lambda: LookaheadProposer(model), k),
     }
+    for spec in args.lookahead:
+        w, n, g = (int(x) for x in spec.split(","))
+        configs[f"lookahead W={w} N={n} G={g}"] = (
+            lambda w=w, n=n, g=g: LookaheadProposer(model, w, n, g), k)
     if args.grid:
         for w, n, g in [(2, 3, 2), (4, 3, 4), (4, 4, 4), (6, 4, 6), (8, 4, 8), (5, 5, 5),
                         (8, 5, 8), (15, 5, 15), (3, 4, 8), (0, 4, 8), (2, 4, 4), (1, 3, 4)]:

@@ -140,6 +140,11 @@ def ref(model_dirs):
 @pytest.fixture(scope="module")
 def server(model_dirs, ref):
     engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    # As loading a float16 model on the CPU backend does: weights still lazy, on this thread's
+    # stream (the worker thread must not be the one to evaluate them).
+    from mlx.utils import tree_map
+
+    engine.model.update(tree_map(lambda a: a * 1, engine.model.parameters()))
     srv = make_server(engine, "127.0.0.1", 0, spec_max_concurrency=2, max_batch=8,
                       max_body_bytes=64 * 1024, cors_origin=None)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)

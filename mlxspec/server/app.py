@@ -80,6 +80,13 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
             default_max_tokens=default_max_tokens, default_temperature=default_temperature,
             modes=MODES)
         self.parser = RequestParser(engine.tokenizer, self.config)
+        # Loading leaves lazy work (e.g. the float16 -> float32 cast on the CPU backend) on this
+        # thread's stream, which the worker thread cannot run: materialize the weights here.
+        import mlx.core as mx
+
+        mx.eval(engine.model.parameters())
+        if engine.draft_model is not None:
+            mx.eval(engine.draft_model.parameters())
         self.worker = Worker(engine, spec_max_concurrency=spec_max_concurrency,
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,

@@ -196,7 +196,9 @@ class Worker(threading.Thread):
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
         self.spec_jobs: list[Job] = []
         self.batch_jobs: dict[int, Job] = {}
-        self.idle_slots: list[Engine] = [engine]
+        # Slots are made on the worker thread (their proposers' arrays must live there); the
+        # caller's engine only lends its weights and settings.
+        self.idle_slots: list[Engine] = []
         self.batch = None
         self.batch_stream = None
         self._stopping = False
@@ -380,6 +382,7 @@ class Worker(threading.Thread):
             return
         except Exception as e:
             log.error("generation failed:\n%s", traceback.format_exc())
+            job.cache = None  # possibly half-updated: not kept
             self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
             return
         job.stats = out.stats
