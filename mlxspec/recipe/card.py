@@ -64,6 +64,31 @@ def _model_section(name: str, r: dict, card: dict, role: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _notes(card: dict) -> str:
+    t = card["target"]
+    bpb = t["heldout"]["bits_per_byte"]
+    sub = (t.get("heldout_test_subset") or {}).get("bits_per_byte")
+    aim = "meets" if bpb <= 1.5 else "misses"
+    lines = [
+        f"- Quality: the target's {bpb:.2f} bits/byte on the held-out evaluation set {aim} the "
+        "project's aim of ≤ 1.5 bits/byte (a uniform byte model scores 8)"
+        + (f"; the first {round(t['heldout_test_subset']['bytes'] / 1000)} KB (mostly `argparse`), "
+           f"which the tests re-measure, scores {sub:.2f}" if sub else "")
+        + f". It saw {t['tokens_seen'] / max(1, card['corpus']['tokens']):.2f} epochs of the "
+        "corpus in its budget and its loss was still falling: a longer budget buys a better model.",
+        "- The chain-acceptance figure counts all k drafted tokens of a step as proposed, also "
+        "those after the first rejection; the agreement figure is the per-token probability that "
+        "greedy speculative decoding accepts a drafted token given that its predecessors were "
+        "accepted.",
+        "- Prompts in the training formats: `mlxspec.recipe.format_chat`, `format_fim`, "
+        "`edit_messages` + `make_edit_example` (edit requests), and `heldout_functions(n)` / "
+        "`heldout_files()` / `heldout_eval_texts()` for held-out material (never trained on).",
+        "- Throughput figures were measured on a 2-core machine shared with other work; the "
+        "training run itself is single-process.",
+    ]
+    return "\n".join(lines)
+
+
 def render_card(card: dict) -> str:
     acc = card["acceptance"]
     m = card["machine"]
@@ -133,6 +158,10 @@ def render_card(card: dict) -> str:
         f"**{acc['chain_acceptance']:.3f}**, i.e. {acc['tokens_per_target_step']:.2f} tokens per "
         "target forward",
         "",
+        "## Notes",
+        "",
+        _notes(card),
+        "",
         "## Retrain on your own code",
         "",
         "```",
@@ -142,7 +171,8 @@ def render_card(card: dict) -> str:
         "```",
         "",
         "Without `--corpus` it trains on the standard library of the running interpreter (minus "
-        "the held-out modules, test suites and `site-packages`). The budgets are wall-clock "
+        "the held-out modules, test suites, `site-packages`, and the table-like or legacy `encodings`, "
+        "`pydoc_data`, `lib2to3`, `turtledemo` and `ensurepip`; files over 400 kB are skipped). The budgets are wall-clock "
         "minutes, and the learning-rate schedule and the switch from 256- to 1024-token rows follow "
         "the elapsed fraction of the budget, so a budgeted run depends on the machine's speed. "
         "Corpus, tokenizer, initialisation and data order are deterministic for a seed, and "
