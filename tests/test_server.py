@@ -312,6 +312,12 @@ def test_predicted_outputs(server, client, ref):
         model=server.config.model_name, messages=CHAT, max_tokens=40, temperature=0,
         prediction={"type": "content", "content": [{"type": "text", "text": ref["chat"].text}]})
     assert parts.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    # An extension: predictions on /v1/completions too.
+    r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0,
+                                  extra_body={"prediction": {"type": "content",
+                                                             "content": ref["code"].text}})
+    assert r.choices[0].text == ref["code"].text
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
 # ----------------------------------------------------------------------------- editors
@@ -544,6 +550,14 @@ def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, re
     assert r.choices[0].text == ref["code"].text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+def test_full_queue_gets_503(server, client, monkeypatch):
+    monkeypatch.setattr(server.worker, "max_queue", 0)
+    status, payload = post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 503 and json.loads(payload)["error"]["type"] == "server_busy"
+    monkeypatch.undo()
+    assert client.completions.create(model="mlxspec", prompt="x", max_tokens=2).usage
 
 
 def test_metrics(server, client):

@@ -365,6 +365,7 @@ class RequestParser:
         req = self._common(body, "completions", ids,
                            max_tokens_keys=("max_tokens", "n_predict"), allow_warmup=True)
         req.truncated = truncated
+        self._prediction(body, req)
         return req
 
     def fim_completion(self, body: dict) -> GenRequest:
@@ -413,6 +414,11 @@ class RequestParser:
         req = self._common(body, "chat", ids,
                            max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
                            allow_warmup=True)
+        self._prediction(body, req)
+        return req
+
+    def _prediction(self, body: dict, req: GenRequest) -> None:
+        """OpenAI's predicted output (on completions too, as an extension)."""
         pred = body.get("prediction")
         if pred is not None:
             if not isinstance(pred, dict) or pred.get("type", "content") != "content":
@@ -420,7 +426,6 @@ class RequestParser:
                           "prediction")
             text = _text_parts(pred.get("content"), "prediction.content")
             req.prediction = self.encode(text) if text else None
-        return req
 
     def infill(self, body: dict) -> GenRequest:
         for key in ("input_prefix", "input_suffix", "prompt"):
