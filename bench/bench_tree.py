@@ -149,32 +149,34 @@ def run_spec(model, prompt, max_tokens, proposer, num_draft):
 
 
 def bench(model, prompts, max_tokens, configs, costs):
-    rows = {}
-    ref = {}
-    t_plain = n_plain = 0.0
-    for i, p in enumerate(prompts):
-        out, t, _ = run_plain(model, p, max_tokens)
-        ref[i] = out
-        t_plain += t
-        n_plain += len(out)
-    rows["none"] = {"tok_per_fwd": 1.0, "tps": n_plain / t_plain, "speedup": 1.0,
-                    "identical": True, "est_speedup": 1.0}
-    for label, (factory, k) in configs.items():
-        tot_t = tot_n = tot_f = drafted = 0
-        est = 0.0  # modelled decode seconds: forward cost of each step's input size
-        same = True
-        for i, p in enumerate(prompts):
+    """Per prompt, plain decoding then every config back to back (interleaved, so background
+    load hits all modes alike); totals over prompts."""
+    acc = {label: {"t": 0.0, "n": 0, "f": 0, "drafted": 0, "est": 0.0, "same": True}
+           for label in ["none", *configs]}
+    for p in prompts:
+        ref, t, f = run_plain(model, p, max_tokens)
+        a = acc["none"]
+        a["t"] += t
+        a["n"] += len(ref)
+        a["f"] += f
+        a["est"] += f * cost_of(costs, 1)
+        for label, (factory, k) in configs.items():
             out, t, f, st = run_spec(model, p, max_tokens, factory(), k)
-            same &= out == ref[i]
-            tot_t += t
-            tot_n += len(out)
-            tot_f += f
-            drafted += st.drafted
-            est += sum(cost_of(costs, d + 1) for d in st.nodes_per_step)
-        rows[label] = {"tok_per_fwd": tot_n / tot_f, "tps": tot_n / tot_t,
-                       "speedup": (tot_n / tot_t) / rows["none"]["tps"], "identical": same,
-                       "nodes_per_fwd": drafted / tot_f,
-                       "est_speedup": tot_n * cost_of(costs, 1) / est}
+            a = acc[label]
+            a["same"] &= out == ref
+            a["t"] += t
+            a["n"] += len(out)
+            a["f"] += f
+            a["drafted"] += st.drafted
+            a["est"] += sum(cost_of(costs, d + 1) for d in st.nodes_per_step)
+    base = acc["none"]
+    rows = {}
+    for label, a in acc.items():
+        rows[label] = {"tok_per_fwd": a["n"] / a["f"], "nodes_per_fwd": a["drafted"] / a["f"],
+                       "tps": a["n"] / a["t"],
+                       "speedup": (a["n"] / a["t"]) / (base["n"] / base["t"]),
+                       "est_speedup": (a["n"] / a["est"]) / (base["n"] / base["est"]),
+                       "identical": a["same"]}
     return rows
 
 
@@ -215,12 +217,12 @@ def main():
             lambda: LookaheadProposer(model, 4, 4, 4, pool_from_output=False), k)
     report = {"model": name, "max_tokens": args.max_tokens, "prompts": args.prompts,
               "workloads": {}}
-    costs = forward_cost(model)
-    report["forward_ms"] = {t: round(c * 1e3, 2) for t, c in costs.items()}
-    print("# forward ms by input tokens:", report["forward_ms"])
     for wname, prompts in workloads(tok, args.prompts).items():
+        costs = forward_cost(model)  # per workload: close in time to the runs it models
+        ms = {t: round(c * 1e3, 2) for t, c in costs.items()}
+        print(f"# forward ms by input tokens: {ms}", flush=True)
         rows = bench(model, prompts, args.max_tokens, configs, costs)
-        report["workloads"][wname] = rows
+        report["workloads"][wname] = {"forward_ms": ms, "rows": rows}
         print(f"\n## {wname} ({name}, {args.prompts} prompts x {args.max_tokens} tokens)")
         print("| mode | tokens/forward | nodes/forward | tokens/s | vs none | modelled vs none "
               "| identical |")

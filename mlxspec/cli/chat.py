@@ -278,7 +278,10 @@ def bundled_draft_path() -> str | None:
 def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system):
     """Chat with a model (default: the bundled one). /help lists the commands."""
     start = time.perf_counter()
-    engine = load_engine(model, draft_model, mode, num_draft)
+    try:
+        engine = load_engine(model, draft_model, mode, num_draft)
+    except FileNotFoundError as e:  # no bundled model
+        raise MlxspecError(str(e)) from None
     click.echo(describe_model(engine, time.perf_counter() - start), err=True)
     session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
                           top_p=top_p, top_k=top_k, seed=seed)

@@ -20,18 +20,16 @@ from .statsline import dim, stats_dict, stats_line
 
 
 def colored_diff(diff: str) -> str:
+    styles = [(("+++", "---"), {"bold": True}), (("+",), {"fg": "green"}),
+              (("-",), {"fg": "red"}), (("@@",), {"fg": "cyan"})]
     out = []
     for line in split_lines(diff):
-        if line.startswith(("+++", "---")):
-            out.append(click.style(line, bold=True))
-        elif line.startswith("+"):
-            out.append(click.style(line, fg="green"))
-        elif line.startswith("-"):
-            out.append(click.style(line, fg="red"))
-        elif line.startswith("@@"):
-            out.append(click.style(line, fg="cyan"))
-        else:
-            out.append(line)
+        body, nl = (line[:-1], "\n") if line.endswith("\n") else (line, "")
+        for prefixes, style in styles:
+            if body.startswith(prefixes):
+                body = click.style(body, **style)
+                break
+        out.append(body + nl)
     return "".join(out)
 
 
@@ -85,7 +83,10 @@ def edit(file, instruction, line_range, write, backup_suffix, as_json, print_tex
     if max_tokens is not None and max_tokens < 1:
         raise MlxspecError(f"--max-tokens must be >= 1, got {max_tokens}")
     src = read_source(file)
-    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
+    try:
+        engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
+    except FileNotFoundError as e:  # no bundled model
+        raise MlxspecError(str(e)) from None
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
     try:
         result = edit_text(engine, src.text, instruction, lines=line_range, max_tokens=max_tokens,
