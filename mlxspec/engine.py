@@ -164,7 +164,10 @@ def resolve_model_path(model: str | None) -> Path:
     if model is None:
         from .models import bundled_model_path
 
-        return bundled_model_path("target")
+        try:
+            return bundled_model_path("target")
+        except FileNotFoundError as e:
+            raise MlxspecError(str(e)) from None
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -260,7 +263,10 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
             raise MlxspecError(f"mode '{mode}' needs a draft model (--draft-model)")
         from .models import bundled_model_path
 
-        draft_path = bundled_model_path("draft")
+        try:
+            draft_path = bundled_model_path("draft")
+        except FileNotFoundError as e:
+            raise MlxspecError(str(e)) from None
     elif draft is not None:
         draft_path = resolve_model_path(draft)
     check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
@@ -423,6 +429,10 @@ class Engine:
             finally:
                 steps.close()
                 pc.tokens = context[:-1]
+                # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
+                # the cache holding other tokens than `context`: then it must not be reused.
+                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens) for c in pc.cache):
+                    pc.cache, pc.tokens = None, []
 
     def _prefill(self, pc: PromptCache, tokens: list[int], stats: Stats, proposer,
                  progress) -> None:
@@ -451,14 +461,19 @@ class Engine:
         stats.cached_tokens = keep
         todo = tokens[keep:-1]
         done = 0
-        while done < len(todo):
-            chunk = todo[done : done + self.prefill_step_size]
-            self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
-            mx.eval([c.state for c in pc.cache])
-            done += len(chunk)
-            if progress is not None:
-                progress(done, len(todo))
-        pc.tokens = tokens[:-1]
+        pc.tokens = tokens[:keep]
+        try:
+            while done < len(todo):
+                chunk = todo[done : done + self.prefill_step_size]
+                self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
+                mx.eval([c.state for c in pc.cache])
+                done += len(chunk)
+                pc.tokens = tokens[: keep + done]
+                if progress is not None:
+                    progress(done, len(todo))
+        except BaseException:
+            pc.cache, pc.tokens = None, []  # interrupted mid-chunk: the cache state is unknown
+            raise
         if hasattr(proposer, "bind_cache"):  # a proposer that drafts on the target's own cache
             proposer.bind_cache(pc.cache)
 

@@ -161,3 +161,50 @@ def test_eos_and_stop_strings(llama_pair):
     assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(stop)]
     streamed = "".join(engine.stream([1, 2, 3], max_tokens=20, stop=stop))
     assert streamed == stopped.text
+
+
+class FlakyModel:
+    """Wraps a model; raises KeyboardInterrupt after its `fail_at`-th forward has run."""
+
+    def __init__(self, model):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.calls, self.fail_at = 0, None
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise KeyboardInterrupt
+        return out
+
+
+@pytest.mark.parametrize("mode", ["none", "ngram"])
+def test_interrupted_generation_never_poisons_the_prompt_cache(mode):
+    target, _ = build_model("llama", seed=5, scale=4.0)
+    flaky = FlakyModel(target)
+    engine = make_engine(flaky, mode, num_draft=3)
+    reference = make_engine(target, mode)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    for fail_at in (1, 3, 6):  # during prefill, and in the middle of decoding steps
+        flaky.calls, flaky.fail_at = 0, fail_at
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(prompt, max_tokens=20)
+        flaky.fail_at = None
+        again = prompt + [6, 7]
+        assert engine.generate(again, max_tokens=15).tokens == reference.generate(
+            again, max_tokens=15).tokens
+
+
+def test_failing_progress_callback_during_prefill():
+    target, _ = build_model("llama", seed=6, scale=4.0)
+    engine = make_engine(target, "none", prefill_step_size=4)
+    prompt = list(range(1, 30))
+
+    def progress(done, total):
+        if done >= 8:
+            raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError):
+        engine.generate(prompt, max_tokens=5, progress=progress)
+    want = make_engine(target, "none").generate(prompt, max_tokens=10).tokens
+    assert engine.generate(prompt, max_tokens=10).tokens == want
