@@ -28,6 +28,7 @@ from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
+from .tree import tree_step
 from .verify import verify_greedy, verify_sampled
 
 MAX_NUM_DRAFT = 64
@@ -78,6 +79,18 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
         k = min(policy.cap(proposer.name), max_tokens - generated - 1)
         start = time.perf_counter()
         proposal = proposer.propose(context, k, propose_key) if k > 0 else None
+        if proposal is not None and proposal.parents is not None and len(proposal):
+            # A tree (tree n-gram, lookahead): one forward with per-token positions and an
+            # ancestor mask, exact verification of the best path, cache compaction.
+            new_tokens, n = tree_step(model, cache, context[-1], proposal, sampling, verify_key,
+                                      max_accept=k)
+            context.extend(new_tokens)
+            proposer.update(context, n)
+            policy.observe(proposal.source, len(proposal), n, time.perf_counter() - start)
+            stats.record_step(proposal.source, len(proposal), n, len(new_tokens))
+            generated += len(new_tokens)
+            yield new_tokens
+            continue
         if proposal is not None and len(proposal):
             k = min(k, policy.choose(proposal.source))  # the source's own estimate refines the cap
         num_draft = min(len(proposal), k) if proposal is not None else 0
@@ -339,7 +352,13 @@ class Engine:
         # copies survive switching modes back and forth.
         key = (mode, tuple(sorted(mode_options.items())))
         if key not in self._proposers:
-            self._proposers[key] = make_proposer(mode, self.model, self.draft_model, **mode_options)
+            try:
+                proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)
+            except MlxspecError:
+                raise
+            except (TypeError, ValueError) as e:  # a bad option of this mode
+                raise MlxspecError(f"mode {mode!r}: {e}") from None
+            self._proposers[key] = proposer
         return self._proposers[key]
 
     def encode(self, prompt: str | list[int]) -> list[int]:

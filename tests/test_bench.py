@@ -56,3 +56,18 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
     for m in ("ngram", "draft"):
         assert report["audit"]["modes"][m]["bugs"] == 0
     assert "| edit | 0 | ngram |" in (out / "bench.md").read_text()
+
+
+def test_peer_runners_take_a_one_token_prompt(llama_pair):
+    from conftest import make_engine
+
+    from mlxspec.bench.runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner
+
+    target, draft = llama_pair
+    engine = make_engine(target, "none", draft_model=draft)
+    for runner in (EngineRunner(engine, "draft"), MlxLmRunner(engine),
+                   MlxLmSpeculativeRunner(engine, 3)):
+        run = runner.run([7], 6, 0.0, 0)
+        assert len(run.tokens) == 6
+    assert MlxLmRunner(engine).run([7], 6, 0.0, 0).tokens == EngineRunner(engine, "none").run(
+        [7], 6, 0.0, 0).tokens

@@ -61,12 +61,13 @@ class MlxLmRunner:
     def run(self, tokens, max_tokens, temperature, seed, prediction=None) -> Run:
         model, eos = self.engine.model, _eos(self.engine)
         cache = make_prompt_cache(model)
-        model(mx.array(tokens[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        if len(tokens) > 1:
+            model(mx.array(tokens[:-1], mx.uint32)[None], cache=cache)
+            mx.eval([c.state for c in cache])
         mx.random.seed(seed)
         out = []
         start = time.perf_counter()
-        for token, _ in generate_step(mx.array(tokens[-1:]), model, max_tokens=max_tokens,
+        for token, _ in generate_step(mx.array(tokens[-1:], mx.uint32), model, max_tokens=max_tokens,
                                       sampler=make_sampler(temp=temperature), prompt_cache=cache):
             if token in eos:
                 break
@@ -85,14 +86,15 @@ class MlxLmSpeculativeRunner:
     def run(self, tokens, max_tokens, temperature, seed, prediction=None) -> Run:
         model, draft, eos = self.engine.model, self.engine.draft_model, _eos(self.engine)
         cache = make_prompt_cache(model) + make_prompt_cache(draft)
-        model(mx.array(tokens[:-1])[None], cache=cache[: len(model.layers)])
-        draft(mx.array(tokens[:-1])[None], cache=cache[len(model.layers) :])
-        mx.eval([c.state for c in cache])
+        if len(tokens) > 1:
+            model(mx.array(tokens[:-1], mx.uint32)[None], cache=cache[: len(model.layers)])
+            draft(mx.array(tokens[:-1], mx.uint32)[None], cache=cache[len(model.layers) :])
+            mx.eval([c.state for c in cache])
         mx.random.seed(seed)
         out, accepted, forwards = [], 0, 0
         start = time.perf_counter()
         for token, _, from_draft in speculative_generate_step(
-                mx.array(tokens[-1:]), model, draft, num_draft_tokens=self.num_draft,
+                mx.array(tokens[-1:], mx.uint32), model, draft, num_draft_tokens=self.num_draft,
                 max_tokens=max_tokens, sampler=make_sampler(temp=temperature), prompt_cache=cache):
             if token in eos:
                 break

@@ -57,8 +57,16 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **opti
     return engine
 
 
-def quantspec_options(fn):
-    """Options of --mode quantspec (ignored by the other modes)."""
+def mode_options(fn):
+    """Options of particular modes (each ignored by the others)."""
+    fn = click.option("--tree", is_flag=True,
+                      help="ngram: propose every earlier continuation as a token tree.")(fn)
+    fn = click.option("--tree-budget", type=int, default=16, show_default=True,
+                      help="ngram --tree: nodes per step.")(fn)
+    fn = click.option("--window", type=int, default=None, help="lookahead: Jacobi window W.")(fn)
+    fn = click.option("--ngram-size", type=int, default=None, help="lookahead: n-gram size N.")(fn)
+    fn = click.option("--candidates", type=int, default=None,
+                      help="lookahead: verification candidates G.")(fn)
     fn = click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64",
                       show_default=True, help="quantspec: KV quantization group (tokens).")(fn)
     fn = click.option("--buffer-size", type=int, default=None,
@@ -71,8 +79,16 @@ def quantspec_options(fn):
     return fn
 
 
-def quantspec_kwargs(mode: str, group_size, buffer_size, weight_bits, quantize_layers) -> dict:
-    if mode != "quantspec":
-        return {}
-    return {"group_size": int(group_size), "buffer_size": buffer_size,
-            "weight_bits": int(weight_bits), "quantize": quantize_layers}
+def mode_kwargs(mode: str, *, tree=False, tree_budget=16, window=None, ngram_size=None,
+                candidates=None, group_size="64", buffer_size=None, weight_bits="4",
+                quantize_layers="mlp") -> dict:
+    """The constructor options of `mode`'s proposer from the CLI flags."""
+    if mode == "ngram" and tree:
+        return {"tree": True, "budget": tree_budget}
+    if mode == "lookahead":
+        given = {"window": window, "ngram": ngram_size, "candidates": candidates}
+        return {k: v for k, v in given.items() if v is not None}
+    if mode == "quantspec":
+        return {"group_size": int(group_size), "buffer_size": buffer_size,
+                "weight_bits": int(weight_bits), "quantize": quantize_layers}
+    return {}

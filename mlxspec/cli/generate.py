@@ -12,8 +12,8 @@ from .common import (
     exits_cleanly,
     load_engine,
     model_options,
-    quantspec_kwargs,
-    quantspec_options,
+    mode_kwargs,
+    mode_options,
     sampling_options,
 )
 
@@ -21,15 +21,14 @@ from .common import (
 @click.command()
 @model_options
 @sampling_options
-@quantspec_options
+@mode_options
 @click.option("--prompt", "-p", default=None, help="Prompt text ('-' reads standard input).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read the prompt from a file.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @exits_cleanly
 def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-             group_size, buffer_size, weight_bits, quantize_layers, prompt, prompt_file, chat,
-             as_json):
+             prompt, prompt_file, chat, as_json, **mode_flags):
     """Generate a completion of a prompt."""
     if (prompt is None) == (prompt_file is None):
         raise MlxspecError("give exactly one of --prompt or --prompt-file")
@@ -44,8 +43,7 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
     if not prompt:
         raise MlxspecError("the prompt is empty")
     engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
-                         **quantspec_kwargs(mode, group_size, buffer_size, weight_bits,
-                                            quantize_layers))
+                         **mode_kwargs(mode, **mode_flags))
     if chat:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)

@@ -12,6 +12,10 @@ def make_proposer(mode: str, model, draft_model=None, **options):
     if mode == "none":
         return None
     if mode == "ngram":
+        if options.pop("tree", False):
+            from .ngram_tree import TreeNgramProposer
+
+            return TreeNgramProposer(**options)
         from .ngram import NgramProposer
 
         return NgramProposer(**options)
@@ -22,21 +26,15 @@ def make_proposer(mode: str, model, draft_model=None, **options):
 
         return DraftModelProposer(draft_model, **options)
     if mode == "quantspec":
-        try:
-            from .quantspec import QuantSpecProposer
-        except ImportError:
-            raise MlxspecError("mode 'quantspec' is not available in this build") from None
+        from .quantspec import QuantSpecProposer
+
         return QuantSpecProposer(model, **options)
     if mode == "lookahead":
-        try:
-            from .lookahead import LookaheadProposer
-        except ImportError:
-            raise MlxspecError("mode 'lookahead' is not available in this build") from None
+        from .lookahead import LookaheadProposer
+
         return LookaheadProposer(model, **options)
     if mode == "auto":
-        try:
-            from .auto import AutoProposer
-        except ImportError:
-            raise MlxspecError("mode 'auto' is not available in this build") from None
+        from .auto import AutoProposer
+
         return AutoProposer(model, draft_model, **options)
     raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
