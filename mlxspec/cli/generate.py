@@ -11,9 +11,9 @@ from ..errors import MlxspecError
 from .common import (
     exits_cleanly,
     load_engine,
-    model_options,
     mode_kwargs,
     mode_options,
+    model_options,
     sampling_options,
 )
 
