@@ -388,11 +388,12 @@ class Engine:
                      min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                      prediction: str | list[int] | None = None, num_draft: int | None = None,
                      prompt_cache: PromptCache | None = None, mode: str | None = None,
-                     progress=None) -> Iterator[StepOutput]:
+                     policy=None, progress=None) -> Iterator[StepOutput]:
         """Generate, yielding after every target forward. `prediction` (text or ids) is a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
         engine's own) is reused when the prompt extends the tokens it holds; `mode` overrides
-        the engine's mode for this call; `progress(done, total)` is called during prefill."""
+        the engine's mode for this call, `policy` its k policy (`FixedK`, `AdaptiveK`);
+        `progress(done, total)` is called during prefill."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()
@@ -420,7 +421,9 @@ class Engine:
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
-        if num_draft is not None:
+        if policy is not None:
+            pass
+        elif num_draft is not None:
             policy = FixedK(num_draft)
         elif proposer is self.proposer:
             policy = self.policy

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from .. import backend
 from ..engine import Engine
+from ..policy import AdaptiveK
 from .runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner, Run
 from .workloads import build_workload
 
@@ -21,8 +22,20 @@ PEERS = ("mlx_lm", "mlx_lm_spec")
 
 
 def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
+    """Runners for mode labels: a mode name, `mlx_lm`, `mlx_lm_spec`, or `MODE:k=N` (fixed k)
+    / `MODE:adaptive` (adaptive k capped at 2 * num_draft) to compare k policies."""
     runners = []
-    for mode in modes:
+    for label in modes:
+        mode, _, variant = label.partition(":")
+        if variant:
+            if variant == "adaptive":
+                runners.append(EngineRunner(engine, mode, label,
+                                            policy=AdaptiveK(max_k=2 * num_draft)))
+            elif variant.startswith("k="):
+                runners.append(EngineRunner(engine, mode, label, num_draft=int(variant[2:])))
+            else:
+                raise ValueError(f"unknown variant {variant!r} in {label!r}")
+            continue
         if mode == "mlx_lm":
             runners.append(MlxLmRunner(engine))
         elif mode == "mlx_lm_spec":
@@ -135,7 +148,7 @@ def lossless_audit(engine: Engine, modes: list[str], n_prompts: int, max_tokens:
     """Every speculative mode against `none`, token by token, at temperature 0. A divergence is
     reported with the reference's top-2 logit gap at that step (> 1e-3 in float32: a bug)."""
     items = build_workload("mixed", n_prompts, max_tokens, seed)
-    modes = [m for m in modes if m not in ("none",) + PEERS]
+    modes = [m for m in modes if m not in ("none",) + PEERS and ":" not in m]
     progress = Progress(len(items), show_progress)
     report = {"prompts": len(items), "modes": {m: {"identical": 0, "divergences": []} for m in modes}}
     for i, item in enumerate(items):

@@ -32,15 +32,20 @@ class Run:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, mode: str, label: str | None = None, num_draft=None):
+    """Our engine in `mode`; `policy` (FixedK / AdaptiveK) persists across the runs, as it
+    would across a user's requests."""
+
+    def __init__(self, engine: Engine, mode: str, label: str | None = None, num_draft=None,
+                 policy=None):
         self.engine, self.mode, self.label = engine, mode, label or mode
-        self.num_draft = num_draft
+        self.num_draft, self.policy = num_draft, policy
 
     def run(self, tokens: list[int], max_tokens: int, temperature: float, seed: int,
             prediction: str | None = None) -> Run:
         result = self.engine.generate(tokens, max_tokens=max_tokens, temperature=temperature,
                                       seed=seed, mode=self.mode, prediction=prediction,
-                                      num_draft=self.num_draft, prompt_cache=PromptCache())
+                                      num_draft=self.num_draft, policy=self.policy,
+                                      prompt_cache=PromptCache())
         s = result.stats
         return Run(result.tokens, s.decode_seconds, s.target_forwards, s.drafted, s.accepted,
                    s.to_dict())

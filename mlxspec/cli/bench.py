@@ -16,7 +16,8 @@ from .common import exits_cleanly, load_engine
 @click.option("--model", "-m", default=None, help="Target (default: the bundled model).")
 @click.option("--draft-model", default=None, help="Draft (default with the bundled model: its draft).")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
-              help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec.")
+              help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
+                   "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
 @click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True)
 @click.option("--prompts", "n_prompts", type=int, default=20, show_default=True, help="Prompts per workload.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
@@ -45,8 +46,11 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
-        if m not in MODES + ("mlx_lm", "mlx_lm_spec"):
-            raise MlxspecError(f"unknown mode {m!r} in --modes")
+        base, _, variant = m.partition(":")
+        if base not in MODES + ("mlx_lm", "mlx_lm_spec") or (
+                variant and variant != "adaptive" and not (variant.startswith("k=")
+                                                           and variant[2:].isdigit())):
+            raise MlxspecError(f"unknown mode {m!r} in --modes (MODE, MODE:k=N or MODE:adaptive)")
     if "none" not in mode_list:
         mode_list.insert(0, "none")  # the reference every ratio is taken against
     workload_list = [w.strip() for w in workloads.split(",") if w.strip()]
@@ -61,7 +65,7 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         n_prompts, max_tokens, audit_prompts = min(n_prompts, 3), min(max_tokens, 32), min(audit_prompts, 10)
     if n_prompts < 1:
         raise MlxspecError("--prompts must be >= 1")
-    wants_draft = any(m in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
+    wants_draft = any(m.partition(":")[0] in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
     # The bundled target comes with its draft; another target needs --draft-model for those rows.
     with_draft = wants_draft and (draft_model is not None or model is None)
     engine = load_engine(model, draft_model, "draft" if with_draft else "none", num_draft)
