@@ -158,6 +158,18 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(getattr(c, "nbytes", 0) for c in self.cache or [])
 
+    def reuse_prefix(self, tokens: list[int], kind: str) -> int:
+        """Trim the cache to its longest common prefix with `tokens` and return that length;
+        0 means nothing is reusable (no cache, another kind, or one that cannot trim so far)."""
+        if self.cache is None or self.kind != kind:
+            return 0
+        keep = common_prefix_len(self.tokens, tokens)
+        drop = len(self.tokens) - keep
+        if keep == 0 or (drop and any(c.trim(drop) != drop for c in self.cache)):
+            return 0
+        self.tokens = self.tokens[:keep]
+        return keep
+
 
 # ----------------------------------------------------------------------------- loading
 
@@ -462,13 +474,7 @@ class Engine:
         kind = getattr(proposer, "cache_kind", None) or (
             f"hierarchical-ref:{self.kv_group_size}:{self.kv_buffer_size}"
             if self.kv == "hierarchical" else "kv")
-        keep = common_prefix_len(pc.tokens, tokens[:-1]) if pc.cache is not None else 0
-        if pc.cache is not None and pc.kind == kind and keep > 0:
-            drop = len(pc.tokens) - keep
-            if drop and any(c.trim(drop) != drop for c in pc.cache):
-                keep = 0
-        else:
-            keep = 0
+        keep = pc.reuse_prefix(tokens[:-1], kind)
         if keep == 0:
             maker = getattr(proposer, "make_target_cache", None)
             if maker is not None:

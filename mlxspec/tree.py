@@ -28,18 +28,7 @@ last committed token), in topological order (parents[i] < i). Optional `extra` k
   with the argmax of the ``want_argmax`` nodes and the accepted node indices (root excluded,
   already capped at ``max_accept``). The engine then calls ``proposer.update`` as for chains.
 
-Engine integration (`speculative_decode`, right after `proposer.propose`)::
-
-    if proposal is not None and proposal.parents is not None and len(proposal):
-        new_tokens, n = tree_step(model, cache, context[-1], proposal, sampling, verify_key,
-                                  max_accept=k)
-        context.extend(new_tokens)
-        proposer.update(context, n)
-        policy.observe(proposal.source, len(proposal), n, time.perf_counter() - start)
-        stats.record_step(proposal.source, len(proposal), n, len(new_tokens))
-        generated += len(new_tokens)
-        yield new_tokens
-        continue
+The engine calls `tree_step` from `speculative_decode` when a proposal has parents.
 
 The rope swap mutates the model's attention modules for the duration of one forward: do not run
 a tree step and another forward of the same model object concurrently from two threads.

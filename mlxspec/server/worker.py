@@ -329,13 +329,7 @@ class Worker(threading.Thread):
                 return False
             if not self._plain_kv(job):
                 return False
-            keep = common_prefix_len(pc.tokens, tokens) if pc.cache is not None else 0
-            if pc.cache is not None and pc.kind == "kv" and keep > 0:
-                drop = len(pc.tokens) - keep
-                if drop and any(c.trim(drop) != drop for c in pc.cache):
-                    keep = 0
-            else:
-                keep = 0
+            keep = pc.reuse_prefix(tokens, "kv")
             if keep == 0:
                 pc.cache, pc.kind = make_prompt_cache(self.engine.model), "kv"
             pc.tokens = tokens[:keep]
