@@ -56,6 +56,10 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
     for m in ("ngram", "draft"):
         assert report["audit"]["modes"][m]["bugs"] == 0
     assert "| edit | 0 | ngram |" in (out / "bench.md").read_text()
+    again = CliRunner().invoke(main, ["bench", "--from-json", str(out / "bench.json"),
+                                      "--out", str(tmp_path / "again")])
+    assert again.exit_code == 0 and "| edit | 0 | ngram |" in again.output
+    assert (tmp_path / "again" / "bench.md").read_text() == (out / "bench.md").read_text()
 
 
 def test_peer_runners_take_a_one_token_prompt(llama_pair):

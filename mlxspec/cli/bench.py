@@ -29,10 +29,25 @@ from .common import exits_cleanly, load_engine
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for bench.json, bench.md and plots (default: bench-results/DATE).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
 @exits_cleanly
 def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
-          audit_prompts, quick, out_dir, seed):
+          audit_prompts, quick, out_dir, seed, from_json):
     """Benchmark speculation modes and mlx-lm on held-out workloads."""
+    if from_json is not None:
+        import json
+
+        from ..bench.run import markdown_table, write_outputs
+
+        try:
+            report = json.loads(Path(from_json).read_text())
+            written = write_outputs(Path(out_dir) if out_dir else Path(from_json).parent, report)
+        except (ValueError, KeyError) as e:
+            raise MlxspecError(f"{from_json} is not a bench.json of mlxspec bench ({e})") from None
+        click.echo(markdown_table(report["results"]))
+        click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
+        return
     from .. import backend
     from ..bench.run import (
         lossless_audit,
