@@ -449,12 +449,13 @@ class Engine:
             backend.reset_peak_memory()
             start = time.perf_counter()
             self._prefill(pc, tokens, stats, proposer, progress)
+            if proposer is not None:
+                proposer.reset(tokens, sampling)  # a draft model prefills here: prefill time
             stats.prefill_seconds = time.perf_counter() - start
             context = list(tokens)
             if proposer is None:
                 steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key, stats)
             else:
-                proposer.reset(tokens, sampling)
                 steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
                                            sampling, max_tokens, key, stats)
             start = time.perf_counter()

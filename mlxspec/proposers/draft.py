@@ -37,8 +37,20 @@ class DraftModelProposer:
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
         self._fed_drafts = 0
-        keep = common_prefix_len(self.cached, prompt)
+        keep = common_prefix_len(self.cached, prompt[:-1])
         self._trim(len(self.cached) - keep)
+        self._feed(prompt[len(self.cached) : -1])  # the prompt, as the target's prefill did
+
+    def _feed(self, tokens: list[int]) -> mx.array | None:
+        """Append `tokens` to the draft cache in chunks; the logits after the last one."""
+        logits = None
+        for start in range(0, len(tokens), self.prefill_step_size):
+            chunk = tokens[start : start + self.prefill_step_size]
+            logits = self.model(mx.array(chunk, mx.uint32)[None], cache=self.cache)[0, -1]
+            if start + len(chunk) < len(tokens):
+                mx.eval([c.state for c in self.cache])
+            self.cached += chunk
+        return logits
 
     def _trim(self, num: int) -> None:
         if num > 0:
@@ -57,15 +69,9 @@ class DraftModelProposer:
             return None
         if len(self.cached) >= len(context):  # need at least one token to get logits from
             self._trim(len(self.cached) - len(context) + 1)
-        pending = context[len(self.cached) :]
-        # Catch up in chunks (a long gap happens after a new prompt or when `auto` skipped us).
-        while len(pending) > self.prefill_step_size:
-            self.model(mx.array(pending[: self.prefill_step_size])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.cached += pending[: self.prefill_step_size]
-            pending = pending[self.prefill_step_size :]
-        logits = self.model(mx.array(pending)[None], cache=self.cache)[0, -1]
-        self.cached += pending
+        # Usually the target's last token (and the last draft when all were accepted); more
+        # when `auto` skipped this proposer for a while.
+        logits = self._feed(context[len(self.cached) :])
         keys = mx.random.split(key, num_draft) if key is not None else [None] * num_draft
         tokens, probs = [], []
         for i in range(num_draft):
