@@ -92,7 +92,9 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
             yield new_tokens
             continue
         if proposal is not None and len(proposal):
-            k = min(k, policy.choose(proposal.source))  # the source's own estimate refines the cap
+            # The source's own estimate refines the cap (0: a plain step; switched-off sources
+            # are probed now and then so that they can come back).
+            k = min(k, policy.choose_or_probe(proposal.source))
         num_draft = min(len(proposal), k) if proposal is not None else 0
         if num_draft:
             draft = mx.array(proposal.tokens[:num_draft], mx.uint32) if isinstance(

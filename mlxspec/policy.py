@@ -32,6 +32,9 @@ class FixedK:
     def choose(self, source: str) -> int:
         return self.num_draft
 
+    def choose_or_probe(self, source: str) -> int:
+        return self.num_draft
+
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         pass
 

@@ -43,8 +43,8 @@ def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
                 runners.append(MlxLmSpeculativeRunner(engine, num_draft))
         elif mode == "draft" and engine.draft_model is None:
             continue
-        else:
-            runners.append(EngineRunner(engine, mode, num_draft=num_draft))
+        else:  # auto brings its own adaptive policy; the others propose num_draft tokens
+            runners.append(EngineRunner(engine, mode, num_draft=None if mode == "auto" else num_draft))
     return runners
 
 

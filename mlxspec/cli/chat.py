@@ -277,6 +277,9 @@ def bundled_draft_path() -> str | None:
 @exits_cleanly
 def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system):
     """Chat with a model (default: the bundled one). /help lists the commands."""
+    # Ctrl-C must interrupt a reply even when started from a shell that launched us with SIGINT
+    # ignored (a background job of a non-interactive shell inherits SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
     try:
         engine = load_engine(model, draft_model, mode, num_draft)

@@ -43,7 +43,8 @@ class AutoProposer:
             k = min(num_draft, self.policy.choose_or_probe("draft"))
             if k > 0:
                 return self.draft.propose(context, k, key)
-        return None
+        # Let the engine's policy decide: a switched-off n-gram source is probed now and then.
+        return proposal
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self.ngram.update(context, num_accepted)
