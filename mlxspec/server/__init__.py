@@ -1,4 +1,4 @@
-"""`mlxspec serve`: an OpenAI- and llama.cpp-compatible local HTTP server (see docs/serve.md)."""
+"""`mlxspec serve`: an OpenAI- and llama.cpp-compatible local HTTP server (see the README, "Serving editors and chat clients")."""
 
 from __future__ import annotations
 
