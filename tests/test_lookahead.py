@@ -141,12 +141,6 @@ def test_proposal_geometry():
 # ----------------------------------------------------------------------------- decoding
 
 
-def _engine_has_tree_branch() -> bool:
-    import mlxspec.engine as engine
-
-    return hasattr(engine, "tree_step")
-
-
 @pytest.mark.parametrize("model_type,wng", [("llama", (4, 4, 4)), ("qwen2", (6, 3, 8))])
 def test_lookahead_greedy_is_token_identical(model_type, wng):
     from test_engine import prompts
@@ -164,8 +158,6 @@ def test_lookahead_greedy_is_token_identical(model_type, wng):
 
 
 def test_lookahead_through_engine():
-    if not _engine_has_tree_branch():
-        pytest.skip("engine.py has no tree branch yet (see the integration note in tree.py)")
     from test_engine import prompts
 
     target, _ = build_model("llama", seed=11, scale=4.0)
@@ -199,12 +191,7 @@ def test_bundled_model_greedy_is_token_identical():
     """Greedy lookahead and tree n-gram on the bundled model, 50 prompts (when it exists)."""
     from mlxspec.models import bundled_model_path
 
-    try:
-        path = bundled_model_path("target")
-    except Exception:
-        path = None
-    if path is None or not (path / "config.json").exists():
-        pytest.skip("no bundled model yet")
+    path = bundled_model_path("target")  # shipped in models/: its absence is a failure
     from mlxspec.bench.workloads import build_workload
     from mlxspec.engine import Engine, load_model
     from mlxspec.proposers.ngram_tree import TreeNgramProposer

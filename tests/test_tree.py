@@ -326,12 +326,6 @@ def test_tree_ngram_proposal_contains_the_chain_proposal():
             assert len(b) <= 12 and max(depths(b.parents)) <= 4
 
 
-def _engine_has_tree_branch() -> bool:
-    import mlxspec.engine as engine
-
-    return hasattr(engine, "tree_step")
-
-
 def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0, num_draft=4,
                   stats=None):
     cache = prefill(model, prompt[:-1])
@@ -360,8 +354,6 @@ def test_tree_ngram_greedy_is_token_identical(model_type):
 
 
 def test_tree_ngram_through_engine():
-    if not _engine_has_tree_branch():
-        pytest.skip("engine.py has no tree branch yet (see the integration note in tree.py)")
     from test_engine import prompts
 
     target, _ = build_model("llama", seed=11, scale=4.0)
