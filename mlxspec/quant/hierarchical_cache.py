@@ -56,6 +56,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from ..errors import MlxspecError
 from .kvquant import (
     BITS,
     SUPPORTED_GROUP_SIZES,
@@ -186,7 +187,7 @@ class HierarchicalKVCache(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
-            raise NotImplementedError("the hierarchical KV cache has no sliding-window support")
+            raise MlxspecError("the hierarchical KV cache has no sliding-window support")
         if N == 1:
             return None
         if return_array:
@@ -379,7 +380,7 @@ def _wrap_sdpa(original):
             bound = sig.bind(queries, keys, values, *args, **kwargs)
             a = bound.arguments
             if a.get("sinks") is not None:
-                raise NotImplementedError("the hierarchical KV cache does not support attention sinks")
+                raise MlxspecError("the hierarchical KV cache does not support attention sinks")
             return hierarchical_attention(queries, keys, a["scale"], a.get("mask"))
         return original(queries, keys, values, *args, **kwargs)
 
@@ -406,7 +407,7 @@ def install_attention_adapter(model) -> list[str]:
         if mod is not None and callable(getattr(mod, "scaled_dot_product_attention", None)):
             modules[mod.__name__] = mod
     if not modules:
-        raise NotImplementedError(
+        raise MlxspecError(
             f"model type {model_type!r}: its attention does not call mlx-lm's "
             "scaled_dot_product_attention, so the hierarchical KV cache cannot plug in")
     for mod in modules.values():
@@ -426,13 +427,13 @@ def make_hierarchical_cache(model, group_size: int = 64, buffer_size: int | None
     if hasattr(model, "make_cache"):
         kinds = {type(c).__name__ for c in model.make_cache()}
         if kinds - {"KVCache"}:
-            raise NotImplementedError(
+            raise MlxspecError(
                 f"this model uses {sorted(kinds)} caches; the hierarchical KV cache replaces "
                 "plain KVCache layers only")
     install_attention_adapter(model)
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise NotImplementedError("model has no .layers")
+        raise MlxspecError("model has no .layers")
     return [HierarchicalKVCache(group_size, buffer_size, value_group_size, auto_commit)
             for _ in layers]
 
