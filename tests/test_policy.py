@@ -71,3 +71,41 @@ def test_auto_mode_is_lossless_and_uses_ngram_on_repetitive_text():
         assert got.tokens == want
         drafted += got.stats.drafted_by_source.get("ngram", 0)
     assert drafted > 0
+
+
+def test_plain_bursts_when_speculation_is_off():
+    policy = AdaptiveK(burst_after=3, burst_len=10)
+    for _ in range(2):
+        policy.observe("", 0, 0, 0.01)
+        assert policy.plain_burst() == 0
+    policy.observe("", 0, 0, 0.01)
+    assert policy.plain_burst() == 10  # three steps in a row verified nothing
+    policy.observe_plain_burst(10, 0.05)
+    assert policy.plain_burst() == 0  # propose again before the next burst
+    assert policy.plain_time < 0.01  # the pipelined stretch is the new plain reference
+    policy.observe("", 0, 0, 0.01)
+    policy.observe("ngram", 3, 2, 0.012)  # a verified proposal resets the count
+    policy.observe("", 0, 0, 0.01)
+    assert policy.plain_burst() == 0
+
+
+def test_auto_on_unpredictable_text_decodes_in_plain_bursts(monkeypatch):
+    import mlxspec.engine as engine_module
+
+    plain_tokens = []
+    real_plain_decode = engine_module.plain_decode
+
+    def counting_plain_decode(*args, **kwargs):
+        for new in real_plain_decode(*args, **kwargs):
+            plain_tokens.extend(new)
+            yield new
+
+    monkeypatch.setattr(engine_module, "plain_decode", counting_plain_decode)
+    target, _ = build_model("llama", seed=31, scale=4.0)
+    auto = make_engine(target, "auto")
+    prompt = [(i * 37) % 251 + 1 for i in range(20)]  # no repeats: nothing to look up
+    got = auto.generate(prompt, max_tokens=80)
+    monkeypatch.setattr(engine_module, "plain_decode", real_plain_decode)
+    assert got.tokens == make_engine(target, "none").generate(prompt, max_tokens=80).tokens
+    # Once nothing was verified for a few steps, the rest came from pipelined plain stretches.
+    assert len(plain_tokens) >= 40
