@@ -75,18 +75,6 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
     generated = 0
     while generated < max_tokens:
         key, propose_key, verify_key = mx.random.split(key, 3)
-        burst = min(getattr(policy, "plain_burst", lambda: 0)(), max_tokens - generated)
-        if burst:
-            # Speculation is off: decode a stretch plainly, pipelined as `none` is, so a
-            # switched-off mode costs what plain decoding costs; the proposer catches up after.
-            start = time.perf_counter()
-            for new_tokens in plain_decode(model, cache, context, sampling, burst, verify_key,
-                                           stats):
-                generated += 1
-                yield new_tokens
-            proposer.update(context, 0)
-            policy.observe_plain_burst(burst, time.perf_counter() - start)
-            continue
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
         k = min(policy.cap(proposer.name), max_tokens - generated - 1)
         start = time.perf_counter()

@@ -64,11 +64,8 @@ class AdaptiveK:
     probe_every: int = 16  # while a source is switched off, try it again this often (in steps)
     probe_k: int = 2
     plain_every: int = 64  # measure a plain step this often: every cost is relative to it
-    burst_after: int = 4  # consecutive steps that verified nothing before a plain burst
-    burst_len: int = 16  # tokens decoded plainly (pipelined) before proposing again
     _off_steps: dict[str, int] = field(default_factory=dict)
     _since_plain: int = 0
-    _idle_steps: int = 0
 
     # -- estimates
     def accept_probs(self, source: str) -> list[float]:
@@ -130,25 +127,9 @@ class AdaptiveK:
     def expected_rate(self, source: str, k: int) -> float:
         return self.expected_tokens(source, k) / self.step_time(source, k)
 
-    def plain_burst(self) -> int:
-        """Tokens to decode plainly now: after `burst_after` steps in a row that verified
-        nothing, speculation is off and the pipelined plain loop is cheaper than single
-        steps of the speculative one."""
-        if self._idle_steps >= self.burst_after:
-            self._idle_steps = 0
-            return self.burst_len
-        return 0
-
     # -- learning
-    def observe_plain_burst(self, tokens: int, seconds: float) -> None:
-        """A pipelined plain stretch: the reference every speculative step must beat."""
-        for _ in range(tokens):
-            self.observe("", 0, 0, seconds / tokens)
-        self._idle_steps = 0  # propose again for `burst_after` steps before the next burst
-
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         d = self.decay
-        self._idle_steps = 0 if drafted else self._idle_steps + 1
         self._since_plain = 0 if not drafted else self._since_plain + 1
         if not drafted:
             self.plain_time = (self.plain_time * self.plain_weight * d + seconds) / (
