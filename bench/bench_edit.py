@@ -34,17 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlxspec  # noqa: E402,F401  (OpenBLAS before mlx.core)
 from mlxspec.editing import edit_text  # noqa: E402
 from mlxspec.errors import MlxspecError  # noqa: E402
+from mlxspec.recipe.corpus import function_node  # noqa: E402
 
 SUFFIXES = ("_value", "_tmp", "_new", "_x", "2", "_item", "_obj", "_data")
 
 
 def pick_rename(src: str, rng: random.Random) -> tuple[str, str] | None:
     """(old, new): an argument or assigned local (or, half the time, the function's name)."""
-    try:
-        node = ast.parse(src).body[0]
-    except (SyntaxError, ValueError, IndexError):
-        return None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    node = function_node(src)
+    if node is None:
         return None
     names = sorted(
         {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}

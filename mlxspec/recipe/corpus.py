@@ -119,12 +119,18 @@ def make_chat_example(mod: str, name: str, src: str, rng: random.Random) -> str 
     return format_chat(msgs) + EOT
 
 
-def _docstring(src: str) -> str | None:
+def function_node(src: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The function `src` defines (its first statement), or None."""
     try:
         node = ast.parse(src).body[0]
     except (SyntaxError, ValueError, IndexError):
         return None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _docstring(src: str) -> str | None:
+    node = function_node(src)
+    if node is None:
         return None
     doc = ast.get_docstring(node)
     return doc.strip() if doc and doc.strip() else None
