@@ -21,6 +21,13 @@ OPENBLAS_CANDIDATES = (
 
 # What `setup_blas` found: "openblas:<path>", "reference", "accelerate", or "disabled".
 blas_in_use = "unknown"
+# Settings `setup_blas` could not follow (also printed on stderr, and by `mlxspec doctor`).
+blas_warnings: list[str] = []
+
+
+def _warn(message: str) -> None:
+    blas_warnings.append(message)
+    print(f"mlxspec: warning: {message}", file=sys.stderr)
 
 
 def setup_blas() -> str:
@@ -36,9 +43,19 @@ def setup_blas() -> str:
         # Too late: MLX already bound its BLAS symbols.
         blas_in_use = "reference (mlx imported before mlxspec)"
         return blas_in_use
-    candidates = [os.environ["MLXSPEC_BLAS"]] if os.environ.get("MLXSPEC_BLAS") else []
-    candidates += list(OPENBLAS_CANDIDATES)
-    for path in candidates:
+    asked = os.environ.get("MLXSPEC_BLAS", "")
+    if asked:
+        if not os.path.isfile(asked):
+            _warn(f"MLXSPEC_BLAS={asked}: no such file; looking for the system OpenBLAS instead")
+        else:
+            try:
+                ctypes.CDLL(asked, mode=ctypes.RTLD_GLOBAL)
+                blas_in_use = f"openblas:{asked}"
+                return blas_in_use
+            except OSError as e:
+                _warn(f"MLXSPEC_BLAS={asked} cannot be loaded ({e}); looking for the system "
+                      "OpenBLAS instead")
+    for path in OPENBLAS_CANDIDATES:
         if os.path.exists(path):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -270,12 +270,69 @@ def unified_diff(old: str, new: str, name: str, context: int = 3) -> str:
 # ----------------------------------------------------------------------------- writing
 
 
+MAX_BACKUPS = 10_000
+
+
+def backup_candidates(path: Path, suffix: str):
+    """FILE.orig, then FILE.orig.1, FILE.orig.2, ...: where successive backups go."""
+    yield path.with_name(path.name + suffix)
+    for n in range(1, MAX_BACKUPS):
+        yield path.with_name(f"{path.name}{suffix}.{n}")
+
+
+def _create_new(tmp: Path, dest: Path, data: bytes) -> bool:
+    """Give `dest` the bytes of `tmp` only if `dest` does not exist yet (never overwrites);
+    False when it exists."""
+    try:
+        os.link(tmp, dest)  # atomic, and fails if dest exists
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a filesystem without hard links: exclusive create, then copy
+        pass
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.copystat(tmp, dest)
+    return True
+
+
+def write_backup(path: Path, data: bytes, suffix: str) -> Path:
+    """Keep `data` (the bytes being replaced) in a new backup file beside `path` and return it.
+    An existing backup is never overwritten: the first goes to FILE.orig, later ones to
+    FILE.orig.1, FILE.orig.2, ..., so the untouched original of a series of edits stays in
+    FILE.orig."""
+    tmp = path.with_name(f".{path.name}{suffix}.mlxspec-tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        shutil.copystat(path, tmp)
+        for candidate in backup_candidates(path, suffix):
+            if _create_new(tmp, candidate, data):
+                return candidate
+        raise MlxspecError(f"{path}: {MAX_BACKUPS} backups ({path.name}{suffix}.N) already "
+                           "exist; remove some; nothing written")
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 def write_atomic(src: SourceFile, new_text: str, backup_suffix: str | None = ".orig",
                  before_replace: Callable | None = None) -> Path | None:
     """Replace `src.path` with `new_text`: a temporary file in the same folder, written,
     flushed to disk and given the original's permissions, then renamed over the original.
     Refuses (MlxspecError, nothing changed) if the file changed on disk since `src` was read.
-    Keeps the original's bytes in `path + backup_suffix` (none when the suffix is empty).
+    Keeps the replaced bytes in a new backup (`write_backup`: FILE.orig, then FILE.orig.1, ...;
+    none when the suffix is empty), removed again if the file is not replaced.
     Returns the backup's path."""
     path = src.path
     if src.changed_on_disk():
@@ -296,21 +353,20 @@ def write_atomic(src: SourceFile, new_text: str, backup_suffix: str | None = ".o
         except (OSError, AttributeError):
             pass  # not permitted (another owner): the new file is ours, permissions kept
         if backup_suffix:
-            backup = path.with_name(path.name + backup_suffix)
-            tmp_backup = backup.with_name(f".{backup.name}.mlxspec-tmp")
-            with open(tmp_backup, "wb") as f:
-                f.write(src.raw)
-            shutil.copystat(path, tmp_backup)
-            os.replace(tmp_backup, backup)
+            backup = write_backup(path, src.raw, backup_suffix)
         if before_replace is not None:
             before_replace(tmp)
         if src.changed_on_disk():  # checked again, as late as possible
             raise MlxspecError(f"{src.shown} changed on disk during the edit; nothing written")
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        for leftover in (tmp, backup):
+            # The original was not replaced: its copy is not needed (and must not push the
+            # next edit's backup to another number).
+            if leftover is not None:
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
         raise
     return backup

@@ -67,3 +67,48 @@ def bundled_models_available() -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def model_pair_paths(path: str | os.PathLike | None) -> tuple[Path, Path] | None:
+    """(target, draft) when `path` is a folder holding a model pair, as `mlxspec train --out`
+    writes it and as `models/` ships: `target/` and `draft/`, each an mlx-lm model folder
+    (config.json and *.safetensors), and no config.json of its own (a model folder that
+    happens to contain such subfolders is a model, not a pair). None otherwise, also for
+    None (the bundled pair is `bundled_model_path`'s business) and for paths that do not
+    exist: the caller then goes on with its other resolutions (a model folder, a repo id)."""
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    try:
+        if not p.is_dir() or (p / "config.json").exists():
+            return None
+        target, draft = p / "target", p / "draft"
+        if _is_model_dir(target) and _is_model_dir(draft):
+            return target, draft
+    except OSError:  # unreadable: let the loader report it
+        return None
+    return None
+
+
+def describe_pair_problem(path: str | os.PathLike) -> str | None:
+    """Why a folder that looks meant as a pair (it has `target/` or `draft/`) is not one, for
+    an error message; None when it does not look like a pair at all."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").exists():
+        return None
+    parts = {name: p / name for name in MODELS if (p / name).is_dir()}
+    if not parts:
+        return None
+    problems = []
+    for name in MODELS:
+        sub = p / name
+        if name not in parts:
+            problems.append(f"{sub} is missing")
+        elif not (sub / "config.json").is_file():
+            problems.append(f"{sub} has no config.json")
+        elif not any(sub.glob("*.safetensors")):
+            problems.append(f"{sub} has no *.safetensors weights")
+    if not problems:
+        return None
+    return (f"{p} looks like a model pair (target/ and draft/, as `mlxspec train --out` "
+            f"writes) but {'; '.join(problems)}")

@@ -57,12 +57,18 @@ def test_streaming_output_has_summary_line(model_dirs):
 
 BAD = {
     "unknown model path": (["-m", "/no/such/model"], "no such model directory"),
-    "max tokens": (["--max-tokens", "0"], "max_tokens must be >= 1"),
-    "negative temperature": (["--temp", "-1"], "temperature must be >= 0"),
-    "top-p zero": (["--top-p", "0"], "top_p must be in (0, 1]"),
-    "top-p above one": (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-    "num draft zero": (["-k", "0"], "num_draft must be between 1 and 64"),
-    "num draft 65": (["-k", "65"], "num_draft must be between 1 and 64"),
+    "max tokens": (["--max-tokens", "0"], "error: --max-tokens must be >= 1, got 0"),
+    "negative temperature": (["--temp", "-1"], "error: --temp must be >= 0, got -1.0"),
+    "top-p zero": (["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
+    "top-p above one": (["--top-p", "1.5"], "error: --top-p must be in (0, 1], got 1.5"),
+    "num draft zero": (["-k", "0"], "error: --num-draft-tokens/-k must be between 1 and 64, got 0"),
+    "num draft 65": (["-k", "65"], "error: --num-draft-tokens/-k must be between 1 and 64"),
+    "negative top-k": (["--top-k", "-1"], "error: --top-k must be >= 0, got -1"),
+    "window zero": (["--mode", "lookahead", "--window", "0"], "error: --window must be >= 1"),
+    "ngram size one": (["--ngram-size", "1"], "error: --ngram-size must be >= 2"),
+    "tree budget zero": (["--tree", "--tree-budget", "0"], "error: --tree-budget must be >= 1"),
+    "buffer below 2G": (["--mode", "quantspec", "--buffer-size", "64"],
+                        "error: --buffer-size must be at least 2 x --group-size = 128 tokens"),
     "empty prompt": (["-p", ""], "the prompt is empty"),
     "prompt too long": (["-p", "word " * 2000], "but the model's context is 512 tokens"),
     "draft without model": (["--mode", "draft"], "needs a draft model"),
@@ -115,4 +121,4 @@ def test_real_process_exit_code(model_dirs):
                            str(model_dirs["llama"]), "-p", "x", "--top-p", "2"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "error: top_p must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: --top-p must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr

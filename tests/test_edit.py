@@ -157,6 +157,61 @@ def test_write_matches_dry_run_keeps_backup_and_permissions(scripted, source):
     assert not leftovers(source.parent)
 
 
+def test_three_writes_in_a_row_keep_the_original(scripted, source):
+    """A later --write never overwrites an earlier backup: FILE.orig stays the untouched
+    original, the replaced versions go to FILE.orig.1, FILE.orig.2, and the message says so."""
+    steps = [("result", "acc"), ("acc", "total"), ("total", "s")]
+    versions = [SOURCE]
+    for n, (old, new) in enumerate(steps):
+        scripted["engine"] = ScriptedEngine(transform=lambda code, o=old, w=new: code.replace(o, w))
+        r = run_edit(str(source), "-i", f"rename {old} to {new}", "--write")
+        assert r.exit_code == 0, r.output
+        versions.append(versions[-1].replace(old, new))
+        assert source.read_text() == versions[-1]
+        backup = source.parent / ("code.py.orig" + (f".{n}" if n else ""))
+        assert backup.read_text() == versions[-2]
+        if n == 0:
+            assert f"(the original is in {backup})" in r.stderr
+        else:
+            assert f"the replaced version is in {backup}" in r.stderr
+            assert f"{source.parent / 'code.py.orig'}, the first backup, is untouched" in r.stderr
+    assert (source.parent / "code.py.orig").read_text() == SOURCE
+    assert sorted(p.name for p in source.parent.iterdir()) == [
+        "code.py", "code.py.orig", "code.py.orig.1", "code.py.orig.2"]
+    # --json reports the backup it made.
+    scripted["engine"] = ScriptedEngine(transform=lambda code: code.replace("s", "S"))
+    payload = json.loads(run_edit(str(source), "-i", "x", "--write", "--json").stdout)
+    assert payload["written"] and payload["backup"] == str(source.parent / "code.py.orig.3")
+
+
+def test_a_backup_that_exists_is_never_overwritten(tmp_path):
+    """Someone else's FILE.orig (or a race creating it) is skipped, not replaced."""
+    path = tmp_path / "f.py"
+    path.write_text("new\n")
+    (tmp_path / "f.py.orig").write_text("mine\n")
+    (tmp_path / "f.py.orig.1").write_text("also mine\n")
+    src = read_source(path)
+    backup = editing.write_atomic(src, "newer\n")
+    assert backup == tmp_path / "f.py.orig.2" and backup.read_text() == "new\n"
+    assert (tmp_path / "f.py.orig").read_text() == "mine\n"
+    assert (tmp_path / "f.py.orig.1").read_text() == "also mine\n"
+    assert path.read_text() == "newer\n" and not leftovers(tmp_path)
+
+
+def test_backup_without_hard_links(tmp_path, monkeypatch):
+    """A filesystem without hard links: exclusive create, still never overwriting."""
+    def no_links(*a, **k):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(editing.os, "link", no_links)
+    path = tmp_path / "f.py"
+    path.write_text("one\n")
+    (tmp_path / "f.py.orig").write_text("first\n")
+    backup = editing.write_atomic(read_source(path), "two\n")
+    assert backup == tmp_path / "f.py.orig.1" and backup.read_text() == "one\n"
+    assert (tmp_path / "f.py.orig").read_text() == "first\n" and not leftovers(tmp_path)
+
+
 def test_write_keeps_executable_bit_crlf_and_custom_backup(scripted, tmp_path):
     path = tmp_path / "run.py"
     path.write_bytes(SOURCE.replace("\n", "\r\n").encode())
@@ -195,6 +250,8 @@ def test_failure_before_rename_leaves_original_intact(scripted, source, monkeypa
     assert source.read_text() == SOURCE
     assert stat.S_IMODE(source.stat().st_mode) == 0o640
     assert not leftovers(source.parent)
+    # The copy made for the backup went away with the failed write (the original is in place).
+    assert sorted(p.name for p in source.parent.iterdir()) == ["code.py"]
 
 
 def test_truncated_answer_is_never_written(scripted, source):

@@ -9,7 +9,16 @@ import click
 
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import exits_cleanly, load_engine
+from .common import MAX_NUM_DRAFT, exits_cleanly, in_range, load_engine, resolve_pair
+
+
+def default_out_dir() -> Path:
+    """Where a run's files go without --out: the user's cache, never the current directory
+    (which is often a source checkout)."""
+    import os
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "mlxspec" / "bench" / time.strftime("%Y%m%d-%H%M%S")
 
 
 @click.command()
@@ -19,15 +28,22 @@ from .common import exits_cleanly, load_engine
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
                    "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
 @click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True)
-@click.option("--prompts", "n_prompts", type=int, default=20, show_default=True, help="Prompts per workload.")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--prompts", "n_prompts", type=int, default=20, show_default=True,
+              callback=in_range(1), help="Prompts per workload.")
+@click.option("--max-tokens", type=int, default=64, show_default=True, callback=in_range(1),
+              help="Tokens generated per prompt.")
 @click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. '0,1' ('free' always uses 1).")
-@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True)
+@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
+              callback=in_range(1, MAX_NUM_DRAFT), help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}).")
 @click.option("--audit", "audit_prompts", type=int, default=200, show_default=True,
-              help="Prompts in the lossless audit (0 skips it).")
-@click.option("--quick", is_flag=True, help="A two-minute run: 3 prompts per workload, 32 tokens, audit of 10.")
+              callback=in_range(0), help="Prompts in the lossless audit (0 skips it).")
+@click.option("--quick", is_flag=True,
+              help="A smoke run of a few minutes: at most 3 prompts per workload, 32 tokens, an "
+                   "audit of 10. It shows that every mode runs and is exact; its speedups are "
+                   "too noisy to read (use --prompts 8 or more for figures).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for bench.json, bench.md and plots (default: bench-results/DATE).")
+              help="Folder for bench.json, bench.md and plots (default: "
+                   "~/.cache/mlxspec/bench/DATE, or under $XDG_CACHE_HOME).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
@@ -47,6 +63,8 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
             raise MlxspecError(f"{from_json} is not a bench.json of mlxspec bench ({e})") from None
         click.echo(markdown_table(report["results"]))
         click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
+    if not any(p.suffix == ".png" for p in written):
+        click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)
         return
     from .. import backend
     from ..bench.run import (
@@ -78,12 +96,16 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         raise MlxspecError(f"--temps must be comma-separated numbers, got {temps!r}") from None
     if quick:
         n_prompts, max_tokens, audit_prompts = min(n_prompts, 3), min(max_tokens, 32), min(audit_prompts, 10)
-    if n_prompts < 1:
-        raise MlxspecError("--prompts must be >= 1")
+        click.echo(f"note: --quick runs {n_prompts} prompts per workload: a smoke run; its "
+                   "speedup ratios are too noisy to read (use --prompts 8 or more for figures)",
+                   err=True)
+    out = Path(out_dir).expanduser() if out_dir else default_out_dir()
+    model, draft_model, _ = resolve_pair(model, draft_model, "draft")  # -m FOLDER of a pair
     wants_draft = any(m.partition(":")[0] in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
     # The bundled target comes with its draft; another target needs --draft-model for those rows.
     with_draft = wants_draft and (draft_model is not None or model is None)
-    engine = load_engine(model, draft_model, "draft" if with_draft else "none", num_draft)
+    engine = load_engine(model, draft_model if with_draft else None,
+                         "draft" if with_draft else "none", num_draft)
     runners = make_runners(engine, mode_list, num_draft)
     click.echo(f"machine: {machine_summary()}", err=True)
     click.echo(f"runners: {', '.join(r.label for r in runners)}", err=True)
@@ -93,7 +115,6 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
               "prompts_per_workload": n_prompts, "results": results}
     if audit_prompts:
         report["audit"] = lossless_audit(engine, [r.label for r in runners], audit_prompts, seed=seed)
-    out = Path(out_dir or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
     written = write_outputs(out, report)
     click.echo(markdown_table(results))
     if report.get("audit"):
@@ -101,3 +122,5 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
             click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
                        f"{a['bugs']} divergences with top-2 gap > 1e-3")
     click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
+    if not any(p.suffix == ".png" for p in written):
+        click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)

@@ -15,7 +15,7 @@ import click
 from ..chat_session import ChatSession, check_chat_template
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import exits_cleanly, load_engine, model_options, sampling_options
+from .common import exits_cleanly, load_engine, model_options, resolve_pair, sampling_options
 from .statsline import dim, stats_line
 
 PROMPT = ">>> "
@@ -289,7 +289,8 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
     session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
                           top_p=top_p, top_k=top_k, seed=seed)
     check_chat_template(engine.tokenizer)  # fail now, not at the first message
-    draft_source = draft_model if draft_model else (bundled_draft_path() if model is None else None)
+    pair_draft = resolve_pair(model, draft_model, mode)[2]  # -m FOLDER with target/ + draft/
+    draft_source = draft_model or pair_draft or (bundled_draft_path() if model is None else None)
     click.echo(dim(f"mode {engine.mode} · /help for commands · Ctrl-D or /exit to quit"))
     history = setup_readline()
     try:

@@ -25,31 +25,100 @@ def exits_cleanly(fn):
     return wrapper
 
 
-def model_options(fn):
-    fn = click.option("--model", "-m", default=None,
-                      help="Model directory or Hugging Face repo id (default: the bundled model).")(fn)
-    fn = click.option("--draft-model", default=None,
-                      help="Draft model for --mode draft (default with the bundled model: its bundled draft).")(fn)
-    fn = click.option("--mode", type=click.Choice(MODES), default="ngram", show_default=True,
-                      help="Speculation mode.")(fn)
-    fn = click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
-                      help="Tokens proposed per step (1-64).")(fn)
+MAX_NUM_DRAFT = 64  # the engine's limit (mlxspec.engine.MAX_NUM_DRAFT; tests check they agree)
+
+
+def flag_name(param) -> str:
+    """How the user spells an option: '--max-tokens', '--num-draft-tokens/-k'."""
+    return "/".join(param.opts) if param is not None and param.opts else "option"
+
+
+def in_range(lo=None, hi=None, *, lo_open=False, what=None):
+    """A click callback refusing values outside [lo, hi] (lo excluded with lo_open) with a
+    message naming the flag, while the command line is parsed: before any model loads."""
+
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        ok = (lo is None or (value > lo if lo_open else value >= lo)) and (hi is None or value <= hi)
+        if not ok:
+            if what is not None:
+                rule = what
+            elif hi is None:
+                rule = f"{'>' if lo_open else '>='} {lo}"
+            elif lo is None:
+                rule = f"<= {hi}"
+            else:
+                rule = f"in ({lo}, {hi}]" if lo_open else f"between {lo} and {hi}"
+            raise click.UsageError(f"{flag_name(param)} must be {rule}, got {value}", ctx)
+        return value
+
+    return check
+
+
+def stack(fn, *decorators):
+    """Apply option decorators so that --help lists them in the order given."""
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
     return fn
+
+
+def model_options(fn):
+    return stack(
+        fn,
+        click.option("--model", "-m", default=None,
+                     help="Model directory, a folder holding target/ and draft/ (a pair from "
+                          "mlxspec train), or a Hugging Face repo id (default: the bundled model)."),
+        click.option("--draft-model", default=None,
+                     help="Draft model for --mode draft (default with the bundled model or a pair: "
+                          "its draft)."),
+        click.option("--mode", type=click.Choice(MODES), default="ngram", show_default=True,
+                     help="Speculation mode."),
+        click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4,
+                     show_default=True, callback=in_range(1, MAX_NUM_DRAFT),
+                     help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT})."),
+    )
 
 
 def sampling_options(fn):
-    fn = click.option("--max-tokens", type=int, default=256, show_default=True)(fn)
-    fn = click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy).")(fn)
-    fn = click.option("--top-p", type=float, default=1.0, show_default=True)(fn)
-    fn = click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")(fn)
-    fn = click.option("--seed", type=int, default=0, show_default=True)(fn)
-    return fn
+    return stack(
+        fn,
+        click.option("--max-tokens", type=int, default=256, show_default=True,
+                     callback=in_range(1), help="Most tokens to generate."),
+        click.option("--temp", type=float, default=0.0, show_default=True, callback=in_range(0),
+                     help="Sampling temperature (0: greedy)."),
+        click.option("--top-p", type=float, default=1.0, show_default=True,
+                     callback=in_range(0, 1, lo_open=True), help="Nucleus sampling, in (0, 1]."),
+        click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
+                     help="0 disables top-k."),
+        click.option("--seed", type=int, default=0, show_default=True),
+    )
+
+
+def resolve_pair(model: str | None, draft_model: str | None, mode: str) -> tuple:
+    """`-m FOLDER` where FOLDER holds target/ and draft/ (what `mlxspec train --out` writes):
+    the target as the model and, when the mode uses one and no --draft-model is given, the
+    draft as the draft. Returns (model, draft_model, pair_draft) with pair_draft the pair's
+    draft path (None when `model` is not a pair), for commands that load it later."""
+    from ..models import describe_pair_problem, model_pair_paths
+
+    pair = model_pair_paths(model)
+    if pair is None:
+        problem = describe_pair_problem(model) if model else None
+        if problem:
+            raise MlxspecError(problem)
+        return model, draft_model, None
+    target, draft = str(pair[0]), str(pair[1])
+    if draft_model is None and mode in ("draft", "auto"):
+        draft_model = draft
+    return target, draft_model, draft
 
 
 def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **options):
     from .. import backend
     from ..engine import load
 
+    model, draft_model, _ = resolve_pair(model, draft_model, mode)
     if not quiet:
         click.echo(f"loading {model or 'the bundled model'} (backend {backend.device_name()}, "
                    f"BLAS {backend.blas_in_use})", err=True)
@@ -59,30 +128,39 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **opti
 
 def mode_options(fn):
     """Options of particular modes (each ignored by the others)."""
-    fn = click.option("--tree", is_flag=True,
-                      help="ngram: propose every earlier continuation as a token tree.")(fn)
-    fn = click.option("--tree-budget", type=int, default=16, show_default=True,
-                      help="ngram --tree: nodes per step.")(fn)
-    fn = click.option("--window", type=int, default=None, help="lookahead: Jacobi window W.")(fn)
-    fn = click.option("--ngram-size", type=int, default=None, help="lookahead: n-gram size N.")(fn)
-    fn = click.option("--candidates", type=int, default=None,
-                      help="lookahead: verification candidates G.")(fn)
-    fn = click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64",
-                      show_default=True, help="quantspec: KV quantization group (tokens).")(fn)
-    fn = click.option("--buffer-size", type=int, default=None,
-                      help="quantspec: full-precision KV buffer, G..2G tokens (default 2G).")(fn)
-    fn = click.option("--weight-bits", type=click.Choice(["2", "3", "4", "8"]), default="4",
-                      show_default=True, help="quantspec: bits of the draft's weight copies.")(fn)
-    fn = click.option("--quantize", "quantize_layers", type=click.Choice(["mlp", "all"]),
-                      default="mlp", show_default=True,
-                      help="quantspec: which linear layers the draft runs in low precision.")(fn)
-    return fn
+    return stack(
+        fn,
+        click.option("--tree", is_flag=True,
+                     help="ngram: propose every earlier continuation as a token tree."),
+        click.option("--tree-budget", type=int, default=16, show_default=True,
+                     callback=in_range(1), help="ngram --tree: nodes per step."),
+        click.option("--window", type=int, default=None, callback=in_range(1),
+                     help="lookahead: Jacobi window W (default 1)."),
+        click.option("--ngram-size", type=int, default=None, callback=in_range(2),
+                     help="lookahead: n-gram size N (default 3)."),
+        click.option("--candidates", type=int, default=None, callback=in_range(0),
+                     help="lookahead: verification candidates G (default 2)."),
+        click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64",
+                     show_default=True, help="quantspec: KV quantization group G (tokens)."),
+        click.option("--buffer-size", type=int, default=None,
+                     help="quantspec: full-precision KV buffer in tokens, at least 2G "
+                          "(default 2G)."),
+        click.option("--weight-bits", type=click.Choice(["2", "3", "4", "8"]), default="4",
+                     show_default=True, help="quantspec: bits of the draft's weight copies."),
+        click.option("--quantize", "quantize_layers", type=click.Choice(["mlp", "all"]),
+                     default="mlp", show_default=True,
+                     help="quantspec: which linear layers the draft runs in low precision."),
+    )
 
 
 def mode_kwargs(mode: str, *, tree=False, tree_budget=16, window=None, ngram_size=None,
                 candidates=None, group_size="64", buffer_size=None, weight_bits="4",
                 quantize_layers="mlp") -> dict:
-    """The constructor options of `mode`'s proposer from the CLI flags."""
+    """The constructor options of `mode`'s proposer from the CLI flags (checked here, before
+    the model loads)."""
+    if buffer_size is not None and buffer_size < 2 * int(group_size):
+        raise MlxspecError(f"--buffer-size must be at least 2 x --group-size = "
+                           f"{2 * int(group_size)} tokens, got {buffer_size}")
     if mode == "ngram" and tree:
         return {"tree": True, "budget": tree_budget}
     if mode == "lookahead":

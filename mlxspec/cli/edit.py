@@ -2,8 +2,8 @@
 is the predicted output, so the unchanged lines are drafted from it and cost almost nothing.
 
 Safe by default: prints a unified diff and changes nothing. `--write` replaces the file
-atomically, keeps a backup and the file's permissions, and refuses if the file changed on disk
-since it was read."""
+atomically, keeps a backup that no later edit overwrites (FILE.orig, then FILE.orig.1, ...) and
+the file's permissions, and refuses if the file changed on disk since it was read."""
 
 from __future__ import annotations
 
@@ -13,9 +13,16 @@ import time
 
 import click
 
-from ..editing import edit_text, read_source, split_lines, unified_diff, write_atomic
+from ..editing import (
+    edit_text,
+    parse_lines,
+    read_source,
+    split_lines,
+    unified_diff,
+    write_atomic,
+)
 from ..errors import MlxspecError
-from .common import exits_cleanly, load_engine, model_options
+from .common import exits_cleanly, in_range, load_engine, model_options
 from .statsline import dim, stats_dict, stats_line
 
 
@@ -61,7 +68,8 @@ class Progress:
 @click.option("--write", is_flag=True,
               help="Replace the file (atomically, keeping a backup); default: print a diff only.")
 @click.option("--backup-suffix", default=".orig", show_default=True,
-              help="The backup's name is FILE + this suffix ('' for no backup).")
+              help="The backup is FILE + this suffix, or FILE + suffix + .1, .2, ... when that "
+                   "exists (a backup is never overwritten); '' for no backup.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"path", "diff", "stats"} as JSON.')
 @click.option("--print", "print_text", is_flag=True,
               help="Print the whole edited text instead of a diff.")
@@ -69,20 +77,45 @@ class Progress:
               help="Send the instruction as typed (by default common phrasings such as "
                    "'rename a to b' are rewritten into the bundled model's training wording).")
 @model_options
-@click.option("--max-tokens", type=int, default=None,
+@click.option("--max-tokens", type=int, default=None, callback=in_range(1),
               help="Answer length limit (default: the selection's length plus a margin).")
-@click.option("--temp", type=float, default=0.0, show_default=True,
+@click.option("--temp", type=float, default=0.0, show_default=True, callback=in_range(0),
               help="Sampling temperature (0: greedy).")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              callback=in_range(0, 1, lo_open=True), help="Nucleus sampling, in (0, 1].")
+@click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
+              help="0 disables top-k.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @exits_cleanly
 def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
          model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed):
-    """Edit FILE as --instruction says, with the original text as the predicted output."""
-    if max_tokens is not None and max_tokens < 1:
-        raise MlxspecError(f"--max-tokens must be >= 1, got {max_tokens}")
+    """Edit FILE as --instruction says, with the original text as the predicted output.
+
+    Prints a unified diff (nothing written) unless --write; see docs/COMMANDS.md."""
+    try:
+        _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
+              model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed)
+    except MlxspecError as e:
+        if as_json:  # a refusal is still one JSON object on stdout
+            click.echo(json.dumps({"path": file, "error": str(e), "written": False,
+                                   "backup": None}, ensure_ascii=False))
+        raise
+
+
+def backup_note(backup, suffix: str) -> str:
+    """Where the replaced text went, and that the first backup is still there."""
+    first = backup.with_name(backup.name[: backup.name.rindex(suffix) + len(suffix)])
+    if first == backup:
+        return f" (the original is in {backup})"
+    return f" (the replaced version is in {backup}; {first}, the first backup, is untouched)"
+
+
+def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
+          model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed):
     src = read_source(file)
+    parse_lines(line_range, len(split_lines(src.text)))  # a bad --lines before the model loads
+    if not instruction.strip():
+        raise MlxspecError("the instruction (--instruction/-i) is empty")
     try:
         engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
     except FileNotFoundError as e:  # no bundled model
@@ -129,10 +162,10 @@ def edit(file, instruction, line_range, write, backup_suffix, as_json, print_tex
         if not result.changed:
             click.echo("no changes", err=True)
         elif written:
-            click.echo(f"wrote {src.shown}" + (f" (backup: {backup})" if backup else ""), err=True)
+            click.echo(f"wrote {src.shown}" + (backup_note(backup, backup_suffix) if backup
+                                               else " (no backup)"), err=True)
         elif not write:
             click.echo(dim("dry run: nothing written (--write replaces the file)"), err=True)
     if error:
-        if not as_json:
-            click.echo(f"error: {error}", err=True)
+        click.echo(f"error: {error}", err=True)
         sys.exit(2 if write else 1)

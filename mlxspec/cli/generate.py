@@ -16,22 +16,40 @@ from .common import (
     model_options,
     sampling_options,
 )
+from .statsline import stats_dict
+
+
+def context_note(engine, stats, max_tokens: int, finish_reason: str | None) -> str | None:
+    """A sentence when the model's context, not --max-tokens, ended the generation."""
+    ctx = getattr(engine, "max_context", None)
+    if not ctx or finish_reason not in (None, "length") or stats.generated_tokens >= max_tokens:
+        return None
+    if stats.prompt_tokens + stats.generated_tokens < ctx:
+        return None
+    return (f"the model's context ({ctx} tokens) ended the answer: the prompt took "
+            f"{stats.prompt_tokens}, so {stats.generated_tokens} of the {max_tokens} tokens "
+            f"asked for (--max-tokens) were generated")
 
 
 @click.command()
+@click.option("--prompt", "-p", default=None, help="Prompt text ('-' reads standard input).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="Read the prompt from a file.")
 @model_options
 @sampling_options
-@mode_options
-@click.option("--prompt", "-p", default=None, help="Prompt text ('-' reads standard input).")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read the prompt from a file.")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@mode_options
 @exits_cleanly
 def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
              prompt, prompt_file, chat, as_json, **mode_flags):
-    """Generate a completion of a prompt."""
+    """Generate a completion of a prompt.
+
+    The text streams to stdout and a stats line follows on stderr; --json prints one object
+    with the text, the tokens and every statistic instead."""
     if (prompt is None) == (prompt_file is None):
         raise MlxspecError("give exactly one of --prompt or --prompt-file")
+    options = mode_kwargs(mode, **mode_flags)  # checked before the model loads
     if prompt_file is not None:
         try:
             with open(prompt_file, encoding="utf-8") as f:
@@ -42,30 +60,28 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         prompt = sys.stdin.read()
     if not prompt:
         raise MlxspecError("the prompt is empty")
-    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
-                         **mode_kwargs(mode, **mode_flags))
+    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json, **options)
     if chat:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     if as_json:
         result = engine.generate(prompt, **kwargs)
-        s = result.stats
-        click.echo(json.dumps({
-            "model": engine.name, "mode": engine.mode, "text": result.text, "tokens": result.tokens,
-            "finish_reason": result.finish_reason,
-            "stats": {
-                "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
-                "target_forwards": s.target_forwards, "drafted": s.drafted, "accepted": s.accepted,
-                "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-                "acceptance_by_position": s.acceptance_by_position,
-                "prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps,
-                "peak_memory_gb": s.peak_memory_gb},
-        }))
+        note = context_note(engine, result.stats, max_tokens, result.finish_reason)
+        payload = {"model": engine.name, "mode": engine.mode, "text": result.text,
+                   "tokens": result.tokens, "finish_reason": result.finish_reason,
+                   "context_exhausted": note is not None, "stats": stats_dict(result.stats)}
+        if note:
+            payload["warning"] = note
+            click.echo(f"note: {note}", err=True)
+        click.echo(json.dumps(payload))
         return
-    stats = None
+    stats = finish = None
     for out in engine.stream_steps(prompt, **kwargs):
         click.echo(out.text, nl=False)
-        stats = out.stats
+        stats, finish = out.stats, out.finish_reason or finish
     click.echo()
     click.echo(stats.summary(), err=True)
+    note = context_note(engine, stats, max_tokens, finish)
+    if note:
+        click.echo(f"note: {note}", err=True)

@@ -13,9 +13,10 @@ import click
 def train(args):
     """Train a target + draft pair (the recipe of the bundled models).
 
-    Arguments go to `python -m mlxspec.recipe`: --out DIR, --target-minutes, --draft-minutes,
-    --seed, --corpus DIR (your own .py files), --smoke. `mlxspec train --help` lists them.
+    --out DIR (gets target/ and draft/; use it as `-m DIR`), --target-minutes, --draft-minutes,
+    --seed, --corpus DIR (your own .py files), --smoke (a seconds-long check).
+    `mlxspec train --help` lists them with their defaults.
     """
     from ..recipe import main as recipe_main
 
-    sys.exit(recipe_main(list(args)))
+    sys.exit(recipe_main(list(args), prog="mlxspec train"))

@@ -28,10 +28,10 @@ def run_recipe(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m mlxspec.recipe") -> int:
     from .recipe import main as _main
 
-    return _main(argv)
+    return _main(argv, prog=prog)
 
 
 __all__ = [

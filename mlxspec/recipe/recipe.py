@@ -40,6 +40,27 @@ def _split_custom(root: Path, seed: int) -> tuple[list[Path], list[Path]]:
     return [f for f in files if f not in held], held
 
 
+SMOKE_TRAIN_BYTES = 400_000  # --smoke trains its tokenizer and models on about this much source
+SMOKE_STEPS = 6  # --smoke's default step count per model (no time budget to wait for)
+
+
+def _smoke_subset(files: list[Path]) -> list[Path]:
+    """The first files (in the corpus's order) up to SMOKE_TRAIN_BYTES, at least one."""
+    out, total = [], 0
+    for f in files:
+        if out and total >= SMOKE_TRAIN_BYTES:
+            break
+        try:
+            size = f.stat().st_size
+        except OSError:
+            continue
+        if size > SMOKE_TRAIN_BYTES and out:
+            continue
+        out.append(f)
+        total += size
+    return out
+
+
 def _check_inputs(out_dir, corpus_dir, target_minutes, draft_minutes, min_minutes):
     for label, m in (("target", target_minutes), ("draft", draft_minutes)):
         if m is None or not (m >= min_minutes):
@@ -136,6 +157,8 @@ def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, 
         train_files, held_files = H.training_files(root), H.heldout_files(root)
     else:
         train_files, held_files = _split_custom(root, seed)
+    if smoke:  # a check that the recipe runs, not a model: a few files keep it to seconds
+        train_files, held_files = _smoke_subset(train_files), held_files[:2]
     log(f"corpus: {root} ({len(train_files)} training files, {len(held_files)} held out)")
     docs, counts = C.build_documents(train_files, root, seed)
     corpus_bytes = sum(len(d.encode("utf-8")) for d in docs)
@@ -181,7 +204,7 @@ def _run(out, tmp, root, is_stdlib, target_minutes, draft_minutes, seed, smoke, 
                               window=seq_len)
         log(f"{which}: held-out {ev['bits_per_byte']:.4f} bits/byte over {ev['bytes']} bytes")
         test_ev = None
-        if is_stdlib:
+        if is_stdlib and not smoke:
             test_texts = H.heldout_eval_texts(H.TEST_EVAL_BYTES, root)
             test_ev = TR.bits_per_byte(model, lambda s: tok.encode(s).ids, test_texts, eos[0],
                                        window=seq_len)
@@ -299,30 +322,71 @@ def _command_line(out, tm, dm, seed, root, is_stdlib, smoke, ts, ds):
     return " ".join(parts)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows an option's default where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" not in text and action.default is not None and action.default is not False
+                and action.default is not argparse.SUPPRESS and action.option_strings):
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser(prog: str = "python -m mlxspec.recipe") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mlxspec.recipe",
-        description="Train mlxspec's bundled target + draft pair (tokenizer, both models, "
-        "evaluation, model card) on the standard library or on your own Python code.",
+        prog=prog,
+        description="Train a target + draft model pair with the recipe of mlxspec's bundled "
+        "models (tokenizer, both models, evaluation, model card) on the standard library or on "
+        "your own Python code. Output is staged and moved into place at the end: an "
+        "interrupted run leaves no half-written model.",
+        epilog=f"Using the result: `mlxspec generate -m OUT -p 'def '` (OUT holds target/ and "
+        f"draft/: the target is the model, the draft the draft of --mode draft), or "
+        f"`-m OUT/target --draft-model OUT/draft`; `mlxspec serve -m OUT`, `mlxspec chat -m "
+        f"OUT`. Check that the recipe runs first: `{prog} --smoke --out /tmp/pair` takes "
+        f"seconds and writes a tiny, useless pair.",
+        formatter_class=_DefaultsFormatter,
     )
-    p.add_argument("--out", required=True, help="output folder (gets target/, draft/, README.md)")
-    p.add_argument("--target-minutes", type=float, default=55.0, help="target training budget")
-    p.add_argument("--draft-minutes", type=float, default=15.0, help="draft training budget")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True,
+                   help="output folder (gets target/, draft/, README.md, card.json)")
+    p.add_argument("--target-minutes", type=float, default=None,
+                   help="target training budget in minutes (default 55; with --smoke "
+                        f"{SMOKE_STEPS} steps instead)")
+    p.add_argument("--draft-minutes", type=float, default=None,
+                   help="draft training budget in minutes (default 15; with --smoke "
+                        f"{SMOKE_STEPS} steps instead)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and weights")
     p.add_argument("--corpus", default=None,
-                   help="folder of .py files (default: the running interpreter's stdlib)")
+                   help="folder of .py files (default: the running interpreter's standard "
+                        "library)")
     p.add_argument("--target-steps", type=int, default=None,
                    help="fixed step count instead of the time budget (exact reproduction)")
-    p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--draft-steps", type=int, default=None,
+                   help="fixed step count for the draft")
     p.add_argument("--vocab-size", type=int, default=None, help="default 6144 (512 with --smoke)")
     p.add_argument("--seq-len", type=int, default=None, help="default 1024 (128 with --smoke)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes, fractional-minute budgets allowed: a seconds-long check")
+                   help="a seconds-long check that the recipe runs end to end: tiny shapes, "
+                        f"about {SMOKE_TRAIN_BYTES // 1000} kB of the corpus, {SMOKE_STEPS} "
+                        "steps per model unless budgets or steps are given")
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def smoke_defaults(args) -> None:
+    """--smoke alone: fixed small step counts rather than the 55 + 15 minute budgets."""
+    if args.target_minutes is None and args.target_steps is None:
+        args.target_steps = SMOKE_STEPS
+    if args.draft_minutes is None and args.draft_steps is None:
+        args.draft_steps = SMOKE_STEPS
+
+
+def main(argv=None, prog: str = "python -m mlxspec.recipe") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if args.smoke:
+        smoke_defaults(args)
+    # Budgets (ignored where a step count is given).
+    args.target_minutes = 55.0 if args.target_minutes is None else args.target_minutes
+    args.draft_minutes = 15.0 if args.draft_minutes is None else args.draft_minutes
     try:
         run_recipe(
             args.out, args.target_minutes, args.draft_minutes, args.seed, args.corpus,
@@ -332,4 +396,7 @@ def main(argv=None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    print(f"done: use the pair with `mlxspec generate -m {out} -p 'def '` (the target; "
+          f"`--mode draft` uses the draft too) or `mlxspec chat -m {out}`", file=sys.stderr)
     return 0
