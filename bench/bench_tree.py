@@ -9,7 +9,7 @@ is prefilled outside the timed region; outputs are checked token-identical to pl
 "modelled vs none" replaces wall time, which a busy machine makes noisy, by the median forward
 cost of each step's input size (measured first, interleaved): (tokens / sum of step costs) over
 (1 / cost of a one-token forward). Plain decoding is mlx-lm's pipelined `generate_step`; speculative modes run
-`mlxspec.tree.tree_decode` (the engine's loop with the tree branch), chain n-gram included, so
+`mlxspec.engine.speculative_decode` (the engine's loop; trees and chains alike), chain n-gram included, so
 the comparison between proposers is like for like.
 """
 
@@ -33,12 +33,13 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from mlxspec.engine import speculative_decode  # noqa: E402
+from mlxspec.policy import FixedK  # noqa: E402
 from mlxspec.proposers.lookahead import LookaheadProposer  # noqa: E402
 from mlxspec.proposers.ngram import NgramProposer  # noqa: E402
 from mlxspec.proposers.ngram_tree import TreeNgramProposer  # noqa: E402
 from mlxspec.sampling import SamplingParams  # noqa: E402
 from mlxspec.stats import Stats  # noqa: E402
-from mlxspec.tree import tree_decode  # noqa: E402
 
 
 def load_target(random_model: bool, path: str | None):
@@ -93,10 +94,25 @@ class StepStats(Stats):
     def __init__(self):
         super().__init__()
         self.nodes_per_step: list[int] = []
+        self.pending_nodes = 0  # nodes of the proposal being verified (set by `counting`)
 
     def record_step(self, source, drafted, accepted, emitted):
         super().record_step(source, drafted, accepted, emitted)
-        self.nodes_per_step.append(drafted)
+        self.nodes_per_step.append(self.pending_nodes if drafted else 0)
+        self.pending_nodes = 0
+
+
+def counting(proposer, stats: StepStats):
+    """Wrap `proposer.propose` so that `stats` learns each proposal's node count."""
+    inner = proposer.propose
+
+    def propose(*args, **kwargs):
+        proposal = inner(*args, **kwargs)
+        stats.pending_nodes = len(proposal) if proposal is not None else 0
+        return proposal
+
+    proposer.propose = propose
+    return proposer
 
 
 def forward_cost(model, sizes=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64), context=128, rounds=7):
@@ -142,8 +158,9 @@ def run_spec(model, prompt, max_tokens, proposer, num_draft):
     proposer.reset(prompt, SamplingParams())
     start = time.perf_counter()
     out = []
-    for new in tree_decode(model, cache, list(prompt), proposer, SamplingParams(), max_tokens,
-                           mx.random.key(0), num_draft=num_draft, stats=stats):
+    for new in speculative_decode(model, cache, list(prompt), counting(proposer, stats),
+                                  FixedK(num_draft), SamplingParams(), max_tokens,
+                                  mx.random.key(0), stats):
         out += new
     return out, time.perf_counter() - start, stats.target_forwards, stats
 

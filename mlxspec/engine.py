@@ -1,37 +1,43 @@
-"""The decode loop: prefill -> propose -> verify -> accept -> roll back, plus loading and the
-public `Engine` API.
+"""The decode loop and the public `Engine` API.
 
-One step: the proposer suggests up to k tokens; the target runs one forward over
-[last committed token] + proposal; `verify.py` decides how many are accepted and which token
-follows; the target's KV cache is trimmed by the number rejected. The cache always holds every
-committed token but the last, so the next step starts by feeding that one.
+One step (`step.decode_step`): the policy picks a source and k from what the proposer offers,
+the proposer proposes, one target forward verifies exactly, the rejected tokens are rolled back.
+The cache always holds every committed token but the last, so the next step starts by feeding
+that one. Plain decoding (`none`) runs pipelined, as mlx-lm does.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from . import backend
+from . import backend, caches
 from .errors import MlxspecError
+from .loading import (  # noqa: F401  (re-exported: the public API predates loading.py)
+    MAX_NUM_DRAFT,
+    _check_mode,
+    _check_num_draft,
+    check_draft_compatible,
+    load,
+    load_draft,
+    load_model,
+    resolve_model_path,
+)
 from .policy import AdaptiveK, FixedK
-from .proposers import MODES, make_proposer
+from .proposers import make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
-from .tree import tree_step
-from .verify import verify_greedy, verify_sampled
+from .step import decode_step
 
-MAX_NUM_DRAFT = 64
+DEFAULT_NUM_DRAFT = 4
+AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -51,77 +57,47 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
     keys = mx.random.split(key, max_tokens + 1) if not sampling.greedy else [None] * (max_tokens + 1)
     y = step(mx.array([context[-1]], mx.uint32), keys[0])
     mx.async_eval(y)
-    fed_last = False  # whether the cache already holds the last emitted token
+    queued = None  # (checkpoint, token array) of a step queued past the last emitted token
     try:
         for n in range(1, max_tokens + 1):
             if n < max_tokens:
+                queued = caches.checkpoint(cache), y
                 next_y = step(y, keys[n])
                 mx.async_eval(next_y)
+            else:
+                queued = None
             token = y.item()
-            fed_last = n < max_tokens
             context.append(token)
-            stats.record_step("none", 0, 0, 1)
+            stats.record_step("", 0, 0, 1)
             yield [token]
             y = next_y if n < max_tokens else None
     finally:
-        if fed_last:  # restore the invariant: the cache holds all committed tokens but the last
-            trim_prompt_cache(cache, 1)
+        if queued is not None:  # restore the invariant: the cache holds all but the last token
+            caches.rollback(model, cache, queued[0], [context[-1]], 0)
 
 
 def speculative_decode(model, cache, context: list[int], proposer: Proposer, policy,
-                       sampling: SamplingParams, max_tokens: int, key: mx.array,
-                       stats: Stats) -> Iterator[list[int]]:
-    """Yield the tokens committed by each step (>= 1 per step); `context` grows in place."""
+                       sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
+                       num_draft: int = MAX_NUM_DRAFT) -> Iterator[list[int]]:
+    """Yield the tokens committed by each step (>= 1 per step); `context` grows in place.
+    `num_draft` caps k (a per-call limit); the policy chooses within it."""
     generated = 0
     while generated < max_tokens:
         key, propose_key, verify_key = mx.random.split(key, 3)
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
-        k = min(policy.cap(proposer.name), max_tokens - generated - 1)
+        cap = min(num_draft, policy.max_k, max_tokens - generated - 1)
         start = time.perf_counter()
-        proposal = proposer.propose(context, k, propose_key) if k > 0 else None
-        if proposal is not None and proposal.parents is not None and len(proposal):
-            # A tree (tree n-gram, lookahead): one forward with per-token positions and an
-            # ancestor mask, exact verification of the best path, cache compaction.
-            new_tokens, n = tree_step(model, cache, context[-1], proposal, sampling, verify_key,
-                                      max_accept=k)
-            context.extend(new_tokens)
-            proposer.update(context, n)
-            policy.observe(proposal.source, len(proposal), n, time.perf_counter() - start)
-            stats.record_step(proposal.source, len(proposal), n, len(new_tokens))
-            generated += len(new_tokens)
-            yield new_tokens
-            continue
-        if proposal is not None and len(proposal):
-            # The source's own estimate refines the cap (0: a plain step; switched-off sources
-            # are probed now and then so that they can come back).
-            k = min(k, policy.choose_or_probe(proposal.source))
-        num_draft = min(len(proposal), k) if proposal is not None else 0
-        if num_draft:
-            draft = mx.array(proposal.tokens[:num_draft], mx.uint32) if isinstance(
-                proposal.tokens, list) else proposal.tokens[:num_draft].astype(mx.uint32)
-            q = proposal.draft_probs[:num_draft] if proposal.draft_probs is not None else None
-        else:
-            draft, q = mx.array([], mx.uint32), None
-        inputs = mx.concatenate([mx.array([context[-1]], mx.uint32), draft])
-        logits = model(inputs[None], cache=cache)[0]
-        if sampling.greedy:
-            num_accepted, next_token = verify_greedy(logits, draft)
-        else:
-            p = probs_from_logits(logits, sampling)
-            num_accepted, next_token = verify_sampled(p, draft, q, verify_key)
-        head = mx.stack([num_accepted.astype(mx.uint32), next_token.astype(mx.uint32)])
-        result = mx.concatenate([head, draft]).tolist()  # the one host sync of the step
-        n, drafted_tokens = result[0], result[2:]
-        new_tokens = drafted_tokens[:n] + [result[1]]
-        if num_draft > n:
-            trim_prompt_cache(cache, num_draft - n)
-        context.extend(new_tokens)
-        proposer.update(context, n)
-        source = proposal.source if num_draft else ""
-        policy.observe(source, num_draft, n, time.perf_counter() - start)
-        stats.record_step(source, num_draft, n, len(new_tokens))
-        generated += len(new_tokens)
-        yield new_tokens
+        source, k = policy.plan(proposer.available(context, cap)) if cap > 0 else ("", 0)
+        proposal = proposer.propose(context, k, propose_key, source=source) if k > 0 else None
+        result = decode_step(model, cache, context[-1], proposal, sampling, verify_key,
+                             max_accept=k)
+        context.extend(result.tokens)
+        proposer.update(context, result.accepted)
+        policy.observe(result.source, result.drafted, result.accepted,
+                       time.perf_counter() - start)
+        stats.record_step(result.source, result.drafted, result.accepted, len(result.tokens))
+        generated += len(result.tokens)
+        yield result.tokens
 
 
 # ----------------------------------------------------------------------------- results
@@ -151,170 +127,41 @@ class StepOutput:
 
 @dataclass
 class PromptCache:
-    """A target KV cache and the tokens it holds; reused when a prompt extends `tokens`."""
+    """A target cache and the tokens it holds; reused when a prompt shares a prefix with them.
+
+    Recurrent layers cannot be trimmed back, so for them a checkpoint is kept at the end of the
+    last prefill (the prompt but its last token): a prompt that shares at least that prefix
+    (the same request again, the next chat turn) restores it instead of starting over."""
 
     cache: list | None = None
     tokens: list[int] = field(default_factory=list)
     kind: str = ""
+    checkpoint: tuple[int, caches.Checkpoint] | None = None
 
     def nbytes(self) -> int:
-        return sum(getattr(c, "nbytes", 0) for c in self.cache or [])
+        return sum(getattr(c, "nbytes", 0) for c in caches.leaves(self.cache or []))
 
     def reuse_prefix(self, tokens: list[int], kind: str) -> int:
-        """Trim the cache to its longest common prefix with `tokens` and return that length;
-        0 means nothing is reusable (no cache, another kind, or one that cannot trim so far)."""
+        """Bring the cache back to its longest reusable common prefix with `tokens` and return
+        that length; 0 means nothing is reusable (no cache, another kind, or a cache that
+        cannot go back so far)."""
         if self.cache is None or self.kind != kind:
             return 0
         keep = common_prefix_len(self.tokens, tokens)
-        drop = len(self.tokens) - keep
-        if keep == 0 or (drop and any(c.trim(drop) != drop for c in self.cache)):
-            return 0
-        self.tokens = self.tokens[:keep]
-        return keep
+        if keep and caches.trim_exact(self.cache, len(self.tokens) - keep):
+            self.tokens = self.tokens[:keep]
+            return keep
+        if self.checkpoint is not None:
+            at, ckpt = self.checkpoint
+            if 0 < at <= keep and caches.restore(self.cache, ckpt, len(self.tokens), at):
+                self.tokens = self.tokens[:at]
+                return at
+        return 0
 
-
-# ----------------------------------------------------------------------------- loading
-
-
-def _local_snapshot(repo: str) -> Path | None:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo, local_files_only=True))
-    except Exception:
-        return None
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A local directory, a Hugging Face repo id (cache first, then download), or None for the
-    bundled default model."""
-    if model is None:
-        from .models import bundled_model_path
-
-        try:
-            return bundled_model_path("target")
-        except FileNotFoundError as e:
-            raise MlxspecError(str(e)) from None
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise MlxspecError(f"{model}: not a model directory (no config.json in it)")
-        return path
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(model)
-    except HFValidationError:
-        raise MlxspecError(f"{model}: no such model directory, and not a Hugging Face repo id") from None
-    if model.startswith((".", "/", "~")):
-        raise MlxspecError(f"{model}: no such model directory")
-    cached = _local_snapshot(model)
-    if cached is not None:
-        return cached
-    import os
-
-    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        raise MlxspecError(
-            f"{model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
-            f"Download it first (`hf download {model}`) or pass a local model directory.")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model",
-                                   "*.tiktoken", "*.txt", "*.jinja"]))
-    except Exception as e:
-        raise MlxspecError(
-            f"{model}: could not be downloaded ({type(e).__name__}) and is not in the local "
-            f"Hugging Face cache. Download it on a machine with network access "
-            f"(`hf download {model}`) or pass a local model directory.") from None
-
-
-def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
-    """(model, tokenizer, config, name) via mlx-lm; on the CPU backend computed in float32."""
-    from mlx_lm.utils import load as mlx_lm_load
-
-    path = resolve_model_path(model)
-    try:
-        net, tokenizer, config = mlx_lm_load(str(path), return_config=True)
-    except (FileNotFoundError, ValueError) as e:
-        raise MlxspecError(f"{model or path}: cannot load model: {e}") from None
-    dtype = backend.compute_dtype()
-    if dtype is not None:
-        net.set_dtype(dtype)
-    name = model if model is not None else f"bundled:{path.name}"
-    return net, tokenizer, config, name
-
-
-def vocab_size(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "vocab_size", None)
-
-
-def check_draft_compatible(target_tok, draft_tok, target_model, draft_model,
-                           target_name: str, draft_name: str) -> None:
-    tv, dv = vocab_size(target_model), vocab_size(draft_model)
-    if tv is not None and dv is not None and tv != dv:
-        raise MlxspecError(
-            f"draft model {draft_name} has vocabulary size {dv} but target {target_name} has {tv}: "
-            "a draft must share the target's tokenizer")
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise MlxspecError(
-            f"draft model {draft_name} does not share the tokenizer of target {target_name} "
-            "(their token strings differ)")
-
-
-def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
-    """On Metal, refuse models that do not fit in the recommended working set."""
-    if backend.device_name() != "metal":
-        return
-    need = sum(f.stat().st_size for p in paths for f in p.glob("*.safetensors"))
-    limit = mx.device_info()["max_recommended_working_set_size"]
-    if need > limit:
-        raise MlxspecError(
-            f"the model weights need {need / 1e9:.1f} GB but Metal's recommended working set is "
-            f"{limit / 1e9:.1f} GB: use a smaller or more quantized model "
-            f"(at most about {limit / 1e9:.1f} GB of weights plus KV cache)")
-
-
-def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
-         num_draft: int = 4, max_context: int | None = None, adaptive: bool = False,
-         **mode_options) -> Engine:
-    """Load a target (path, repo id, or None for the bundled model) and an optional draft."""
-    _check_mode(mode)
-    _check_num_draft(num_draft)
-    target_path = resolve_model_path(model)
-    draft_path = None
-    if draft is None and mode == "draft":
-        if model is not None:
-            raise MlxspecError(f"mode '{mode}' needs a draft model (--draft-model)")
-        from .models import bundled_model_path
-
-        try:
-            draft_path = bundled_model_path("draft")
-        except FileNotFoundError as e:
-            raise MlxspecError(str(e)) from None
-    elif draft is not None:
-        draft_path = resolve_model_path(draft)
-    check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
-    net, tokenizer, config, name = load_model(model)
-    draft_model = None
-    if draft_path is not None:
-        draft_model, draft_tok, _, draft_name = load_model(draft if draft is not None else str(draft_path))
-        check_draft_compatible(tokenizer, draft_tok, net, draft_model, name, draft_name)
-    return Engine(net, tokenizer, mode=mode, draft_model=draft_model, num_draft=num_draft,
-                  config=config, name=name, max_context=max_context, adaptive=adaptive,
-                  **mode_options)
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-
-
-def _check_num_draft(num_draft: int) -> None:
-    if not 1 <= num_draft <= MAX_NUM_DRAFT:
-        raise MlxspecError(f"num_draft must be between 1 and {MAX_NUM_DRAFT}, got {num_draft}")
+    def remember(self) -> None:
+        """Checkpoint the recurrent states at the current end (after a prefill)."""
+        ckpt = caches.checkpoint(self.cache or [])
+        self.checkpoint = (len(self.tokens), ckpt) if ckpt is not None else None
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -324,11 +171,11 @@ class Engine:
     """A loaded target (and draft) with a speculation mode; generates text or tokens."""
 
     def __init__(self, model: nn.Module, tokenizer, *, mode: str = "none",
-                 draft_model: nn.Module | None = None, num_draft: int = 4,
+                 draft_model: nn.Module | None = None, num_draft: int | None = None,
                  config: dict | None = None, name: str = "model",
                  max_context: int | None = None, prefill_step_size: int = 2048,
                  adaptive: bool = False, kv: str = "fp", kv_group_size: int = 64,
-                 kv_buffer_size: int | None = None, **mode_options):
+                 kv_buffer_size: int | None = None, draft_source=None, **mode_options):
         if kv not in ("fp", "hierarchical"):
             raise MlxspecError(f"kv must be 'fp' or 'hierarchical', got {kv!r}")
         # kv="hierarchical": plain decoding reads QuantSpec's 8-bit view of the hierarchical
@@ -337,6 +184,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.draft_model = draft_model
+        self.draft_source = draft_source  # loaded on first use when draft_model is None
         self.config = config or {}
         self.name = name
         self.max_context = max_context or self.config.get("max_position_embeddings")
@@ -344,7 +192,23 @@ class Engine:
         self.adaptive = adaptive
         self.prompt_cache = PromptCache()
         self._proposers: dict = {}
+        self._policies: dict = {}
+        self._recurrent: bool | None = None
+        self.num_draft_set = num_draft is not None
+        self.num_draft = DEFAULT_NUM_DRAFT
         self.set_mode(mode, num_draft=num_draft, **mode_options)
+
+    def clone(self) -> Engine:
+        """Another engine on the same weights (and draft), with its own proposers, policies and
+        prompt cache: a server slot."""
+        other = Engine(self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
+                       num_draft=self.num_draft if self.num_draft_set else None,
+                       config=self.config, name=self.name, max_context=self.max_context,
+                       prefill_step_size=self.prefill_step_size, adaptive=self.adaptive,
+                       kv=self.kv, kv_group_size=self.kv_group_size,
+                       kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source)
+        other.set_mode(self.mode, **self.mode_options)
+        return other
 
     # -- configuration
     def set_mode(self, mode: str, num_draft: int | None = None, **mode_options) -> None:
@@ -352,20 +216,20 @@ class Engine:
         _check_mode(mode)
         if num_draft is not None:
             _check_num_draft(num_draft)
-            self.num_draft = num_draft
-        self.mode = mode
-        self.mode_options = mode_options
-        self.proposer = self._proposer_for(mode, **mode_options)
-        # A proposer may bring its own policy (auto does); else k is fixed or adapted, with
-        # num_draft as the cap.
-        self.policy = getattr(self.proposer, "policy", None) or (
-            AdaptiveK(max_k=self.num_draft) if self.adaptive else FixedK(self.num_draft))
+            self.num_draft, self.num_draft_set = num_draft, True
+            self._policies.clear()
+        self.proposer = self.proposer_for(mode, **mode_options)
+        self.mode, self.mode_options = mode, mode_options
+        self.policy = self.policy_for(self.proposer)
 
-    def _proposer_for(self, mode: str, **mode_options) -> Proposer | None:
-        # One proposer per (mode, options), kept: a draft model's cache and QuantSpec's weight
-        # copies survive switching modes back and forth.
+    def proposer_for(self, mode: str, **mode_options) -> Proposer | None:
+        """The proposer of `mode` (None for `none`). One per (mode, options), kept: a draft
+        model's cache and QuantSpec's weight copies survive switching modes back and forth."""
+        _check_mode(mode)
         key = (mode, tuple(sorted(mode_options.items())))
         if key not in self._proposers:
+            if mode == "draft" and self.draft_model is None and self.draft_source is not None:
+                self.draft_model = load_draft(self.draft_source, self)
             try:
                 proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)
             except MlxspecError:
@@ -375,12 +239,36 @@ class Engine:
             self._proposers[key] = proposer
         return self._proposers[key]
 
+    def policy_for(self, proposer: Proposer | None):
+        """The one policy of a proposer: `AdaptiveK` for auto (k capped by num_draft when set)
+        or with adaptive=True, else `FixedK(num_draft)`. Kept, so that it keeps learning."""
+        if id(proposer) not in self._policies:
+            if getattr(proposer, "adaptive", False):
+                cap = self.num_draft if self.num_draft_set else AUTO_MAX_K
+                policy = AdaptiveK(max_k=cap)
+            elif self.adaptive:
+                policy = AdaptiveK(max_k=self.num_draft)
+            else:
+                policy = FixedK(self.num_draft)
+            self._policies[id(proposer)] = policy
+        return self._policies[id(proposer)]
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             bos = getattr(self.tokenizer, "bos_token", None)
             add_special = bos is None or not prompt.startswith(bos)
             return self.tokenizer.encode(prompt, add_special_tokens=add_special)
         return [int(t) for t in prompt]
+
+    def has_recurrent_layers(self) -> bool:
+        if self._recurrent is None:
+            self._recurrent = caches.has_recurrent(caches.make_cache(self.model))
+        return self._recurrent
+
+    def check_exact(self, mode: str, proposer: Proposer | None) -> None:
+        """Refuse, before anything runs, a mode that cannot be exact on this model."""
+        if proposer is not None and proposer.uses_trees and self.has_recurrent_layers():
+            caches.check_tree_support(self.model, caches.make_cache(self.model), mode)
 
     # -- generation
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
@@ -402,11 +290,13 @@ class Engine:
                      min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                      prediction: str | list[int] | None = None, num_draft: int | None = None,
                      prompt_cache: PromptCache | None = None, mode: str | None = None,
-                     policy=None, progress=None) -> Iterator[StepOutput]:
+                     policy=None, progress: Callable[[int, int], None] | None = None,
+                     ) -> Iterator[StepOutput]:
         """Generate, yielding after every target forward. `prediction` (text or ids) is a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
-        engine's own) is reused when the prompt extends the tokens it holds; `mode` overrides
-        the engine's mode for this call, `policy` its k policy (`FixedK`, `AdaptiveK`);
+        engine's own) is reused when the prompt shares a prefix with the tokens it holds;
+        `mode` overrides the engine's mode for this call; `num_draft` caps k for this call;
+        `policy` replaces the mode's policy (`FixedK`, `AdaptiveK`) for this call;
         `progress(done, total)` is called during prefill."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
@@ -427,22 +317,14 @@ class Engine:
         if self.max_context:
             max_tokens = min(max_tokens, self.max_context - len(tokens))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if mode is not None:
-            _check_mode(mode)
         mode = mode or self.mode
-        proposer = self.proposer if mode == self.mode else self._proposer_for(mode)
-        if hasattr(proposer, "set_prediction"):
+        proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+        self.check_exact(mode, proposer)
+        if proposer is not None:
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
-        if policy is not None:
-            pass
-        elif num_draft is not None:
-            policy = FixedK(num_draft)
-        elif proposer is self.proposer:
-            policy = self.policy
-        else:
-            policy = getattr(proposer, "policy", None) or FixedK(self.num_draft)
+        policy = policy or self.policy_for(proposer)
         pc = prompt_cache if prompt_cache is not None else self.prompt_cache
         stats = Stats(mode=mode, prompt_tokens=len(tokens))
         key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)
@@ -450,7 +332,7 @@ class Engine:
         with wired_limit(self.model):
             backend.reset_peak_memory()
             start = time.perf_counter()
-            self._prefill(pc, tokens, stats, proposer, progress)
+            stats.cached_tokens = self.prefill(tokens, pc, proposer, progress=progress)
             if proposer is not None:
                 proposer.reset(tokens, sampling)  # a draft model prefills here: prefill time
             stats.prefill_seconds = time.perf_counter() - start
@@ -459,7 +341,8 @@ class Engine:
                 steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key, stats)
             else:
                 steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
-                                           sampling, max_tokens, key, stats)
+                                           sampling, max_tokens, key, stats,
+                                           num_draft=num_draft or MAX_NUM_DRAFT)
             start = time.perf_counter()
             try:
                 yield from self._detokenize(steps, stats, stops, start)
@@ -468,45 +351,59 @@ class Engine:
                 pc.tokens = context[:-1]
                 # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
                 # the cache holding other tokens than `context`: then it must not be reused.
-                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens) for c in pc.cache):
-                    pc.cache, pc.tokens = None, []
+                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
+                       for c in caches.leaves(pc.cache)):
+                    pc.cache, pc.tokens, pc.checkpoint = None, [], None
 
-    def _prefill(self, pc: PromptCache, tokens: list[int], stats: Stats, proposer,
-                 progress) -> None:
-        """Bring `pc` to hold tokens[:-1], reusing the longest common prefix it already holds."""
-        kind = getattr(proposer, "cache_kind", None) or (
-            f"hierarchical-ref:{self.kv_group_size}:{self.kv_buffer_size}"
-            if self.kv == "hierarchical" else "kv")
-        keep = pc.reuse_prefix(tokens[:-1], kind)
+    def cache_kind(self, proposer: Proposer | None) -> str:
+        if proposer is not None and proposer.cache_kind != "kv":
+            return proposer.cache_kind
+        if self.kv == "hierarchical":
+            return f"hierarchical-ref:{self.kv_group_size}:{self.kv_buffer_size}"
+        return "kv"
+
+    def new_cache(self, proposer: Proposer | None) -> list:
+        made = proposer.make_target_cache(self.model) if proposer is not None else None
+        if made is not None:
+            return made
+        if self.kv == "hierarchical":
+            from .quant.hierarchical_cache import make_reference_cache
+
+            return make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
+        return caches.make_cache(self.model)
+
+    def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
+                limit: int | None = None, progress: Callable[[int, int], None] | None = None,
+                ) -> int:
+        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
+        new tokens in this call (the server prefills long prompts between other requests'
+        steps). Returns the prompt tokens that were reused from the cache."""
+        kind = self.cache_kind(proposer)
+        target = tokens[:-1]
+        keep = pc.reuse_prefix(target, kind)
         if keep == 0:
-            maker = getattr(proposer, "make_target_cache", None)
-            if maker is not None:
-                pc.cache = maker(self.model)
-            elif self.kv == "hierarchical":
-                from .quant.hierarchical_cache import make_reference_cache
-
-                pc.cache = make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
-            else:
-                pc.cache = make_prompt_cache(self.model)
-            pc.kind = kind
-        stats.cached_tokens = keep
-        todo = tokens[keep:-1]
+            pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
+        todo = target[keep:] if limit is None else target[keep : keep + limit]
         done = 0
-        pc.tokens = tokens[:keep]
+        pc.tokens = target[:keep]
         try:
             while done < len(todo):
                 chunk = todo[done : done + self.prefill_step_size]
                 self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
-                mx.eval([c.state for c in pc.cache])
+                mx.eval([c.state for c in caches.leaves(pc.cache)])
                 done += len(chunk)
-                pc.tokens = tokens[: keep + done]
+                pc.tokens = target[: keep + done]
                 if progress is not None:
                     progress(done, len(todo))
         except BaseException:
-            pc.cache, pc.tokens = None, []  # interrupted mid-chunk: the cache state is unknown
+            pc.cache, pc.tokens, pc.checkpoint = None, [], None  # state unknown mid-chunk
             raise
-        if hasattr(proposer, "bind_cache"):  # a proposer that drafts on the target's own cache
-            proposer.bind_cache(pc.cache)
+        if len(pc.tokens) == len(target):
+            pc.remember()
+            if proposer is not None:  # a proposer that drafts on the target's own cache
+                proposer.bind_cache(pc.cache)
+        return keep
+
 
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],
                     start: float) -> Iterator[StepOutput]:

@@ -1,4 +1,5 @@
-"""How many tokens to propose per step.
+"""How many tokens to propose per step, and from which source: one object per engine, asked
+once per step (`plan`), told the outcome after (`observe`).
 
 `FixedK` always proposes k. `AdaptiveK` keeps, per proposal source, running estimates of the
 acceptance probability at each draft position and of the step time as a function of k, and picks
@@ -16,24 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Sources whose proposals cost nothing to make: propose the cap, truncate after.
-CHEAP_SOURCES = frozenset({"ngram", "prediction", "lookahead", "auto"})
-
 
 @dataclass
 class FixedK:
-    """Always propose `num_draft` tokens (fewer near max_tokens)."""
+    """Always propose `num_draft` tokens (fewer near max_tokens), from the first source that
+    has any."""
 
     num_draft: int = 4
 
-    def cap(self, source: str) -> int:
+    @property
+    def max_k(self) -> int:
         return self.num_draft
 
-    def choose(self, source: str) -> int:
-        return self.num_draft
-
-    def choose_or_probe(self, source: str) -> int:
-        return self.num_draft
+    def plan(self, available: dict[str, int]) -> tuple[str, int]:
+        for source, n in available.items():
+            if n > 0:
+                return source, min(n, self.num_draft)
+        return "", 0
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         pass
@@ -66,6 +66,7 @@ class AdaptiveK:
     plain_every: int = 64  # measure a plain step this often: every cost is relative to it
     _off_steps: dict[str, int] = field(default_factory=dict)
     _since_plain: int = 0
+    _offered: list[str] = field(default_factory=list)
 
     # -- estimates
     def accept_probs(self, source: str) -> list[float]:
@@ -97,32 +98,34 @@ class AdaptiveK:
         return plain + k * max(slope, 0.0)
 
     # -- decisions
-    def choose(self, source: str) -> int:
-        """The k with the highest expected tokens per second (0: do not speculate)."""
+    def choose(self, source: str, limit: int | None = None) -> int:
+        """The k <= limit with the highest expected tokens per second (0: do not speculate)."""
         best_k, best = 0, 1.0 / self.step_time(source, 0)
-        for k in range(1, self.max_k + 1):
+        for k in range(1, min(self.max_k, self.max_k if limit is None else limit) + 1):
             rate = self.expected_tokens(source, k) / self.step_time(source, k)
             if rate > best * 1.0001:
                 best_k, best = k, rate
         return best_k
 
-    def cap(self, source: str) -> int:
-        return self.max_k if source in CHEAP_SOURCES else self.choose_or_probe(source)
-
-    def choose_or_probe(self, source: str) -> int:
-        """`choose`, except that a source switched off is probed now and then, so that its
-        estimates follow content that has become predictable again."""
+    def plan(self, available: dict[str, int]) -> tuple[str, int]:
+        """The source and k for this step (("", 0): a plain step). Idempotent: the counters
+        move in `observe`. A source switched off is probed every `probe_every` steps it was
+        offered, so that its estimates follow content that has become predictable again."""
+        self._offered = [s for s, n in available.items() if n > 0]
         if self.plain_weight < 1.0 or self._since_plain >= self.plain_every:
-            return 0  # (re)measure the plain step first
-        k = self.choose(source)
-        if k:
-            self._off_steps[source] = 0
-            return k
-        off = self._off_steps.get(source, 0) + 1
-        self._off_steps[source] = off
-        if off % self.probe_every == 0:
-            return self.probe_k
-        return 0
+            return "", 0  # (re)measure the plain step first
+        best_source, best_k, best_rate = "", 0, 0.0
+        for source in self._offered:
+            n = available[source]
+            k = self.choose(source, n)
+            if k == 0:
+                if self._off_steps.get(source, 0) >= self.probe_every:
+                    return source, min(self.probe_k, n)
+                continue
+            rate = self.expected_rate(source, k)
+            if rate > best_rate:
+                best_source, best_k, best_rate = source, k, rate
+        return best_source, best_k
 
     def expected_rate(self, source: str, k: int) -> float:
         return self.expected_tokens(source, k) / self.step_time(source, k)
@@ -131,6 +134,10 @@ class AdaptiveK:
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         d = self.decay
         self._since_plain = 0 if not drafted else self._since_plain + 1
+        for offered in self._offered:  # counts toward the next probe of a switched-off source
+            self._off_steps[offered] = 0 if (drafted and offered == source) else (
+                self._off_steps.get(offered, 0) + 1)
+        self._offered = []
         if not drafted:
             self.plain_time = (self.plain_time * self.plain_weight * d + seconds) / (
                 self.plain_weight * d + 1.0)

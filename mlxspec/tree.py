@@ -15,20 +15,11 @@ After verification the accepted path's keys and values are gathered into consecu
 and everything else is dropped (`compact_cache`), so the cache again holds exactly the committed
 tokens but the last - the engine's invariant.
 
-`tree_step` is the whole step (forward, exact verification with one host sync, compaction);
-`tree_decode` is a minimal decode loop around it (the engine's loop, for tests and benchmarks).
+`tree_step` is the tree half of `mlxspec.step.decode_step` (forward, exact verification with
+one host sync, compaction). Proposal contract: see `mlxspec.proposers.base.Proposal`.
 
-Proposal contract (see `mlxspec.proposers.base.Proposal`): `tokens[i]` with `parents[i]` (-1 = the
-last committed token), in topological order (parents[i] < i). Optional `extra` keys:
-
-* ``"verify"``: list[bool] per node, False for nodes that may not be accepted (default: all may);
-* ``"want_argmax"``: node indices whose target argmax the proposer wants back (lookahead's Jacobi
-  window), returned in the same host sync as the verification;
-* ``"on_result"``: ``callable(argmax: list[int], path: list[int])`` called once, after the sync,
-  with the argmax of the ``want_argmax`` nodes and the accepted node indices (root excluded,
-  already capped at ``max_accept``). The engine then calls ``proposer.update`` as for chains.
-
-The engine calls `tree_step` from `speculative_decode` when a proposal has parents.
+Sliding-window layers (`caches.WindowedKVCache`) get the tree mask restricted to their window;
+recurrent layers cannot run a tree (branches would flow through one state) and are refused.
 
 The rope swap mutates the model's attention modules for the duration of one forward: do not run
 a tree step and another forward of the same model object concurrently from two threads.
@@ -37,12 +28,12 @@ a tree step and another forward of the same model object concurrently from two t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import caches
 from .errors import MlxspecError
 from .proposers.base import Proposal
 from .sampling import SamplingParams, probs_from_logits
@@ -141,8 +132,9 @@ class _TreeCacheView:
         self._mask = mask
 
     def make_mask(self, n, return_array=False, window_size=None):
-        if window_size is not None:
-            raise MlxspecError("tree forward does not support sliding-window attention")
+        if window_size is not None and not isinstance(self._inner, caches.WindowedKVCache):
+            raise MlxspecError("tree forward: a sliding window over a cache that does not "
+                               "know it (make caches with mlxspec.caches.make_cache)")
         return self._mask
 
     def update_and_fetch(self, keys, values):
@@ -177,7 +169,7 @@ def rope_sites(model: nn.Module) -> list[nn.Module]:
 
 
 def cache_offset(cache: list) -> int:
-    return int(cache[0].offset)
+    return caches.offset(cache)
 
 
 def tree_forward(model: nn.Module, cache: list, root: int, tokens: list[int],
@@ -193,12 +185,16 @@ def tree_forward(model: nn.Module, cache: list, root: int, tokens: list[int],
     inputs = mx.array([root] + list(tokens), mx.uint32)[None]
     if all(p == i - 1 for i, p in enumerate(parents)):  # a chain: the model's own causal path
         return model(inputs, cache=cache)[0]
+    if caches.has_recurrent(cache):
+        caches.check_tree_support(model, cache, "tree")
     anc = mx.array(ancestor_mask(parents))
     mask = mx.concatenate([mx.ones((t, offset), mx.bool_), anc], axis=1) if offset else anc
     positions = mx.array(dep + offset, mx.int32)
     sites = rope_sites(model)
     originals = [s.rope for s in sites]
-    views = [_TreeCacheView(c, mask) for c in cache]
+    dep_arr = mx.array(dep, mx.int32)
+    views = [_TreeCacheView(c, c.tree_mask(anc, dep_arr) if isinstance(
+        c, caches.WindowedKVCache) else mask) for c in cache]
     try:
         for s, r in zip(sites, originals):
             s.rope = _PerTokenRope(r, positions)
@@ -262,15 +258,14 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     the next token along the accepted path is distributed as the target's next token.
     On return the cache holds the committed tokens but the last, as before the step.
     """
-    tokens = [int(t) for t in (proposal.tokens if isinstance(proposal.tokens, list)
-                               else proposal.tokens.tolist())]
+    tokens = proposal.tokens.tolist()
     parents = list(proposal.parents)
     if len(parents) != len(tokens):
         raise ValueError("proposal.parents must have one entry per token")
-    spec = TreeSpec(tokens, parents, proposal.extra.get("verify"))
+    spec = TreeSpec(tokens, parents, proposal.verify)
     start = cache_offset(cache)
     logits = tree_forward(model, cache, last_token, tokens, parents)
-    want = list(proposal.extra.get("want_argmax", ()))
+    want = list(proposal.want_argmax)
     extra_out = []
     if sampling.greedy:
         amax = mx.argmax(logits, axis=-1)
@@ -294,49 +289,6 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
         next_token = tokens[path[max_accept]]
         path = path[:max_accept]
     compact_cache(cache, start, [0] + [i + 1 for i in path], len(tokens) + 1)
-    callback = proposal.extra.get("on_result")
-    if callback is not None:
-        callback(want_argmax, path)
+    if proposal.on_result is not None:
+        proposal.on_result(want_argmax, path)
     return [tokens[i] for i in path] + [int(next_token)], len(path)
-
-
-def tree_decode(model: nn.Module, cache: list, context: list[int], proposer,
-                sampling: SamplingParams, max_tokens: int, key: mx.array,
-                num_draft: int = 4, stats=None) -> Iterator[list[int]]:
-    """The engine's loop with a tree branch, for tests and benchmarks: `cache` holds
-    context[:-1]; yields the tokens each target forward commits. `stats` (optional) gets
-    record_step(source, drafted, accepted, emitted) per step."""
-    from .verify import verify_greedy, verify_sampled
-
-    generated = 0
-    while generated < max_tokens:
-        key, propose_key, verify_key = mx.random.split(key, 3)
-        k = min(num_draft, max_tokens - generated - 1)
-        proposal = proposer.propose(context, k, propose_key) if k > 0 else None
-        if proposal is not None and proposal.parents is not None and len(proposal):
-            new_tokens, n = tree_step(model, cache, context[-1], proposal, sampling, verify_key,
-                                      max_accept=k)
-            drafted, source = len(proposal), proposal.source
-        else:  # chain (or nothing): the engine's own path
-            draft = list(proposal.tokens[:k]) if proposal is not None else []
-            inputs = mx.array([context[-1]] + draft, mx.uint32)
-            logits = model(inputs[None], cache=cache)[0]
-            d = mx.array(draft, mx.uint32)
-            if sampling.greedy:
-                na, nt = verify_greedy(logits, d)
-            else:
-                q = proposal.draft_probs[: len(draft)] if (
-                    proposal is not None and proposal.draft_probs is not None) else None
-                na, nt = verify_sampled(probs_from_logits(logits, sampling), d, q, verify_key)
-            n, nxt = mx.stack([na.astype(mx.uint32), nt.astype(mx.uint32)]).tolist()
-            new_tokens = draft[:n] + [nxt]
-            if len(draft) > n:
-                for c in cache:
-                    c.trim(len(draft) - n)
-            drafted, source = len(draft), proposal.source if draft else ""
-        context.extend(new_tokens)
-        proposer.update(context, n)
-        if stats is not None:
-            stats.record_step(source, drafted, n, len(new_tokens))
-        generated += len(new_tokens)
-        yield new_tokens

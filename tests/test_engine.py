@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.engine import speculative_decode
 from mlxspec.policy import FixedK
-from mlxspec.proposers.base import Proposal
+from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
 
@@ -68,7 +68,7 @@ def test_speculative_greedy_is_token_identical(arch, mode):
         assert spec.generate(prompts(1)[0], max_tokens=24).stats.acceptance_rate == 1.0
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Proposes a random mix of right and wrong tokens, to drive every accept/reject pattern."""
 
     name = "scripted"
@@ -79,7 +79,7 @@ class ScriptedProposer:
     def reset(self, prompt, sampling):
         pass
 
-    def propose(self, context, num_draft, key):
+    def propose(self, context, num_draft, key, source=None):
         pos = len(context) - self.prompt_len
         right = self.reference[pos : pos + num_draft]
         tokens = [t if self.rng.random() < 0.7 else (t + 1) % 256 for t in right]

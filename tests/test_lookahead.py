@@ -121,20 +121,21 @@ def test_proposal_geometry():
     prop.window.levels = [[10, 11, 12, 13], [20, 21, 22, 23]]
     p = prop.propose(prompt, 4, None)
     d = depths(p.parents)
+    tokens = p.tokens.tolist()
 
     def node_path(i):
         out = []
         while i >= 0:
-            out.append(p.tokens[i])
+            out.append(tokens[i])
             i = p.parents[i]
         return out[::-1]
 
     paths = {tuple(node_path(i)) for i in range(len(p))}
     for cont in [(5, 6), (2, 4), (2, 3)]:  # the pool's continuations of 1, newest first
         assert cont in paths
-    cells = p.extra["want_argmax"]
+    cells = list(p.want_argmax)
     for c, i in enumerate(cells):  # top level, column c: position offset + 1 + c + 1
-        assert d[i] == c + 2 and p.tokens[i] == 20 + c
+        assert d[i] == c + 2 and tokens[i] == 20 + c
         assert node_path(i) == [10, 11, 12, 13][: c + 1] + [20 + c]
 
 

@@ -39,10 +39,10 @@ def test_prediction_is_preferred():
     proposer.set_prediction([10, 11, 12, 13, 14])
     proposer.reset([1, 11, 99], SamplingParams())
     proposal = proposer.propose([1, 11, 99, 5, 11], 3, None)
-    assert proposal.tokens == [12, 13, 14] and proposal.source == "prediction"
+    assert proposal.tokens.tolist() == [12, 13, 14] and proposal.source == "prediction"
     proposer.set_prediction(None)
     proposal = proposer.propose([1, 11, 99, 5, 11], 3, None)
-    assert proposal.tokens == [99, 5, 11] and proposal.source == "ngram"
+    assert proposal.tokens.tolist() == [99, 5, 11] and proposal.source == "ngram"
 
 
 def test_proposal_cost_is_independent_of_context_length():

@@ -19,7 +19,8 @@ def simulate(policy: AdaptiveK, accept: float, plain: float, slope: float, steps
     rng = random.Random(seed)
     used = []
     for _ in range(steps):
-        k = policy.cap("draft")
+        source, k = policy.plan({"draft": policy.max_k})
+        assert source == ("draft" if k else "")
         n = 0
         while n < k and rng.random() < accept:
             n += 1
@@ -71,3 +72,42 @@ def test_auto_mode_is_lossless_and_uses_ngram_on_repetitive_text():
         assert got.tokens == want
         drafted += got.stats.drafted_by_source.get("ngram", 0)
     assert drafted > 0
+
+
+def test_plan_is_idempotent_and_probes_a_switched_off_source():
+    """Asking twice in a step changes nothing; a source that is off is probed again."""
+    policy = AdaptiveK(max_k=8, probe_every=4)
+    simulate(policy, accept=0.0, plain=0.01, slope=0.005, steps=300)
+    assert policy.choose("draft") == 0
+    probes = 0
+    for _ in range(40):
+        first = policy.plan({"draft": 8})
+        assert policy.plan({"draft": 8}) == first
+        source, k = first
+        probes += k > 0
+        policy.observe(source, k, 0, 0.01 + 0.005 * k)
+    assert 4 <= probes <= 12
+
+
+def test_plan_picks_the_better_source_within_what_is_offered():
+    policy = AdaptiveK(max_k=8)
+    for _ in range(300):  # ngram: always accepted; draft: never
+        for source, accept in (("ngram", True), ("draft", False), ("", False)):
+            k = 0 if not source else 4
+            policy.observe(source, k, k if accept else 0, 0.01 + 0.001 * k)
+    assert policy.plan({"ngram": 3, "draft": 8}) == ("ngram", 3)
+    assert policy.plan({"draft": 8})[1] in (0, policy.probe_k)
+    assert policy.plan({}) == ("", 0)
+
+
+def test_auto_respects_k_and_per_call_num_draft():
+    """-k caps auto's adaptive k; a per-call num_draft caps it without replacing the policy."""
+    target, _ = build_model("llama", seed=21, scale=4.0)
+    auto = make_engine(target, "auto", num_draft=3)
+    assert isinstance(auto.policy, AdaptiveK) and auto.policy.max_k == 3
+    unit = [5, 9, 13, 17, 21, 25, 29]
+    out = auto.generate(unit * 6, max_tokens=40, num_draft=2)
+    assert max(len(out.stats.drafted_by_position), 0) <= 2
+    assert auto.policy is auto.policy_for(auto.proposer) and auto.policy.plain_weight > 0
+    default = make_engine(target, "auto")
+    assert default.policy.max_k == 8

@@ -12,10 +12,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import build_model, make_engine
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlxspec.proposers.quantspec import QuantSpecProposer, make_reference_cache, reference_decode
-from mlxspec.quant.hierarchical_cache import HierarchicalKVCache
+from mlxspec.quant.hierarchical_cache import HierarchicalKVCache, make_reference_cache
 from mlxspec.quant.memory import format_memory_table, kv_memory_table
 from mlxspec.quant.weights import make_draft_model
 from mlxspec.sampling import SamplingParams, probs_from_logits
@@ -80,26 +79,31 @@ def test_already_quantized_target_is_reused():
 # ----------------------------------------------------------------------------- greedy
 
 def speculative_greedy(model, prompt, max_tokens, k, group_size=G, **kw):
-    """A minimal speculative loop (as the engine does it) with the quantspec proposer."""
-    proposer = QuantSpecProposer(model, group_size=group_size, **kw)
-    cache = proposer.make_target_cache(model)
-    model(mx.array(prompt[:-1])[None], cache=cache)
-    proposer.reset(prompt, SamplingParams())
-    context, out = list(prompt), []
-    while len(out) < max_tokens:
-        kk = min(k, max_tokens - len(out) - 1)
-        draft = proposer.propose(context, kk, None).tokens.tolist() if kk else []
-        assert cache[0].offset == len(context) - 1  # the draft left the cache as it found it
-        logits = model(mx.array([context[-1]] + draft)[None], cache=cache)[0]
-        target = mx.argmax(logits, axis=-1).tolist()
-        n = 0
-        while n < len(draft) and draft[n] == target[n]:
-            n += 1
-        trim_prompt_cache(cache, len(draft) - n)
-        context += draft[:n] + [target[n]]
-        out += draft[:n] + [target[n]]
-        proposer.update(context, n)
-    return out[:max_tokens], proposer
+    """Greedy quantspec through the engine with k fixed; (tokens, the proposer)."""
+    engine = make_engine(model, "quantspec", vocab=SHAPE["vocab"], num_draft=k,
+                         group_size=group_size, **kw)
+    return engine.generate(prompt, max_tokens=max_tokens).tokens, engine.proposer
+
+
+def reference_decode(model, prompt, max_tokens, group_size=G, buffer_size=None):
+    """The lossless reference of quantspec: `none` reading the hierarchical cache's target view,
+    through the engine (the same loop as every mode)."""
+    engine = make_engine(model, "none", vocab=SHAPE["vocab"], kv="hierarchical",
+                         kv_group_size=group_size, kv_buffer_size=buffer_size)
+    return engine.generate(prompt, max_tokens=max_tokens).tokens
+
+
+def manual_reference(model, prompt, max_tokens, group_size=G):
+    """One token at a time with the reference cache, no engine: checks the engine's `none`."""
+    cache = make_reference_cache(model, group_size)
+    if len(prompt) > 1:
+        model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
+    out, token = [], prompt[-1]
+    for _ in range(max_tokens):
+        logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
+        token = mx.argmax(logits).item()
+        out.append(token)
+    return out
 
 
 def _logit_gap_to_fp(model, tokens):
@@ -160,7 +164,7 @@ def test_engine_none_with_hierarchical_kv_is_the_reference():
     spec = make_engine(model, "quantspec", vocab=SHAPE["vocab"], num_draft=4, group_size=G)
     for prompt in _prompts(4, seed=9):
         want = plain.generate(prompt, max_tokens=40).tokens
-        assert want == reference_decode(model, prompt, 40, group_size=G)
+        assert want == manual_reference(model, prompt, 40, group_size=G)
         assert spec.generate(prompt, max_tokens=40).tokens == want
 
 
@@ -215,7 +219,7 @@ def test_sampling_is_exact_chi_square():
     # a deliberately wrong rule: report q as uniform instead of the draft's distribution
     real_propose = engine.proposer.propose
 
-    def wrong(context, k, key):
+    def wrong(context, k, key, source=None):
         prop = real_propose(context, k, key)
         prop.draft_probs = mx.ones_like(prop.draft_probs) / vocab
         return prop

@@ -12,6 +12,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from scipy.stats import chisquare
 
 from mlxspec import tree_verify
+from mlxspec.engine import speculative_decode
+from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal
 from mlxspec.proposers.ngram_tree import MultiNgramIndex, TreeNgramProposer
 from mlxspec.sampling import SamplingParams
@@ -21,7 +23,6 @@ from mlxspec.tree import (
     ancestor_mask,
     compact_cache,
     depths,
-    tree_decode,
     tree_forward,
     tree_step,
 )
@@ -179,8 +180,8 @@ def test_tree_step_greedy_cap_and_sync_free_result():
     for cap, want in [(None, 4), (2, 2), (0, 0)]:
         cache = prefill(model, prompt)
         seen = []
-        prop = Proposal(tokens, parents=parents,
-                        extra={"want_argmax": [1], "on_result": lambda a, p, s=seen: s.append((a, p))})
+        prop = Proposal(tokens, parents=parents, want_argmax=(1,),
+                        on_result=lambda a, p, s=seen: s.append((a, p)))
         new, n = tree_step(model, cache, 8, prop, SamplingParams(), None, max_accept=cap)
         assert n == want and new == ref[: want + 1]
         assert cache[0].offset == len(prompt) + 1 + n
@@ -321,8 +322,8 @@ def test_tree_ngram_proposal_contains_the_chain_proposal():
         a, b = chain.propose(stream, 4, None), tree.propose(stream, 4, None)
         assert (a is None) == (b is None)
         if a is not None:
-            assert b.tokens[: len(a.tokens)] == a.tokens  # first branch = the chain
-            assert b.parents[: len(a.tokens)] == list(range(-1, len(a.tokens) - 1))
+            assert b.tokens.tolist()[: len(a)] == a.tokens.tolist()  # first branch = chain
+            assert b.parents[: len(a)] == list(range(-1, len(a) - 1))
             assert len(b) <= 12 and max(depths(b.parents)) <= 4
 
 
@@ -332,8 +333,9 @@ def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0,
     proposer = proposer_factory()
     proposer.reset(prompt, sampling)
     out = []
-    for new in tree_decode(model, cache, list(prompt), proposer, sampling, max_tokens,
-                           mx.random.key(seed), num_draft=num_draft, stats=stats):
+    for new in speculative_decode(model, cache, list(prompt), proposer, FixedK(num_draft),
+                                  sampling, max_tokens, mx.random.key(seed),
+                                  stats if stats is not None else Stats()):
         out += new
     return out
 

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from .. import backend
 from ..engine import Engine
-from ..policy import AdaptiveK
+from ..policy import AdaptiveK, FixedK
 from .runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner, Run
 from .workloads import build_workload
 
@@ -32,7 +32,8 @@ def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
                 runners.append(EngineRunner(engine, mode, label,
                                             policy=AdaptiveK(max_k=2 * num_draft)))
             elif variant.startswith("k="):
-                runners.append(EngineRunner(engine, mode, label, num_draft=int(variant[2:])))
+                runners.append(EngineRunner(engine, mode, label,
+                                            policy=FixedK(int(variant[2:]))))
             else:
                 raise ValueError(f"unknown variant {variant!r} in {label!r}")
             continue

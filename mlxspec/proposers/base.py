@@ -1,9 +1,9 @@
-"""The one small protocol every proposal source implements."""
+"""The one small protocol every proposal source implements, with every hook declared."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -14,41 +14,90 @@ from ..sampling import SamplingParams
 class Proposal:
     """Tokens proposed for the target to verify in one forward pass.
 
-    `tokens` is a chain (each token follows the previous one) unless `parents` is given, in which
-    case it is a tree in topological order and parents[i] is the index of node i's parent
-    (-1: the last committed token). `draft_probs` is q for each token, after the same sampling
-    transforms as p, shape (len(tokens), vocab); None means a deterministic proposal (q one-hot).
+    `tokens` (1-D uint32, possibly lazy) is a chain unless `parents` is given: then a tree in
+    topological order, parents[i] the index of node i's parent (-1: the last committed token).
+    `draft_probs` is q per token after the same sampling transforms as p, (len, vocab); None
+    means a deterministic proposal (q one-hot).
+
+    Tree-only fields: `verify[i]` False for nodes that may not be accepted; `want_argmax` node
+    indices whose target argmax the proposer wants back (lookahead's Jacobi window), handed to
+    `on_result(argmax, path)` once after verification, with the accepted node indices.
     """
 
-    tokens: mx.array | list[int]
+    tokens: mx.array
     draft_probs: mx.array | None = None
-    parents: list[int] | None = None
     source: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    parents: list[int] | None = None
+    verify: list[bool] | None = None
+    want_argmax: tuple[int, ...] = ()
+    on_result: Callable[[list[int], list[int]], None] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.tokens, mx.array):
+            self.tokens = mx.array([int(t) for t in self.tokens], mx.uint32)
+        elif self.tokens.dtype != mx.uint32:
+            self.tokens = self.tokens.astype(mx.uint32)
 
     def __len__(self) -> int:
-        return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.size)
+        return int(self.tokens.size)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def depth(self) -> int:
+        """Draft positions along the longest path (a chain: its length)."""
+        if self.parents is None:
+            return len(self)
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return max(d, default=0)
 
 
-class Proposer(Protocol):
-    """A mode. The engine calls reset once per generation, then propose/update once per step.
+class Proposer:
+    """A mode. The engine calls `reset` once per generation, then per step: `available` (what
+    each source could propose now), the policy's `plan`, `propose` with the chosen source and
+    k, one target forward, then `update`. Every hook has a default."""
 
-    Optional hook: `make_target_cache(model) -> list` when the target must use a cache the
-    proposer provides (QuantSpec shares its hierarchical cache between draft and target).
-    """
+    name = "base"
+    # Proposals cost nothing to make (host lookups): the policy may see them before choosing k.
+    cheap = True
+    # Proposals are trees (need attention-only caches; see caches.check_tree_support).
+    uses_trees = False
+    # Prompt caches are reused only between proposers of the same kind.
+    cache_kind = "kv"
 
-    name: str
+    def make_target_cache(self, model) -> list | None:
+        """A cache the target must use instead of its own (QuantSpec shares its hierarchical
+        cache between draft and target); None: the target's ordinary cache."""
+        return None
+
+    def bind_cache(self, cache: list) -> None:
+        """The target's cache for this generation, after prefill."""
+
+    def set_prediction(self, tokens: list[int] | None) -> None:
+        """A predicted output to copy from in the next generation (ignored by most modes)."""
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         """Start a generation; the target has prefilled all prompt tokens but the last."""
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
-        """Up to num_draft tokens to follow `context` (prompt + all committed tokens).
+    def available(self, context: list[int], cap: int) -> dict[str, int]:
+        """Per source, how many tokens it could propose now (at most `cap`)."""
+        return {self.name: cap}
+
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
+        """Up to num_draft tokens to follow `context` (prompt + all committed tokens), from
+        `source` (one of `available`'s keys; None: the proposer's own choice).
 
         Must leave any cache shared with the target as it found it. None or an empty proposal
-        means "nothing worth verifying": the engine then takes a plain one-token step.
-        """
+        means "nothing worth verifying": the engine then takes a plain step."""
+        return None
 
     def update(self, context: list[int], num_accepted: int) -> None:
         """After verification: `context` is the committed sequence, `num_accepted` of the
         proposal's tokens were accepted. Roll back any private state past the accepted part."""
+
+    def stats(self) -> dict:
+        return {}

@@ -1,18 +1,19 @@
 """A small draft model with the target's tokenizer proposes k tokens autoregressively.
 
-The draft keeps its own KV cache. `cached` mirrors the tokens whose keys/values it holds, so a
-step only feeds what the draft has not seen yet (the target's last token, plus the last drafted
-token when all k were accepted) and a rejection is a trim.
+The draft keeps its own cache. `cached` mirrors the tokens it holds, so a step only feeds what
+the draft has not seen yet (the target's last token, plus the last drafted token when all k were
+accepted) and a rejection is a rollback (`caches.rollback`: a trim, or for a recurrent draft a
+restored state and the accepted tokens fed again).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
+from .. import caches
 from ..sampling import SamplingParams, probs_from_logits, sample
-from .base import Proposal
+from .base import Proposal, Proposer
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -23,20 +24,24 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     name = "draft"
+    cheap = False
 
     def __init__(self, draft_model: nn.Module, prefill_step_size: int = 512):
         self.model = draft_model
         self.prefill_step_size = prefill_step_size
-        self.cache = make_prompt_cache(draft_model)
+        self.cache = caches.make_cache(draft_model)
         self.cached: list[int] = []
         self.sampling = SamplingParams()
         self._fed_drafts = 0  # draft tokens fed to the draft cache by the last propose
+        self._checkpoint: caches.Checkpoint | None = None
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
-        self._fed_drafts = 0
+        if self._fed_drafts:  # an interrupted step left speculative tokens in the cache
+            caches.rollback(self.model, self.cache, self._checkpoint, [0] * self._fed_drafts, 0)
+            self._fed_drafts, self._checkpoint = 0, None
         keep = common_prefix_len(self.cached, prompt[:-1])
         self._trim(len(self.cached) - keep)
         self._feed(prompt[len(self.cached) : -1])  # the prompt, as the target's prefill did
@@ -53,10 +58,13 @@ class DraftModelProposer:
         return logits
 
     def _trim(self, num: int) -> None:
-        if num > 0:
-            for c in self.cache:
-                c.trim(num)
+        """Forget the last `num` committed tokens (start over when the cache cannot trim)."""
+        if num <= 0:
+            return
+        if caches.trim_exact(self.cache, num):
             del self.cached[len(self.cached) - num :]
+        else:
+            self.cache, self.cached = caches.make_cache(self.model), []
 
     def _next(self, logits: mx.array, key: mx.array | None):
         if self.sampling.greedy:
@@ -64,7 +72,8 @@ class DraftModelProposer:
         q = probs_from_logits(logits, self.sampling)
         return sample(q, key), q
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
         if num_draft < 1:
             return None
         if len(self.cached) >= len(context):  # need at least one token to get logits from
@@ -72,6 +81,7 @@ class DraftModelProposer:
         # Usually the target's last token (and the last draft when all were accepted); more
         # when `auto` skipped this proposer for a while.
         logits = self._feed(context[len(self.cached) :])
+        self._checkpoint = caches.checkpoint(self.cache)
         keys = mx.random.split(key, num_draft) if key is not None else [None] * num_draft
         tokens, probs = [], []
         for i in range(num_draft):
@@ -90,9 +100,11 @@ class DraftModelProposer:
         if not self._fed_drafts:
             return
         kept = min(num_accepted, self._fed_drafts)
-        for c in self.cache:
-            c.trim(self._fed_drafts - kept)
         start = len(self.cached)
-        # The kept drafted tokens are exactly the accepted ones, now in `context`.
+        # The fed drafted tokens that were accepted are in `context` now; the others are not
+        # known on the host (rejected), but rollback re-feeds only accepted ones.
+        fed = context[start : start + kept] + [0] * (self._fed_drafts - kept)
+        caches.rollback(self.model, self.cache, self._checkpoint, fed, kept)
         self.cached += context[start : start + kept]
         self._fed_drafts = 0
+        self._checkpoint = None

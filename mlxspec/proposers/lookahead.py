@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
-from .base import Proposal
+from .base import Proposal, Proposer
 
 # Chosen by measurement on the bundled 6.4 M-parameter model on a 2-core CPU (bench/bench_tree.py:
 # modelled throughput over code completion, edit and chat): every extra node costs there, and
@@ -123,10 +123,11 @@ class JacobiWindow:
         return grams
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """`mode="lookahead"`: Jacobi window + n-gram pool, verified as one tree per step."""
 
     name = "lookahead"
+    uses_trees = True
 
     def __init__(self, model=None, window: int = DEFAULT_WINDOW, ngram: int = DEFAULT_NGRAM,
                  candidates: int = DEFAULT_CANDIDATES, pool_from_output: bool = True,
@@ -160,7 +161,8 @@ class LookaheadProposer:
         self._result = None
 
     # -- protocol
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
         self.context = context
         depth = min(self.ngram - 1, max(num_draft, 0))
         trie = TrieBuilder()
@@ -178,11 +180,12 @@ class LookaheadProposer:
         self._result = None
         if not len(trie):
             return None
-        extra = {"want_argmax": cells[-1] if cells else [], "on_result": self._on_result}
+        verify = None
         if not self.verify_window:
-            extra["verify"] = [i in on_candidates for i in range(len(trie))]
+            verify = [i in on_candidates for i in range(len(trie))]
         return Proposal(tokens=trie.tokens, parents=trie.parents, source="lookahead",
-                        extra=extra)
+                        verify=verify, want_argmax=tuple(cells[-1] if cells else ()),
+                        on_result=self._on_result)
 
     def _on_result(self, argmax: list[int], path: list[int]) -> None:
         self._result = argmax if self.window.levels else None

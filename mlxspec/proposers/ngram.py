@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import SamplingParams
-from .base import Proposal
+from .base import Proposal, Proposer
 
 
 class NgramIndex:
@@ -44,17 +44,18 @@ class NgramIndex:
         return [], 0
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     name = "ngram"
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.index = NgramIndex(min_ngram, max_ngram)
         self.prediction: NgramIndex | None = None
+        self._looked_up: tuple[int, int, tuple[str, list[int]] | None] | None = None
 
     def set_prediction(self, tokens: list[int] | None) -> None:
         """Use `tokens` (a predicted output) as a proposal source for the next generation."""
-        self.prediction = None
+        self.prediction, self._looked_up = None, None
         if tokens:
             self.prediction = NgramIndex(self.min_ngram, self.max_ngram)
             self.prediction.extend(list(tokens))
@@ -62,19 +63,39 @@ class NgramProposer:
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
         self.index.extend(list(prompt))
+        self._looked_up = None
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+    def _lookup(self, context: list[int], num: int) -> tuple[str, list[int]] | None:
+        """(source, tokens) of the best match, remembered for the step (available, propose)."""
+        hit = self._looked_up
+        if hit is not None and hit[0] == len(context) and hit[1] >= num:
+            return hit[2] and (hit[2][0], hit[2][1][:num])
         self._catch_up(context)
         tail = context[-self.max_ngram :]
+        found = None
         if self.prediction is not None:
-            tokens, n = self.prediction.lookup(tail, num_draft)
+            tokens, n = self.prediction.lookup(tail, num)
             if tokens:
-                own, own_n = self.index.lookup(tail, num_draft)
+                own, own_n = self.index.lookup(tail, num)
                 # The prediction wins unless the context matches a strictly longer n-gram.
                 if own_n <= n:
-                    return Proposal(tokens=tokens, source="prediction")
-        tokens, _ = self.index.lookup(tail, num_draft)
-        return Proposal(tokens=tokens, source="ngram") if tokens else None
+                    found = ("prediction", tokens)
+        if found is None:
+            tokens, _ = self.index.lookup(tail, num)
+            found = ("ngram", tokens) if tokens else None
+        self._looked_up = (len(context), num, found)
+        return found
+
+    def available(self, context: list[int], cap: int) -> dict[str, int]:
+        found = self._lookup(context, cap) if cap > 0 else None
+        return {found[0]: len(found[1])} if found else {}
+
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
+        if num_draft < 1:
+            return None
+        found = self._lookup(context, num_draft)
+        return Proposal(tokens=found[1][:num_draft], source=found[0]) if found else None
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self._catch_up(context)

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
-from .base import Proposal
+from .base import Proposal, Proposer
 from .ngram import NgramIndex
 
 
@@ -60,10 +60,11 @@ class MultiNgramIndex:
                     yield n, cont
 
 
-class TreeNgramProposer:
+class TreeNgramProposer(Proposer):
     """N-gram lookup proposing a tree of up to `budget` nodes, `num_draft` deep."""
 
-    name = "ngram"
+    name = "ngram-tree"
+    uses_trees = True
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4, budget: int = 16,
                  max_positions: int = 8, shorter: bool = True):
@@ -84,7 +85,15 @@ class TreeNgramProposer:
         self.index = MultiNgramIndex(self.min_ngram, self.max_ngram, self.max_positions)
         self.index.extend(list(prompt))
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+    def available(self, context: list[int], cap: int) -> dict[str, int]:
+        self._catch_up(context)
+        tail = context[-self.max_ngram :]
+        sources = [self.prediction, self.index] if self.prediction is not None else [self.index]
+        found = any(next(iter(s.continuations(tail, 1)), None) for s in sources) if cap else False
+        return {"ngram-tree": cap} if found else {}
+
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
         self._catch_up(context)
         if num_draft < 1:
             return None

@@ -21,17 +21,17 @@ from ..quant.hierarchical_cache import (
     HierarchicalKVCache,
     draft_view,
     make_hierarchical_cache,
-    make_reference_cache,
 )
 from ..quant.weights import make_draft_model
 from ..sampling import SamplingParams, probs_from_logits, sample
-from .base import Proposal
+from .base import Proposal, Proposer
 
-__all__ = ["QuantSpecProposer", "make_reference_cache", "reference_decode"]
+__all__ = ["QuantSpecProposer"]
 
 
-class QuantSpecProposer:
+class QuantSpecProposer(Proposer):
     name = "quantspec"
+    cheap = False
 
     def __init__(self, model, group_size: int = 64, buffer_size: int | None = None,
                  weight_bits: int = 4, quantize: str = "mlp", weight_group_size: int = 64,
@@ -73,7 +73,8 @@ class QuantSpecProposer:
             raise RuntimeError("quantspec: the target must use make_target_cache(model)")
         self.sampling = sampling
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None) -> Proposal | None:
+    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+                source: str | None = None) -> Proposal | None:
         cache = self.cache
         if num_draft <= 0:
             return None
@@ -118,18 +119,3 @@ class QuantSpecProposer:
         if self.cache:
             info["kv_bytes"] = sum(c.nbytes for c in self.cache)
         return info
-
-
-def reference_decode(model, prompt: list[int], max_tokens: int, group_size: int = 64,
-                     buffer_size: int | None = None) -> list[int]:
-    """Plain greedy decoding with the hierarchical cache (target view): the lossless reference
-    for `quantspec` at temperature 0. Prefills prompt[:-1] in one forward, as the engine does."""
-    cache = make_reference_cache(model, group_size, buffer_size)
-    if len(prompt) > 1:
-        model(mx.array(prompt[:-1], mx.uint32)[None], cache=cache)
-    out, token = [], prompt[-1]
-    for _ in range(max_tokens):
-        logits = model(mx.array([[token]], mx.uint32), cache=cache)[0, -1]
-        token = mx.argmax(logits).item()
-        out.append(token)
-    return out

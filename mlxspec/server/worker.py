@@ -25,8 +25,9 @@ import traceback
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
+from .. import caches
 from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
@@ -204,6 +205,11 @@ class Worker(threading.Thread):
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+        # mlx-lm's batched plain decoding is used only where every layer is ordinary attention:
+        # sliding-window and recurrent models keep every request on an engine slot, so that an
+        # answer never depends on where it ran.
+        self.batchable = all(type(c) is KVCache for c in caches.leaves(
+            caches.make_cache(engine.model)))
 
     # -- handler side
     def submit(self, req: GenRequest) -> Job:
@@ -281,7 +287,8 @@ class Worker(threading.Thread):
             if self.metrics:
                 self.metrics.queue_seconds(job.started - job.submitted)
             try:
-                if job.req.warmup or self.active() < self.spec_max_concurrency:
+                if (job.req.warmup or self.active() < self.spec_max_concurrency
+                        or not self.batchable):
                     self._start_engine(job)
                 else:
                     self._start_batch(job)
@@ -298,11 +305,7 @@ class Worker(threading.Thread):
     def _slot(self) -> Engine:
         if self.idle_slots:
             return self.idle_slots.pop()
-        e = self.engine  # another engine on the same weights, with its own proposers
-        extra = {"adaptive": e.adaptive} if hasattr(e, "adaptive") else {}
-        return Engine(e.model, e.tokenizer, mode=e.mode, draft_model=e.draft_model,
-                      num_draft=e.num_draft, config=e.config, name=e.name,
-                      max_context=e.max_context, **extra, **e.mode_options)
+        return self.engine.clone()  # same weights, its own proposers, policies and cache
 
     def _start_engine(self, job: Job) -> None:
         job.slot = self._slot()
@@ -327,35 +330,27 @@ class Worker(threading.Thread):
             job.prefill_pos = -1  # not chunked unless set below
             if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
                 return False
-            if not self._plain_kv(job):
-                return False
-            keep = pc.reuse_prefix(tokens, "kv")
-            if keep == 0:
-                pc.cache, pc.kind = make_prompt_cache(self.engine.model), "kv"
-            pc.tokens = tokens[:keep]
-            job.prefill_pos = keep
-        pos = job.prefill_pos
-        if pos < 0 or len(tokens) - pos <= self.prefill_chunk:
+            job.prefill_pos = 0
+        if job.prefill_pos < 0:
+            return False
+        try:
+            proposer = self._proposer(job)
+        except Exception:  # the engine reports a bad mode itself, at the first step
+            job.prefill_pos = -1
+            return False
+        have = common_prefix_len(pc.tokens, tokens) if pc.cache is not None else 0
+        if len(tokens) - have <= self.prefill_chunk:
             return False
         start = time.perf_counter()
-        chunk = tokens[pos : pos + self.prefill_chunk]
-        self.engine.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
-        mx.eval([c.state for c in pc.cache])
-        job.prefill_pos = pos + len(chunk)
-        pc.tokens = tokens[: job.prefill_pos]
-        job.prefilled_here += len(chunk)
+        job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
+        job.prefilled_here += len(pc.tokens) - have if len(pc.tokens) > have else 0
         job.prefill_seconds += time.perf_counter() - start
         return True
 
-    def _plain_kv(self, job: Job) -> bool:
-        """Whether this request's proposer uses the target's ordinary KV cache."""
+    def _proposer(self, job: Job):
+        """The proposer this request's generation will use (None for mode `none`)."""
         slot, mode = job.slot, job.req.mode
-        try:
-            proposer = slot.proposer if mode in (None, slot.mode) else slot._proposer_for(mode)
-        except Exception:  # the engine reports a bad mode itself, at the first step
-            return False
-        return not hasattr(proposer, "make_target_cache") and getattr(
-            proposer, "cache_kind", "kv") == "kv"
+        return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
 
     def _step_engine(self, job: Job) -> None:
         if job.cancelled.is_set():

@@ -1,0 +1,179 @@
+"""Model resolution and loading: local directories, Hugging Face ids (the local cache first),
+the bundled pair; draft compatibility and memory checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import backend
+from .errors import MlxspecError
+from .proposers import MODES
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+MAX_NUM_DRAFT = 64
+
+
+def _local_snapshot(repo: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, local_files_only=True))
+    except Exception:
+        return None
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local directory, a Hugging Face repo id (cache first, then download), or None for the
+    bundled default model."""
+    if model is None:
+        from .models import bundled_model_path
+
+        try:
+            return bundled_model_path("target")
+        except FileNotFoundError as e:
+            raise MlxspecError(str(e)) from None
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise MlxspecError(f"{model}: not a model directory (no config.json in it)")
+        return path
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise MlxspecError(f"{model}: no such model directory, and not a Hugging Face repo id") from None
+    if model.startswith((".", "/", "~")):
+        raise MlxspecError(f"{model}: no such model directory")
+    cached = _local_snapshot(model)
+    if cached is not None:
+        return cached
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        raise MlxspecError(
+            f"{model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
+            f"Download it first (`hf download {model}`) or pass a local model directory.")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model",
+                                   "*.tiktoken", "*.txt", "*.jinja"]))
+    except Exception as e:
+        raise MlxspecError(
+            f"{model}: could not be downloaded ({type(e).__name__}) and is not in the local "
+            f"Hugging Face cache. Download it on a machine with network access "
+            f"(`hf download {model}`) or pass a local model directory.") from None
+
+
+def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
+    """(model, tokenizer, config, name) via mlx-lm; on the CPU backend computed in float32."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path = resolve_model_path(model)
+    try:
+        net, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+    except (FileNotFoundError, ValueError) as e:
+        raise MlxspecError(f"{model or path}: cannot load model: {e}") from None
+    dtype = backend.compute_dtype()
+    if dtype is not None:
+        net.set_dtype(dtype)
+    name = model if model is not None else f"bundled:{path.name}"
+    return net, tokenizer, config, name
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "vocab_size", None)
+
+
+def check_draft_compatible(target_tok, draft_tok, target_model, draft_model,
+                           target_name: str, draft_name: str) -> None:
+    tv, dv = vocab_size(target_model), vocab_size(draft_model)
+    if tv is not None and dv is not None and tv != dv:
+        raise MlxspecError(
+            f"draft model {draft_name} has vocabulary size {dv} but target {target_name} has {tv}: "
+            "a draft must share the target's tokenizer")
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise MlxspecError(
+            f"draft model {draft_name} does not share the tokenizer of target {target_name} "
+            "(their token strings differ)")
+
+
+def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
+    """On Metal, refuse models that do not fit in the recommended working set."""
+    if backend.device_name() != "metal":
+        return
+    need = sum(f.stat().st_size for p in paths for f in p.glob("*.safetensors"))
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    if need > limit:
+        raise MlxspecError(
+            f"the model weights need {need / 1e9:.1f} GB but Metal's recommended working set is "
+            f"{limit / 1e9:.1f} GB: use a smaller or more quantized model "
+            f"(at most about {limit / 1e9:.1f} GB of weights plus KV cache)")
+
+
+def load_draft(source: str | Path, engine: Engine) -> nn.Module:
+    """Load a draft model and check that it shares `engine`'s tokenizer."""
+    draft, draft_tok, _, draft_name = load_model(str(source))
+    check_draft_compatible(engine.tokenizer, draft_tok, engine.model, draft, engine.name,
+                           draft_name)
+    return draft
+
+
+def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
+         num_draft: int | None = None, max_context: int | None = None, adaptive: bool = False,
+         **mode_options) -> Engine:
+    """Load a target (path, repo id, or None for the bundled model) and an optional draft.
+
+    With the bundled target and no `draft`, the bundled draft is loaded when a mode first needs
+    it (`mode="draft"` now, or `set_mode("draft")` later), as `mlxspec chat`'s /mode does."""
+    from .engine import Engine
+
+    _check_mode(mode)
+    if num_draft is not None:
+        _check_num_draft(num_draft)
+    if adaptive and mode == "none":
+        raise MlxspecError("adaptive=True adapts k of a speculative mode, but mode 'none' never "
+                           "speculates: pass mode='auto' (or another mode) with it")
+    target_path = resolve_model_path(model)
+    draft_path = None
+    if draft is not None:
+        draft_path = resolve_model_path(draft)
+    elif model is None:
+        from .models import bundled_model_path
+
+        try:
+            draft_path = bundled_model_path("draft")
+        except FileNotFoundError as e:
+            if mode == "draft":
+                raise MlxspecError(str(e)) from None
+    elif mode == "draft":
+        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
+    check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
+    net, tokenizer, config, name = load_model(model)
+    engine = Engine(net, tokenizer, mode="none", num_draft=num_draft, config=config, name=name,
+                    max_context=max_context, adaptive=adaptive, draft_source=draft_path)
+    if draft is not None:  # an explicit draft is loaded (and checked) now
+        engine.draft_model = load_draft(draft_path, engine)
+    engine.set_mode(mode, **mode_options)
+    return engine
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+
+
+def _check_num_draft(num_draft: int) -> None:
+    if not 1 <= num_draft <= MAX_NUM_DRAFT:
+        raise MlxspecError(f"num_draft must be between 1 and {MAX_NUM_DRAFT}, got {num_draft}")
+
+
