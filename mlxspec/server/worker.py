@@ -338,12 +338,11 @@ class Worker(threading.Thread):
         except Exception:  # the engine reports a bad mode itself, at the first step
             job.prefill_pos = -1
             return False
-        have = common_prefix_len(pc.tokens, tokens) if pc.cache is not None else 0
-        if len(tokens) - have <= self.prefill_chunk:
+        if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
             return False
         start = time.perf_counter()
-        job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
-        job.prefilled_here += len(pc.tokens) - have if len(pc.tokens) > have else 0
+        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
+        job.prefilled_here += len(pc.tokens) - kept
         job.prefill_seconds += time.perf_counter() - start
         return True
 
