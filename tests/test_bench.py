@@ -44,6 +44,15 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
         "--quick", "--prompts", "2", "--max-tokens", "12", "--workloads", "edit,free",
         "--audit", "3", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    assert "note: --quick runs 2 prompts per workload" in result.stderr
+    assert "too noisy to read" in result.stderr
+    import importlib.util
+
+    plots = sorted(p.name for p in out.glob("*.png"))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not plots and "plots skipped: matplotlib is not installed" in result.stderr
+    else:
+        assert plots and "plots skipped" not in result.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["machine_info"]["backend"] == "cpu" and "blas" in report["machine_info"]
     assert set(report["results"]) == {"edit@0", "free@1"}
@@ -75,3 +84,15 @@ def test_peer_runners_take_a_one_token_prompt(llama_pair):
         assert len(run.tokens) == 6
     assert MlxLmRunner(engine).run([7], 6, 0.0, 0).tokens == EngineRunner(engine, "none").run(
         [7], 6, 0.0, 0).tokens
+
+
+def test_default_output_is_the_user_cache_not_the_current_directory(monkeypatch, tmp_path):
+    from mlxspec.cli.bench import default_out_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    out = default_out_dir()
+    assert out.parent == tmp_path / "cache" / "mlxspec" / "bench"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_out_dir().parent == tmp_path / "home" / ".cache" / "mlxspec" / "bench"

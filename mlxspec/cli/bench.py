@@ -21,6 +21,13 @@ def default_out_dir() -> Path:
     return cache / "mlxspec" / "bench" / time.strftime("%Y%m%d-%H%M%S")
 
 
+def report_written(written: list[Path]) -> None:
+    """Where the files went, and a word when the plots were skipped."""
+    click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
+    if not any(p.suffix == ".png" for p in written):
+        click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)
+
+
 @click.command()
 @click.option("--model", "-m", default=None, help="Target (default: the bundled model).")
 @click.option("--draft-model", default=None, help="Draft (default with the bundled model: its draft).")
@@ -62,9 +69,7 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         except (ValueError, KeyError) as e:
             raise MlxspecError(f"{from_json} is not a bench.json of mlxspec bench ({e})") from None
         click.echo(markdown_table(report["results"]))
-        click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
-    if not any(p.suffix == ".png" for p in written):
-        click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)
+        report_written(written)
         return
     from .. import backend
     from ..bench.run import (
@@ -121,6 +126,4 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         for m, a in report["audit"]["modes"].items():
             click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
                        f"{a['bugs']} divergences with top-2 gap > 1e-3")
-    click.echo(f"wrote {', '.join(str(p) for p in written)}", err=True)
-    if not any(p.suffix == ".png" for p in written):
-        click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)
+    report_written(written)
