@@ -427,9 +427,13 @@ def make_hierarchical_cache(model, group_size: int = 64, buffer_size: int | None
     if hasattr(model, "make_cache"):
         kinds = {type(c).__name__ for c in model.make_cache()}
         if kinds - {"KVCache"}:
+            family = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
             raise MlxspecError(
-                f"this model uses {sorted(kinds)} caches; the hierarchical KV cache replaces "
-                "plain KVCache layers only")
+                f"quantspec (and kv='hierarchical') cannot run {family}: it uses "
+                f"{', '.join(sorted(kinds - {'KVCache'}))} layers (sliding windows or recurrent "
+                "state), and the hierarchical KV cache replaces plain KVCache layers only. "
+                "Modes that are exact on it: none, ngram, draft, auto"
+                + ("" if "ArraysCache" in kinds else ", lookahead"))
     install_attention_adapter(model)
     layers = getattr(model, "layers", None)
     if layers is None:

@@ -1,0 +1,98 @@
+"""Exact on the model families people run (issue 11): every mode, greedy, token for token
+against mlx-lm's own `generate_step`, on plain-attention, sliding-window and hybrid recurrent
+architectures; with partial acceptance (a draft that is the target plus noise), sliding windows
+wrapped several times, and a second call that reuses the prompt cache. What cannot be exact is
+refused before generation with a message naming the family and the modes that work."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from conftest import make_engine
+from families import CONFIGS, RECURRENT, SLIDING, VOCAB, WINDOW, build, noisy_copy
+from mlx_lm.generate import generate_step
+
+from mlxspec import caches
+from mlxspec.errors import MlxspecError
+
+FAMILIES = list(CONFIGS)
+MODES = ["none", "ngram", "ngram-tree", "draft", "lookahead", "auto", "quantspec"]
+MAX_TOKENS = 3 * WINDOW + 8  # the window wraps several times during generation
+
+
+def expected_refusal(family: str, mode: str) -> str | None:
+    """The words the refusal must contain, or None where the mode must be exact."""
+    if family in RECURRENT and mode in ("ngram-tree", "lookahead"):
+        return "recurrent"
+    if mode == "quantspec" and family not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+        return "quantspec"
+    return None
+
+
+def family_prompts(seed: int) -> list[list[int]]:
+    """A prompt that repeats itself (the n-gram source finds matches) and a random one."""
+    rng = random.Random(seed)
+    unit = [rng.randrange(1, VOCAB) for _ in range(7)]
+    return [(unit * 4)[:26], [rng.randrange(1, VOCAB) for _ in range(20)]]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    target = build(request.param, seed=3)
+    draft = noisy_copy(target, request.param, seed=4)
+    refs = {}
+    for prompt in family_prompts(5):
+        refs[tuple(prompt)] = [t for t, _ in generate_step(mx.array(prompt), target,
+                                                           max_tokens=MAX_TOKENS)]
+    return request.param, target, draft, refs
+
+
+def engine_for(target, draft, mode):
+    options = {"tree": True} if mode == "ngram-tree" else {}
+    real_mode = "ngram" if mode == "ngram-tree" else mode
+    return make_engine(target, real_mode, draft_model=draft, vocab=VOCAB, num_draft=5,
+                       **options)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_is_exact_or_refused(family, mode):
+    name, target, draft, refs = family
+    refusal = expected_refusal(name, mode)
+    if refusal is not None:
+        with pytest.raises(MlxspecError) as e:
+            engine_for(target, draft, mode).generate(list(next(iter(refs))), max_tokens=8)
+        message = str(e.value)
+        assert refusal in message.lower()
+        assert name in message or mode == "quantspec", message
+        return
+    engine = engine_for(target, draft, mode)
+    accepted = drafted = 0
+    for prompt, want in refs.items():
+        # A predicted output that is right most of the time: n-gram sources propose from it,
+        # so acceptance and rejection both happen whatever the random model copies.
+        prediction = [t if i % 7 != 3 else (t + 1) % VOCAB for i, t in enumerate(want)]
+        got = engine.generate(list(prompt), max_tokens=MAX_TOKENS, prediction=prediction)
+        assert got.tokens == want, (name, mode, prompt)
+        accepted, drafted = accepted + got.stats.accepted, drafted + got.stats.drafted
+        # The prompt-cache path: the next call extends this one, then one shares only a prefix.
+        follow = list(prompt) + got.tokens + [5, 9, 5]
+        again = engine.generate(follow, max_tokens=WINDOW)
+        fresh = [t for t, _ in generate_step(mx.array(follow), target, max_tokens=WINDOW)]
+        assert again.tokens == fresh, (name, mode, "extended prompt")
+        assert again.stats.cached_tokens >= len(prompt)
+        branch = list(prompt) + got.tokens[:5] + [7, 7]
+        other = engine.generate(branch, max_tokens=WINDOW)
+        fresh = [t for t, _ in generate_step(mx.array(branch), target, max_tokens=WINDOW)]
+        assert other.tokens == fresh, (name, mode, "shared prefix")
+        assert other.stats.cached_tokens <= len(branch) - 1
+    if mode in ("ngram", "draft", "ngram-tree", "auto"):
+        assert 0 < accepted < drafted, (name, mode)  # accepted and rolled back
+
+
+def test_families_cover_both_kinds_of_cache():
+    kinds = {f: {type(c).__name__ for c in caches.leaves(caches.make_cache(build(f)))}
+             for f in SLIDING + RECURRENT}
+    assert all("WindowedKVCache" in kinds[f] for f in SLIDING)
+    assert all("ArraysCache" in kinds[f] or "MambaCache" in kinds[f] for f in RECURRENT)
