@@ -66,20 +66,33 @@ def parse_size(text: str) -> int:
 @click.option("--api-key", default=None, envvar="MLXSPEC_API_KEY",
               help="Require this key (Authorization: Bearer KEY) on every endpoint but /health; "
                    "for use with --host. Also read from $MLXSPEC_API_KEY.")
-@click.option("--cors-origin", default="*", show_default=True,
-              help="Access-Control-Allow-Origin for browser clients ('' to send none).")
-@click.option("--log-requests", is_flag=True, help="Log every request to stderr.")
+@click.option("--accept-any-model", is_flag=True,
+              help="Answer OpenAI requests whatever model name they give (default: 404 for "
+                   "names other than the served one and its aliases).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="Another Host header value to answer (repeatable), e.g. the name of a "
+                   "reverse proxy. Bound to loopback, only localhost, 127.0.0.1 and [::1] are "
+                   "answered by default (a guard against DNS rebinding); '*' turns the check off.")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="Another browser origin allowed to read answers (repeatable), e.g. "
+                   "https://chat.example.com. Local origins (http://localhost:PORT, "
+                   "127.0.0.1, [::1]) always are; '*' allows every web page.")
+@click.option("--log-requests", is_flag=True,
+              help="Log every request (method, path, status) to stderr; never headers or keys.")
+@click.option("--log-prompts", is_flag=True,
+              help="With --log-requests, also log request bodies (prompts) and answers.")
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
-          max_body_bytes, model_name, model_aliases, api_key, cors_origin, log_requests):
+          max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
+          cors_origins, log_requests, log_prompts):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
 
     if spec_max_concurrency < 0 or max_batch < 1 or max_queue < 1:
         raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
-    logging.basicConfig(level=logging.INFO if log_requests else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if log_requests or log_prompts else logging.WARNING,
                         format="%(asctime)s %(message)s")
     engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context)
     try:
@@ -89,8 +102,10 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             cache_entries=prompt_cache_entries, prefill_chunk=max(1, prefill_chunk),
             max_body_bytes=parse_size(max_body_bytes),
             default_max_tokens=max_tokens, default_temperature=temp,
-            cors_origin=cors_origin or None, model_name=model_name,
-            model_aliases=tuple(model_aliases), api_key=api_key or None)
+            cors_origins=tuple(o for o in cors_origins if o), model_name=model_name,
+            model_aliases=tuple(model_aliases), accept_any_model=accept_any_model,
+            allowed_hosts=tuple(h for h in allowed_hosts if h), api_key=api_key or None,
+            log_prompts=log_prompts)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     fim = server.parser.fim
@@ -105,6 +120,13 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         click.echo(f"listening on {server.url} -- reachable from other machines, "
                    + ("API key required" if api_key else "with no authentication (--api-key)"),
                    err=True)
+    if "*" in cors_origins:
+        click.echo("warning: --cors-origin '*': every web page open in a browser on this "
+                   "machine can use the model and read its answers", err=True)
+    if "*" in allowed_hosts:
+        click.echo("warning: --allowed-host '*': the Host check is off, so a web page can "
+                   "reach the server through DNS rebinding", err=True)
+
     def stop(signum, frame):  # SIGTERM: the same clean shutdown as Ctrl-C
         raise KeyboardInterrupt
 

@@ -7,10 +7,12 @@ waits it watches its socket, so a client that hangs up cancels its job at once.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
 import queue
+import re
 import select
 import socket
 import time
@@ -37,16 +39,89 @@ POST_ROUTES = {
     "/infill": "infill",
     "/completion": "llama_completion",
 }
-GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/")
+# llama.cpp's utility endpoints: answered on the handler thread, no generation.
+UTILITY_ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize",
+                  "/apply-template": "apply_template"}
+GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/")
 
 
 def is_loopback(host: str) -> bool:
+    """Whether a bind address or a host name names this machine's loopback interface."""
+    host = host.strip("[]").lower()
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def split_host(value: str) -> str:
+    """The host part of a `Host` header value (`name`, `name:port`, `[v6]`, `[v6]:port`),
+    lower-cased, without brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value[1:]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+# Browser front ends served from this machine, on any port.
+LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.I)
+
+
+class AccessPolicy:
+    """Which `Host` headers and browser `Origin`s the server answers (a guard against DNS
+    rebinding and against web pages reading the local model through CORS).
+
+    Host: bound to a loopback address, only loopback names (`localhost`, `127.0.0.1`,
+    `[::1]`, any port) and the `--allowed-host` names are answered. Bound to another address,
+    any Host is answered unless `--allowed-host` names some: then those, loopback names and IP
+    literals. `--allowed-host '*'` turns the check off.
+
+    CORS: `Access-Control-Allow-Origin` echoes local origins (http(s)://localhost,
+    127.0.0.1 or [::1], any port) and the `--cors-origin` ones; `--cors-origin '*'` answers
+    every origin with `*`."""
+
+    def __init__(self, bind_host: str, allowed_hosts: tuple[str, ...] = (),
+                 cors_origins: tuple[str, ...] = ()):
+        self.loopback = is_loopback(bind_host)
+        self.any_host = "*" in allowed_hosts
+        self.allowed_hosts = {h.strip().lower() for h in allowed_hosts if h.strip() != "*"}
+        self.check_host = not self.any_host and (self.loopback or bool(self.allowed_hosts))
+        self.any_origin = "*" in cors_origins
+        self.origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip() != "*"}
+
+    def host_allowed(self, value: str | None) -> bool:
+        """Whether a request with this `Host` header may be answered (no header: HTTP/1.0
+        clients; browsers always send one)."""
+        if not self.check_host or value is None:
+            return True
+        value = value.strip().lower()
+        host = split_host(value)
+        if is_loopback(host) or value in self.allowed_hosts or host in self.allowed_hosts:
+            return True
+        return not self.loopback and is_ip_literal(host)
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        if not origin:
+            return False
+        origin = origin.strip().rstrip("/")
+        return (self.any_origin or LOCAL_ORIGIN.fullmatch(origin) is not None
+                or origin.lower() in self.origins)
+
+    def allow_origin_header(self, origin: str | None) -> str | None:
+        """The `Access-Control-Allow-Origin` value for a request from `origin` (None: none)."""
+        if self.any_origin:
+            return "*"
+        return origin.strip() if self.origin_allowed(origin) else None
 
 
 class MlxspecHTTPServer(ThreadingHTTPServer):
@@ -58,8 +133,10 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  cache_entries: int = 8, prefill_chunk: int = 512,
                  max_body_bytes: int = 16 << 20,
                  default_max_tokens: int = 512, default_temperature: float = 0.0,
-                 cors_origin: str | None = "*", model_name: str | None = None,
-                 model_aliases: tuple[str, ...] = (), api_key: str | None = None):
+                 cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
+                 model_name: str | None = None, model_aliases: tuple[str, ...] = (),
+                 accept_any_model: bool = False, api_key: str | None = None,
+                 log_prompts: bool = False):
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -67,8 +144,9 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.engine = engine
         self.metrics = Metrics()
         self.max_body_bytes = max_body_bytes
-        self.cors_origin = cors_origin
+        self.access = AccessPolicy(host, tuple(allowed_hosts), tuple(cors_origins))
         self.api_key = api_key
+        self.log_prompts = log_prompts
         self.started = time.time()
         name = model_name or engine.name
         aliases = {name, engine.name, Path(str(engine.name)).name, "mlxspec", "default",
@@ -78,7 +156,9 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.config = ServerConfig(
             model_name=name, model_aliases=aliases, max_context=engine.max_context,
             default_max_tokens=default_max_tokens, default_temperature=default_temperature,
-            modes=MODES)
+            modes=MODES, accept_any_model=accept_any_model,
+            max_n_cmpl=max(1, min(16, max_queue)))
+        self.total_slots = spec_max_concurrency + max_batch
         self.parser = RequestParser(engine.tokenizer, self.config)
         # Loading leaves lazy work (e.g. the float16 -> float32 cast on the CPU backend) on this
         # thread's stream, which the worker thread cannot run: materialize the weights here.
@@ -120,6 +200,24 @@ class ClientGone(Exception):
     pass
 
 
+class JobGroup:
+    """The jobs of one `n_cmpl` request (one job standing for all n when greedy)."""
+
+    def __init__(self, jobs: list[Job], n: int):
+        self.jobs, self.n = jobs, n
+        self.req = jobs[0].req
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+
+def dumps(body) -> str:
+    """JSON as llama.cpp writes it: compact (llama.vim checks replies against
+    `"content"\\s*:"`, no space after the colon) and UTF-8."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
 class Handler(BaseHTTPRequestHandler):
     server: MlxspecHTTPServer
     protocol_version = "HTTP/1.1"
@@ -129,15 +227,28 @@ class Handler(BaseHTTPRequestHandler):
     _last_check = 0.0
 
     def log_message(self, format, *args):  # noqa: A002
-        log.info("%s %s", self.address_string(), format % args)
+        pass  # one line per request is written by log_request, without headers or query
+
+    def log_request(self, code="-", size="-") -> None:
+        """`--log-requests`: method, path (no query string), status. Headers (the API key,
+        `Authorization`) are never logged; prompts only with `--log-prompts`."""
+        path = (self.path or "").split("?", 1)[0]
+        log.info("%s %s %s %s", self.address_string(), self.command, path,
+                 getattr(code, "value", code))
+
+    def _cors(self) -> None:
+        allow = self.server.access.allow_origin_header(self.headers.get("Origin"))
+        if allow:
+            self.send_header("Access-Control-Allow-Origin", allow)
+            if allow != "*":
+                self.send_header("Vary", "Origin")
 
     # -- plumbing
     def _headers(self, status: int, content_type: str, length: int | None = None,
                  close: bool = False) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
-        if self.server.cors_origin:
-            self.send_header("Access-Control-Allow-Origin", self.server.cors_origin)
+        self._cors()
         if length is not None:
             self.send_header("Content-Length", str(length))
         if close:
@@ -145,8 +256,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.end_headers()
 
-    def _send_json(self, status: int, body: dict, close: bool = False) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
+    def _send_json(self, status: int, body: dict | list, close: bool = False) -> None:
+        data = dumps(body).encode()
         self._headers(status, "application/json; charset=utf-8", len(data), close=close)
         self.wfile.write(data)
         self.wfile.flush()
@@ -183,7 +294,7 @@ class Handler(BaseHTTPRequestHandler):
                 continue
 
     def _sse(self, payload) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        data = payload if isinstance(payload, str) else dumps(payload)
         try:
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
@@ -192,20 +303,52 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- verbs
     def do_OPTIONS(self) -> None:  # CORS preflight
+        if not self._host_ok():
+            return
+        origin = self.headers.get("Origin")
+        if origin is not None and not self.server.access.origin_allowed(origin):
+            self._send_error(ApiError(
+                403, f"cross-origin requests from {origin} are not allowed; start the server "
+                     f"with --cors-origin {origin} to allow them", type="permission_error",
+                code="origin_not_allowed"), "other", close=True)
+            return
         self.send_response(204)
-        if self.server.cors_origin:
-            self.send_header("Access-Control-Allow-Origin", self.server.cors_origin)
+        if origin is not None:
+            self._cors()
             self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers", "*")
+            self.send_header("Access-Control-Allow-Headers",
+                             self.headers.get("Access-Control-Request-Headers")
+                             or "Authorization, Content-Type")
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Allow", "GET, POST, OPTIONS")
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def _host_ok(self) -> bool:
+        """The Host check (DNS rebinding): a 403 that says how to allow the name."""
+        value = self.headers.get("Host")
+        if self.server.access.host_allowed(value):
+            return True
+        name = split_host(value or "")
+        self._send_error(ApiError(
+            403, f"requests addressed to host {value!r} are not answered: this server only "
+                 "answers requests addressed to localhost, 127.0.0.1 or [::1] (a guard against "
+                 "DNS rebinding); if you reach it under this name on purpose, start it with "
+                 f"--allowed-host {name}", type="permission_error", code="host_not_allowed"),
+            "other", close=True)
+        return False
 
     def _authorized(self, path: str) -> bool:
         key = self.server.api_key
         if not key or path in ("/health", "/v1/health"):
             return True
-        given = self.headers.get("Authorization", "")
-        if given == f"Bearer {key}" or self.headers.get("x-api-key") == key:
+        want = f"Bearer {key}".encode()
+        given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        alt = self.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+        # Both compared in constant time (no early exit on the first differing byte).
+        ok_bearer = hmac.compare_digest(given, want)
+        ok_alt = hmac.compare_digest(alt, key.encode())
+        if ok_bearer or ok_alt:
             return True
         self._send_error(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                   type="authentication_error"), "other", close=True)
@@ -214,7 +357,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         srv = self.server
-        if not self._authorized(path):
+        if not self._host_ok() or not self._authorized(path):
             return
         if path in ("/v1/models", "/models"):
             body = {"object": "list", "data": [{
@@ -243,18 +386,53 @@ class Handler(BaseHTTPRequestHandler):
             }).encode()
             self._headers(200, "text/plain; version=0.0.4; charset=utf-8", len(text))
             self.wfile.write(text)
+        elif path == "/props":
+            self._send_json(200, self._props())
         elif path == "/":
             self._send_json(200, {"name": "mlxspec", "version": __version__,
-                                  "endpoints": sorted(POST_ROUTES) + list(GET_ROUTES[:-1])})
+                                  "endpoints": sorted([*POST_ROUTES, *UTILITY_ROUTES])
+                                  + list(GET_ROUTES[:-1])})
         else:
-            code = 405 if path in POST_ROUTES else 404
+            code = 405 if path in POST_ROUTES or path in UTILITY_ROUTES else 404
             self._send_error(ApiError(code, f"no such endpoint: GET {path}"), "other")
             return
         self.server.metrics.request(path, 200)
 
+    def _props(self) -> dict:
+        """llama.cpp's `GET /props` (what llama.vscode reads the context size from)."""
+        srv = self.server
+        tok = srv.engine.tokenizer
+        cfg = srv.config
+        template = getattr(tok, "chat_template", None)
+        return {
+            "default_generation_settings": {
+                "n_ctx": cfg.max_context or 0,
+                "params": {"n_predict": cfg.default_max_tokens,
+                           "temperature": cfg.default_temperature, "top_k": 0, "top_p": 1.0,
+                           "min_p": 0.0, "stop": [], "n_indent": 0,
+                           "speculative.mode": srv.engine.mode,
+                           "speculative.n_max": srv.engine.num_draft},
+            },
+            "total_slots": srv.total_slots,
+            "model_alias": cfg.model_name,
+            "model_path": str(srv.engine.name),
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": False,
+            "endpoint_props": True,
+            "endpoint_metrics": True,
+            "webui": False,
+            "chat_template": template if isinstance(template, str) else "",
+            "bos_token": getattr(tok, "bos_token", None) or "",
+            "eos_token": getattr(tok, "eos_token", None) or "",
+            "build_info": f"mlxspec {__version__}",
+        }
+
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
-        if not self._authorized(path):
+        if not self._host_ok() or not self._authorized(path):
+            return
+        if path in UTILITY_ROUTES:
+            self._utility(path)
             return
         kind = POST_ROUTES.get(path)
         if kind is None:
@@ -265,8 +443,10 @@ class Handler(BaseHTTPRequestHandler):
         start = time.perf_counter()
         try:
             body = self._read_body()
+            if self.server.log_prompts:
+                log.info("%s %s request: %s", self.address_string(), path, dumps(body))
             req = getattr(self.server.parser, "fim_completion" if kind == "fim" else kind)(body)
-            job = self.server.worker.submit(req)
+            job = self.server.worker.submit(req) if req.n_cmpl == 1 else self._submit_many(req)
         except ApiError as e:
             self._send_error(e, path, close=e.status in (411, 413))
             return
@@ -275,7 +455,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
             return
         try:
-            status = self._relay(job, kind)
+            status = self._relay(job, kind) if req.n_cmpl == 1 else self._relay_many(job, kind)
         except ClientGone:
             job.cancel()
             self.close_connection = True
@@ -286,6 +466,21 @@ class Handler(BaseHTTPRequestHandler):
             job.cancel()
             raise
         self.server.metrics.request(path, status, time.perf_counter() - start)
+
+    def _utility(self, path: str) -> None:
+        """/tokenize, /detokenize, /apply-template: tokenizer work, answered here."""
+        try:
+            body = self._read_body()
+            answer = getattr(self.server.parser, UTILITY_ROUTES[path])(body)
+        except ApiError as e:
+            self._send_error(e, path, close=e.status in (411, 413))
+            return
+        except Exception as e:  # a bug: answer 500 and keep serving
+            log.exception("%s failed", path)
+            self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
+            return
+        self._send_json(200, answer)
+        self.server.metrics.request(path, 200)
 
     def _read_body(self) -> dict:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -351,6 +546,50 @@ class Handler(BaseHTTPRequestHandler):
                 return 200
             ev = self._next_event(job)
 
+    def _submit_many(self, req) -> JobGroup:
+        """llama.cpp's `n_cmpl`: several completions of one prompt. Greedy completions are
+        all the same text, so one generation serves them all; sampled ones run as separate
+        jobs, each with its own seed (seed + i when a seed is given)."""
+        import dataclasses
+
+        worker = self.server.worker
+        if req.temperature == 0:
+            return JobGroup([worker.submit(req)], req.n_cmpl)
+        jobs: list[Job] = []
+        try:
+            for i in range(req.n_cmpl):
+                seed = None if req.seed is None else req.seed + i
+                jobs.append(worker.submit(dataclasses.replace(req, seed=seed)))
+        except ApiError:
+            for job in jobs:
+                job.cancel()
+            raise
+        return JobGroup(jobs, req.n_cmpl)
+
+    def _relay_many(self, group: JobGroup, kind: str) -> int:
+        """Answer `n_cmpl` completions as llama.cpp does: a JSON list, one object each."""
+        results = []
+        for job in group.jobs:
+            text, ev = [], self._next_event(job)
+            while not isinstance(ev, Done):
+                if isinstance(ev, Failed):
+                    group.cancel()
+                    return self._answer_error(ev.error)
+                text.append(ev.text)
+                ev = self._next_event(job)
+            results.append(("".join(text), ev))
+        if len(results) == 1:
+            results = results * group.n
+        bodies = [P.llama_body(job.req, text, done.finish_reason, done.usage,
+                               done.stopping_word, index=i)
+                  for i, ((text, done), job) in enumerate(
+                      zip(results, group.jobs * (group.n // len(group.jobs))))]
+        try:
+            self._send_json(200, bodies)
+        except (BrokenPipeError, ConnectionResetError):
+            raise ClientGone from None
+        return 200
+
     def _answer_error(self, err: ApiError) -> int:
         try:
             self._send_json(err.status, err.body())
@@ -377,7 +616,10 @@ class Handler(BaseHTTPRequestHandler):
         if kind in ("chat", "fim", "completion"):
             chat = kind != "completion"
             if chat:
-                self._sse(P.chat_chunk(req, {}, done.finish_reason))
+                # Mistral's FIM API (and Tabby's mistral/completion reader, which requires
+                # it) has a string delta.content in every chunk, the last one included.
+                self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
+                                       done.finish_reason))
             else:
                 self._sse(P.completion_chunk(req, "", done.finish_reason))
             if req.include_usage:

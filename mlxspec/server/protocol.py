@@ -17,17 +17,20 @@ class ApiError(Exception):
     """An error answered as JSON with an HTTP status, in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 extra: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
         self.param = param
         self.code = code
+        self.extra = extra or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+                          "code": self.code if self.code is not None else self.status,
+                          **self.extra}}
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -155,7 +158,11 @@ class GenRequest:
     num_draft: int | None = None
     warmup: bool = False  # n_predict 0: prefill and cache the prompt, generate nothing
     t_max_predict_ms: float | None = None
-    truncated: bool = False
+    truncated: bool = False  # the prompt was shortened to fit the context
+    context_limited: bool = False  # max_tokens was lowered to what the context leaves
+    n_ctx: int | None = None
+    n_indent: int = 0  # llama.cpp: stop at a new line indented less than this
+    n_cmpl: int = 1  # llama.cpp: completions of the same prompt
     response_fields: list[str] | None = None
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -223,6 +230,8 @@ class ServerConfig:
     default_temperature: float = 0.0
     modes: tuple[str, ...] = ()
     max_num_draft: int = 64
+    accept_any_model: bool = False  # --accept-any-model: OpenAI requests may name any model
+    max_n_cmpl: int = 16
 
 
 class RequestParser:
@@ -238,6 +247,7 @@ class RequestParser:
         self.fim = detect_fim(vocab)
         self.vocab_size = len(vocab)
         self.bos = self._bos_id()
+        self._pieces: list[str] | None = None
 
     def _bos_id(self) -> int | None:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -261,14 +271,18 @@ class RequestParser:
 
     # -- shared fields
     def _common(self, body: dict, endpoint: str, prompt: list[int], *, max_tokens_keys,
-                allow_warmup: bool) -> GenRequest:
+                allow_warmup: bool, check_model: bool = True) -> GenRequest:
+        """Fields every endpoint shares. `check_model`: OpenAI endpoints refuse model names
+        not served here (404, unless --accept-any-model); llama.cpp's own endpoints ignore
+        `model`, as llama.cpp does."""
         cfg = self.config
         model = body.get("model")
-        if model is not None and not isinstance(model, str):
+        if check_model and model is not None and not isinstance(model, str):
             raise bad("'model' must be a string", "model")
-        if model and model not in cfg.model_aliases:
+        if check_model and model and model not in cfg.model_aliases and not cfg.accept_any_model:
             raise ApiError(404, f"model '{model}' is not served here; this server serves "
-                                f"'{cfg.model_name}' (see GET /v1/models)",
+                                f"'{cfg.model_name}' (see GET /v1/models; --model-alias "
+                                f"{model} or --accept-any-model accept this name)",
                            param="model", code="model_not_found")
         max_tokens = None
         for key in max_tokens_keys:
@@ -281,18 +295,20 @@ class RequestParser:
                 break
         warmup = max_tokens == 0
         ctx = cfg.max_context
-        if ctx and max_tokens is not None and max_tokens > ctx:
-            raise bad(f"'max_tokens' is {max_tokens} but the model's context is {ctx} tokens",
-                      "max_tokens")
         if not prompt:
             raise bad("the prompt is empty", "prompt")
         if ctx and len(prompt) >= ctx:
-            raise bad(f"the prompt has {len(prompt)} tokens but the model's context is {ctx} "
-                      "tokens", "prompt")
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the model's context "
+                                f"is {ctx} tokens", param="prompt",
+                           code="context_length_exceeded",
+                           extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx})
+        # A max_tokens larger than what the context leaves is clamped to it, as llama.cpp
+        # does (the answer then ends with finish_reason "length" / stop_type "limit").
+        limited = False
         if max_tokens is None:
             max_tokens = cfg.default_max_tokens
-            if ctx:
-                max_tokens = min(max_tokens, ctx - len(prompt))
+        if ctx and not warmup and max_tokens > ctx - len(prompt):
+            max_tokens, limited = ctx - len(prompt), True
         seed = body.get("seed")
         if seed is not None:
             seed = _number(body, "seed", None, int)
@@ -305,8 +321,15 @@ class RequestParser:
         if not isinstance(so, dict):
             raise bad("'stream_options' must be an object", "stream_options")
         n = body.get("n")
-        if n is not None and n != 1:
+        if check_model and n is not None and n != 1:
             raise bad("only n = 1 is supported", "n")
+        n_cmpl = 1
+        if not check_model:  # llama.cpp: n_cmpl, with OpenAI's n as a fallback
+            key = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+            n_cmpl = _number(body, key, 1, int, 1, cfg.max_n_cmpl)
+            if n_cmpl > 1 and stream:
+                raise bad(f"'{key}' > 1 is not supported with streaming; ask without "
+                          "\"stream\" to get the completions as one list", key)
         spec = body.get("speculative") or {}
         if not isinstance(spec, dict):
             raise bad("'speculative' must be an object like {\"mode\": \"ngram\", \"num_draft\": 4}",
@@ -333,7 +356,8 @@ class RequestParser:
             seed=seed, stop=_stops(body), stream=stream,
             include_usage=bool(so.get("include_usage", False)), mode=mode,
             num_draft=num_draft, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
-            response_fields=fields, model=cfg.model_name)
+            response_fields=fields, model=cfg.model_name, context_limited=limited, n_ctx=ctx,
+            n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl)
 
     # -- endpoints
     def completion(self, body: dict) -> GenRequest:
@@ -384,6 +408,16 @@ class RequestParser:
         return req
 
     def chat(self, body: dict) -> GenRequest:
+        ids = self.encode(self.render_chat(body))
+        req = self._common(body, "chat", ids,
+                           max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
+                           allow_warmup=True)
+        self._prediction(body, req)
+        return req
+
+    def render_chat(self, body: dict) -> str:
+        """The prompt text of a chat request (`messages`, `tools`), by the model's chat
+        template; what `/apply-template` answers."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("'messages' must be a non-empty list", "messages")
@@ -410,12 +444,75 @@ class RequestParser:
                     **kwargs)
         except Exception as e:  # a template that rejects the conversation
             raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
-        ids = self.encode(text)
-        req = self._common(body, "chat", ids,
-                           max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
-                           allow_warmup=True)
-        self._prediction(body, req)
-        return req
+        return text
+
+    # -- llama.cpp's utility endpoints (no generation)
+    def tokenize(self, body: dict) -> dict:
+        """`POST /tokenize`: {content, add_special=false, parse_special=true,
+        with_pieces=false} -> {"tokens": [ids]} or [{"id", "piece"}] pieces."""
+        content = body.get("content")
+        if content is None:
+            return {"tokens": []}
+        if not isinstance(content, str):
+            raise bad("'content' must be a string", "content")
+        flags = {}
+        for key, default in (("add_special", False), ("parse_special", True),
+                             ("with_pieces", False)):
+            flags[key] = body.get(key, default)
+            if not isinstance(flags[key], bool):
+                raise bad(f"'{key}' must be a boolean", key)
+        with self.lock:
+            if flags["parse_special"]:
+                ids = self.tokenizer.encode(content, add_special_tokens=flags["add_special"])
+            else:
+                try:
+                    ids = self.tokenizer.encode(content, add_special_tokens=flags["add_special"],
+                                                split_special_tokens=True)
+                except TypeError:
+                    raise bad("this tokenizer cannot read special tokens as plain text "
+                              "(parse_special: false)", "parse_special") from None
+        ids = [int(t) for t in ids]
+        if not flags["with_pieces"]:
+            return {"tokens": ids}
+        out = []
+        for t in ids:
+            piece = self.token_bytes(t)
+            try:
+                out.append({"id": t, "piece": piece.decode("utf-8")})
+            except UnicodeDecodeError:
+                out.append({"id": t, "piece": list(piece)})
+        return {"tokens": out}
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character, and a piece may start with a space that decoding alone would drop)."""
+        with self.lock:
+            if self._pieces is None:
+                detok = self.tokenizer.detokenizer
+                byte_level = type(detok).__name__ == "BPEStreamingDetokenizer"
+                self._pieces = list(detok.tokenmap) if byte_level else []
+            if token < len(self._pieces):
+                from mlx_lm.tokenizer_utils import _byte_decoder
+
+                bd = _byte_decoder()
+                return b"".join(bytes([bd[c]]) if c in bd else c.encode()
+                                for c in self._pieces[token])
+            return self.tokenizer.decode([token]).encode("utf-8")
+
+    def detokenize(self, body: dict) -> dict:
+        """`POST /detokenize`: {tokens: [ids]} -> {"content": text}."""
+        tokens = body.get("tokens", [])
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad("'tokens' must be a list of token ids", "tokens")
+        if any(t < 0 or t >= self.vocab_size for t in tokens):
+            raise bad("'tokens' has ids outside the vocabulary", "tokens")
+        with self.lock:
+            return {"content": self.tokenizer.decode(tokens) if tokens else ""}
+
+    def apply_template(self, body: dict) -> dict:
+        """`POST /apply-template`: {messages, tools?} -> {"prompt": text}."""
+        return {"prompt": self.render_chat(body)}
 
     def _prediction(self, body: dict, req: GenRequest) -> None:
         """OpenAI's predicted output (on completions too, as an extension)."""
@@ -449,7 +546,7 @@ class RequestParser:
             extra=extra, middle=body.get("prompt") or "", bos=self.bos,
             budget=self._budget(n))
         req = self._common(body, "infill", ids, max_tokens_keys=("n_predict", "max_tokens"),
-                           allow_warmup=True)
+                           allow_warmup=True, check_model=False)
         req.truncated = truncated
         return req
 
@@ -458,12 +555,15 @@ class RequestParser:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             ids = self.encode_prompt(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+            if any(t < 0 or t >= self.vocab_size for t in prompt):
+                raise bad("the prompt has token ids outside the vocabulary", "prompt")
             ids = list(prompt)
         else:
             raise bad("'prompt' must be a string or a list of token ids", "prompt")
         return self._common(body, "completion", ids, max_tokens_keys=("n_predict", "max_tokens"),
-                            allow_warmup=True)
+                            allow_warmup=True, check_model=False)
 
     def _fim(self, prefix: str, suffix: str, body: dict) -> tuple[list[int], bool]:
         if self.fim is None:
@@ -479,6 +579,38 @@ class RequestParser:
         if not ctx:
             return None
         return max(16, ctx - min(max_tokens, ctx // 2) - 1)
+
+
+class IndentStop:
+    """llama.cpp's `n_indent`: once the completion has started a new line, a line whose
+    first character other than a space or tab (a newline included: an empty line) sits at an
+    indentation below `n_indent` ends it, cut just before that character. The first line of
+    the completion is never checked. Fed the answer's text in order; returns what may be
+    emitted and whether the completion ends here."""
+
+    def __init__(self, n_indent: int):
+        self.n_indent = n_indent
+        self.seen_newline = False
+        self.at_line_start = False  # inside the indentation of a line after a newline
+        self.indent = 0
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        for i, ch in enumerate(text):
+            if self.at_line_start:
+                if ch in " \t":
+                    self.indent += 1
+                    continue
+                self.at_line_start = False
+                if self.indent < self.n_indent:
+                    self.stopped = True
+                    return text[:i], True
+            if ch == "\n":
+                self.seen_newline = True
+                self.at_line_start, self.indent = True, 0
+        return text, False
 
 
 # ----------------------------------------------------------------------------- responses
@@ -500,6 +632,7 @@ class Usage:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     batched: bool = False
+    context_tokens: int = 0  # tokens in the request's KV cache at the end (llama.cpp's tokens_cached)
 
     def openai(self) -> dict:
         return {
@@ -587,25 +720,32 @@ def completion_chunk(req: GenRequest, text: str | None, finish: str | None,
 
 
 def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None,
-               stopping_word: str = "") -> dict:
+               stopping_word: str = "", index: int = 0) -> dict:
     """llama.cpp's `/completion` and `/infill` response (final when `usage` is given)."""
-    body: dict[str, Any] = {"index": 0, "content": text, "tokens": [], "id_slot": 0,
+    body: dict[str, Any] = {"index": index, "content": text, "tokens": [], "id_slot": 0,
                             "stop": usage is not None, "model": req.model}
     if usage is not None:
         stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit"}.get(
             finish or "", "none")
+        # llama.cpp's `truncated`: the prompt was shortened, or generation ran into the end
+        # of the context.
+        out_of_context = (finish == "length" and req.context_limited
+                          and usage.completion_tokens >= req.max_tokens)
         body.update({
             "tokens_predicted": usage.completion_tokens,
             "tokens_evaluated": usage.prompt_tokens,
-            "tokens_cached": usage.cached_tokens,
-            "truncated": req.truncated,
+            # llama.cpp: the tokens in the slot's context once the request is done
+            "tokens_cached": usage.context_tokens,
+            "truncated": req.truncated or out_of_context,
             "has_new_line": "\n" in text,
             "stop_type": stop_type,
             "stopping_word": stopping_word,
             "generation_settings": {
+                "n_ctx": req.n_ctx or 0,
                 "n_predict": 0 if req.warmup else req.max_tokens,
                 "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
                 "min_p": req.min_p, "seed": req.seed, "stop": req.stop,
+                "n_indent": req.n_indent, "n_cmpl": req.n_cmpl,
                 "speculative.mode": usage.mode},
             "timings": usage.timings(),
         })

@@ -32,7 +32,7 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
-from .protocol import ApiError, GenRequest, Usage
+from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
 
@@ -77,6 +77,15 @@ class Job:
     prefill_pos: int | None = None
     prefilled_here: int = 0
     prefill_seconds: float = 0.0
+    indent: IndentStop | None = None
+
+    def __post_init__(self) -> None:
+        if self.req.n_indent > 0:
+            self.indent = IndentStop(self.req.n_indent)
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """The text to emit after the n_indent rule, and whether it ends the answer."""
+        return self.indent.feed(text) if self.indent is not None else (text, False)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -379,10 +388,13 @@ class Worker(threading.Thread):
             return
         if not job.first_token:
             job.first_token = time.perf_counter()
-        if out.text or out.tokens:
-            job.text_so_far += out.text
-            job.events.put(Delta(out.text, len(out.tokens)))
-        if out.finish_reason:
+        text, cut = job.cut(out.text)
+        if text or out.tokens:
+            job.text_so_far += text
+            job.events.put(Delta(text, len(out.tokens)))
+        if cut:  # n_indent: llama.cpp reports it as a limit
+            self._finish_engine(job, "length", out.stats)
+        elif out.finish_reason:
             self._finish_engine(job, out.finish_reason, out.stats)
         elif self._over_time(job):
             self._finish_engine(job, "length", out.stats)
@@ -412,6 +424,9 @@ class Worker(threading.Thread):
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
+        pc = job.cache
+        usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
+                                else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
         # Chunks prefilled by the worker look cached to the engine; they were not.
         usage.cached_tokens = max(0, usage.cached_tokens - job.prefilled_here)
         usage.prefill_seconds += job.prefill_seconds
@@ -499,6 +514,9 @@ class Worker(threading.Thread):
             if not finish and self._over_time(job):
                 finish = "length"
                 text += job.text.finish()
+            text, cut = job.cut(text)
+            if cut:
+                finish = "length"
             if text:
                 job.text_so_far += text
                 job.events.put(Delta(text, 1))
@@ -512,6 +530,10 @@ class Worker(threading.Thread):
                 del self.batch_jobs[r.uid]
                 usage = usage_from_stats(s)
                 usage.batched = True
+                # The tokens the batch fed through the model: all but the last sampled one,
+                # which an end-of-sequence token is not part of.
+                usage.context_tokens = len(job.req.prompt) + max(
+                    0, s.generated_tokens - (0 if r.finish_reason == "stop" else 1))
                 self._done(job, Done(finish, usage, stopping_word=job.text.stopping_word))
 
     def _reset_batch(self) -> None:
