@@ -608,7 +608,7 @@ def free_port() -> int:
 def test_cli_serve_starts_on_loopback(model_dirs):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlxspec.cli.main", "serve", "-m",
-                             str(model_dirs["llama"]), "--port", str(port)],
+                             str(model_dirs["llama"]), "--port", str(port), "--cors-origin", "*"],
                             stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -617,6 +617,7 @@ def test_cli_serve_starts_on_loopback(model_dirs):
             if "listening on" in line:
                 break
         assert f"listening on http://127.0.0.1:{port} (loopback only" in "".join(lines)
+        assert "warning: --cors-origin '*'" in "".join(lines)
         status, payload = post(f"http://127.0.0.1:{port}", "/v1/completions",
                                {"prompt": "def", "max_tokens": 3, "temperature": 0})
         assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3

@@ -113,6 +113,12 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
                f"(k={engine.num_draft}, speculative up to {spec_max_concurrency} concurrent "
                f"requests, then batched plain decoding) | FIM {fim.style if fim else 'none'}",
                err=True)
+    if "*" in cors_origins:
+        click.echo("warning: --cors-origin '*': every web page open in a browser on this "
+                   "machine can use the model and read its answers", err=True)
+    if "*" in allowed_hosts:
+        click.echo("warning: --allowed-host '*': the Host check is off, so a web page can "
+                   "reach the server through DNS rebinding", err=True)
     if is_loopback(host):
         click.echo(f"listening on {server.url} (loopback only; --host 0.0.0.0 to expose it)",
                    err=True)
@@ -120,12 +126,6 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         click.echo(f"listening on {server.url} -- reachable from other machines, "
                    + ("API key required" if api_key else "with no authentication (--api-key)"),
                    err=True)
-    if "*" in cors_origins:
-        click.echo("warning: --cors-origin '*': every web page open in a browser on this "
-                   "machine can use the model and read its answers", err=True)
-    if "*" in allowed_hosts:
-        click.echo("warning: --allowed-host '*': the Host check is off, so a web page can "
-                   "reach the server through DNS rebinding", err=True)
 
     def stop(signum, frame):  # SIGTERM: the same clean shutdown as Ctrl-C
         raise KeyboardInterrupt

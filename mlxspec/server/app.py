@@ -61,8 +61,13 @@ def split_host(value: str) -> str:
     lower-cased, without brackets."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value[1:]
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+        end = value.find("]")
+        rest = value[end + 1 :] if end >= 0 else ""
+        if end < 0 or (rest and not re.fullmatch(r":\d{1,5}", rest)):
+            return value  # malformed: matches no name
+        return value[1:end]
+    name, colon, port = value.partition(":")
+    return name if colon and port.isdigit() and len(port) <= 5 else value
 
 
 def is_ip_literal(host: str) -> bool:
