@@ -74,12 +74,18 @@ SCALE = {"falcon_h1": 60.0}
 EMBED_SHRINK = {"lfm2": ("model.embed_tokens.weight",), "falcon_h1": ("model.embed_tokens.weight",)}
 
 
-def build(family: str, seed: int = 0, scale: float | None = None, dtype=mx.float32):
-    """A random-weight model of `family`, its output layer scaled by `scale`."""
+def build(family: str, seed: int = 0, scale: float | None = None, dtype=mx.float32,
+          **overrides):
+    """A random-weight model of `family`, its output layer scaled by `scale`; `overrides`
+    change its configuration (vocab_size, sliding_window, ...)."""
     scale = SCALE.get(family, 6.0) if scale is None else scale
     from mlx_lm.utils import _get_classes
 
     cfg = dict(CONFIGS[family])
+    if "text_config" in cfg:
+        cfg["text_config"] = {**cfg["text_config"], **overrides}
+    else:
+        cfg.update(overrides)
     cfg.setdefault("model_type", family)
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
@@ -105,11 +111,11 @@ def build(family: str, seed: int = 0, scale: float | None = None, dtype=mx.float
 NOISE = {"falcon_h1": 0.1}
 
 
-def noisy_copy(model, family: str, noise: float | None = None, seed: int = 1):
+def noisy_copy(model, family: str, noise: float | None = None, seed: int = 1, **overrides):
     """The same family with the target's weights plus Gaussian noise: a draft that agrees
     often but not always."""
     noise = NOISE.get(family, 0.35) if noise is None else noise
-    draft = build(family, seed=seed, dtype=mx.float32)
+    draft = build(family, seed=seed, dtype=mx.float32, **overrides)
     mx.random.seed(seed)
     params = tree_map(lambda w: w + noise * mx.random.normal(w.shape).astype(w.dtype) * (
         mx.abs(w).mean()) if mx.issubdtype(w.dtype, mx.floating) else w, model.parameters())

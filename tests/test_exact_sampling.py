@@ -1,0 +1,138 @@
+"""Exact distributions at temperature > 0, through the real engine, with k >= 4 and top-k/top-p
+on, on a sliding-window model (window smaller than the prompt) and a hybrid recurrent one.
+
+The exact distribution of the first `N` generated tokens is computed without any cache, by one
+batched forward over every prefix (a vocabulary of 4 keeps that small). A chi-square test then
+compares the engine's samples against it, per position and for the last two positions jointly;
+the same test must reject a deliberately broken rollback (rejected tokens left in the state)."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_engine
+from families import build, noisy_copy
+
+from mlxspec import caches
+from mlxspec.sampling import SamplingParams, probs_from_logits
+
+VOCAB = 4
+N = 5  # tokens per generation: k = 4 draft positions are verified in the first step
+SAMPLING = dict(temperature=1.0, top_k=3, top_p=0.95)
+PROMPT = [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]  # longer than the window: it has wrapped
+
+
+def exact_distribution(model, prompt: list[int]) -> np.ndarray:
+    """P(t_1..t_N) as an array of shape (VOCAB,) * N, from uncached forwards."""
+    sp = SamplingParams(**SAMPLING)
+    prefixes = [()]
+    probs = {(): 1.0}
+    for _ in range(N):
+        rows = mx.array([prompt + list(p) for p in prefixes])
+        p_next = np.array(probs_from_logits(model(rows)[:, -1], sp), dtype=np.float64)
+        grown = []
+        for p, dist in zip(prefixes, p_next):
+            for t in range(VOCAB):
+                probs[p + (t,)] = probs[p] * dist[t]
+                grown.append(p + (t,))
+        prefixes = grown
+    out = np.zeros((VOCAB,) * N)
+    for seq in itertools.product(range(VOCAB), repeat=N):
+        out[seq] = probs[seq]
+    return out
+
+
+def sample_counts(engine, runs: int, **kwargs) -> np.ndarray:
+    counts = np.zeros((VOCAB,) * N)
+    for seed in range(runs):
+        t = engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING, **kwargs).tokens
+        counts[tuple(t)] += 1
+    return counts
+
+
+def min_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
+    """Smallest p-value over the per-position marginals and the joint of the last two
+    positions (Pearson; cells expected < 5 times pooled)."""
+    from scipy import stats
+
+    tests = []
+    for i in range(N):
+        axes = tuple(j for j in range(N) if j != i)
+        tests.append((counts.sum(axis=axes), exact.sum(axis=axes)))
+    tests.append((counts.sum(axis=tuple(range(N - 2))).ravel(),
+                  exact.sum(axis=tuple(range(N - 2))).ravel()))
+    pvalues = []
+    for obs, p in tests:
+        expected = p / p.sum() * obs.sum()
+        small = expected < 5
+        o = np.append(obs[~small], obs[small].sum())
+        e = np.append(expected[~small], expected[small].sum())
+        if e[-1] == 0:
+            o, e = o[:-1], e[:-1]
+        pvalues.append(stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
+    return min(pvalues)
+
+
+def broken_rollback(model, cache, ckpt, fed, keep):
+    """Rolls back attention layers only: rejected tokens stay in recurrent states (what
+    mlx-lm's trim_prompt_cache silently does there)."""
+    for c in caches.leaves(cache):
+        if not caches.is_recurrent(c):
+            c.trim(len(fed) - keep)
+
+
+def silent_trim(model, cache, ckpt, fed, keep):
+    """mlx-lm's rollback: a wrapped RotatingKVCache trims nothing, silently."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    trim_prompt_cache(cache, len(fed) - keep)
+
+
+# (output scale, draft noise): distributions peaked enough that a broken rollback shows
+MODEL = {"gemma3_text": (1.0, 0.5), "qwen3_5": (2.5, 1.0)}
+
+
+def setup(family: str, mode: str):
+    window = {"sliding_window": 4} if family == "gemma3_text" else {}
+    scale, noise = MODEL[family]
+    target = build(family, seed=7, scale=scale, vocab_size=VOCAB, **window)
+    draft = noisy_copy(target, family, noise=noise, seed=8, vocab_size=VOCAB, **window)
+    # ngram proposes from a fixed predicted output, right at some positions only
+    kwargs = {"prediction": [1, 2, 3, 0, 1, 2]} if mode == "ngram" else {}
+    return target, draft, exact_distribution(target, PROMPT), kwargs
+
+
+RUNS = 500
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["draft", "ngram"])
+def test_sampling_is_exact_on_windows_and_recurrent_state(family, mode):
+    target, draft, exact, kwargs = setup(family, mode)
+    engine = make_engine(target, mode, draft_model=draft, vocab=VOCAB, num_draft=4)
+    counts = sample_counts(engine, RUNS, **kwargs)
+    stats = engine.generate(PROMPT, max_tokens=N, seed=0, **SAMPLING, **kwargs).stats
+    assert len(stats.drafted_by_position) >= 4  # k >= 4 positions were verified
+    assert 0 < stats.accepted < stats.drafted or mode == "ngram"
+    assert min_pvalue(counts, exact) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+def test_the_same_test_rejects_a_broken_rollback(family, monkeypatch):
+    target, draft, exact, kwargs = setup(family, "draft")
+    if family == "gemma3_text":
+        from mlx_lm.models.cache import make_prompt_cache
+
+        monkeypatch.setattr("mlxspec.caches.make_cache", make_prompt_cache)
+        monkeypatch.setattr("mlxspec.step.caches.rollback", silent_trim)
+        monkeypatch.setattr("mlxspec.proposers.draft.caches.rollback", silent_trim)
+    else:
+        monkeypatch.setattr("mlxspec.step.caches.rollback", broken_rollback)
+        monkeypatch.setattr("mlxspec.proposers.draft.caches.rollback", broken_rollback)
+    broken = make_engine(target, "draft", draft_model=draft, vocab=VOCAB, num_draft=4)
+    assert min_pvalue(sample_counts(broken, RUNS), exact) < 1e-4
