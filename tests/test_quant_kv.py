@@ -112,19 +112,20 @@ def _reference(queries, k_all, v_all, start, view, g, gv, scale):
     return mx.concatenate(outs, axis=2)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 16])
-def test_attention_matches_dequantized_cache(head_dim):
+@pytest.mark.parametrize("head_dim,block", [(32, 4096), (64, 4096), (16, 4096), (32, 256)])
+def test_attention_matches_dequantized_cache(head_dim, block):
+    """block=256: the codes span several blocks and the attention runs over several tiles."""
     g = 32
     mx.random.seed(head_dim)
     n_heads, n_kv = 4, 2  # GQA
     scale = head_dim**-0.5
-    caches = {v: HierarchicalKVCache(g) for v in ("target", "draft")}
+    caches = {v: HierarchicalKVCache(g, block_size=block) for v in ("target", "draft")}
     for v, c in caches.items():
         c.view = v
     k_all = mx.zeros((1, n_kv, 0, head_dim))
     v_all = mx.zeros((1, n_kv, 0, head_dim))
     # a many-token prefill (rows need groups quantized on the fly), one-token decodes, verifies
-    steps = [150, 1, 1, 5, 7, 1, 33, 3]
+    steps = [150, 1, 1, 5, 7, 1, 33, 3] + ([300, 2, 1, 5] if block == 256 else [])
     for i, n in enumerate(steps):
         k = mx.random.normal((1, n_kv, n, head_dim)) * 2
         val = mx.random.normal((1, n_kv, n, head_dim))
@@ -239,3 +240,108 @@ def test_batching_does_not_change_results():
         outs.append(mx.concatenate(logits, axis=1))
     for o in outs[1:]:
         assert mx.allclose(o, outs[0], atol=1e-4).item()
+
+
+# ----------------------------------------------------------------------------- exactness, growth
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("g,block", [(32, 4096), (32, 256), (64, 4096)])
+def test_verify_equals_single_steps_bit_for_bit(dtype, g, block):
+    """A forward over several rows gives every row exactly the bits a single-token step at that
+    position gives, also when the rows straddle a flush (different quantized prefixes) and in
+    half precision: one summation order for both. (float32 goes through OpenBLAS, whose
+    matrix-vector and matrix-matrix kernels round differently - as for mlx-lm's own cache - so
+    there it is equal to float32 rounding.)"""
+    mx.random.seed(3)
+    n_kv, heads, d = 2, 4, 32
+    total = 700 if block == 256 else 420
+    k = (mx.random.normal((1, n_kv, total, d)) * 2).astype(dtype)
+    v = mx.random.normal((1, n_kv, total, d)).astype(dtype)
+    q = mx.random.normal((1, heads, total, d)).astype(dtype)
+    splits = 0
+    for start in range(2 * g - 3, total - 8, 23):
+        outs = []
+        for rows in ((6,), (1,) * 6):
+            c = HierarchicalKVCache(g, block_size=block, auto_commit=True)
+            c.update_and_fetch(k[..., :start, :], v[..., :start, :])
+            out, done = [], start
+            for n in rows:
+                kv, _ = c.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
+                out.append(hierarchical_attention(q[:, :, done : done + n], kv, d**-0.5,
+                                                  "causal" if n > 1 else None))
+                done += n
+            outs.append(mx.concatenate(out, axis=2))
+            splits += c.split_forwards
+        if dtype == mx.float32:
+            assert mx.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5).item(), start
+        else:
+            assert mx.array_equal(outs[0], outs[1]).item(), (dtype, start)
+    assert splits >= 5  # verifies that straddle a flush were among them
+
+
+def test_appends_grow_linearly():
+    """Token-by-token appends: reallocations and bytes copied grow linearly with the context
+    (not with its square), and allocated memory stays within one block of what is held."""
+    g, block = 32, 512
+    d, n_kv = 32, 2
+    stats = {}
+    for total in (1024, 4096):
+        c = HierarchicalKVCache(g, block_size=block, auto_commit=True)
+        mx.random.seed(0)
+        k = mx.random.normal((1, n_kv, total, d))
+        for t in range(total):
+            c.update_and_fetch(k[..., t : t + 1, :], k[..., t : t + 1, :])
+            if t % 256 == 0:
+                mx.eval(c.state)
+        c.commit()
+        mx.eval(c.state)
+        used, alloc = c.used_nbytes_by_part(), c.nbytes_by_part()
+        codes_used = sum(v for key, v in used.items() if key != "buffer")
+        codes_alloc = sum(v for key, v in alloc.items() if key != "buffer")
+        per_block = codes_used * block // c.q_len
+        assert codes_alloc - codes_used <= per_block, (codes_alloc, codes_used)
+        assert alloc["buffer"] <= 2 * (c.buffer_len + c.buffer_size + 64) * n_kv * d * 4
+        stats[total] = (c.allocations, c.bytes_copied, codes_used)
+        k_all, _ = c.dequantized()
+        assert k_all.shape[2] == total
+    (a1, b1, _), (a4, b4, u4) = stats[1024], stats[4096]
+    assert a4 <= 4.5 * a1 and b4 <= 4.5 * b1, stats  # linear, a quadratic would be ~16x
+    assert b4 <= 2 * u4 + 4096 * n_kv * d * 4 * 4, stats  # O(1) copies per token
+
+
+def test_attention_tiles_are_bounded(monkeypatch):
+    """No score matrix wider than one block: every packed product covers <= block_size keys."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    widths = []
+    real = hc._qmm
+
+    def spy(x, triple, group_size):
+        out = real(x, triple, group_size)
+        widths.append(out.shape[-1])
+        return out
+
+    monkeypatch.setattr(hc, "_qmm", spy)
+    c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
+    k = mx.random.normal((1, 2, 1100, 32))
+    kv, _ = c.update_and_fetch(k, k)
+    hierarchical_attention(mx.random.normal((1, 4, 1100, 32)), kv, 0.1, "causal")
+    kv, _ = c.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    hierarchical_attention(mx.random.normal((1, 4, 1, 32)), kv, 0.1)
+    assert widths and max(widths) <= 256
+    assert len(c.blocks) == 5 and c.blocks[-1].cap <= 256
+
+
+def test_state_round_trip():
+    c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
+    k = mx.random.normal((1, 2, 600, 32))
+    c.update_and_fetch(k, k)
+    c.commit()
+    other = HierarchicalKVCache.from_state(c.state)
+    other.meta_state = c.meta_state
+    assert [a.tolist() for a in other.state] == [a.tolist() for a in c.state]
+    q = mx.random.normal((1, 4, 1, 32))
+    kv1, _ = c.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    kv2, _ = other.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    assert mx.array_equal(hierarchical_attention(q, kv1, 0.1),
+                          hierarchical_attention(q, kv2, 0.1)).item()

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import caches
 from ..quant.hierarchical_cache import (
     HierarchicalKVCache,
+    check_hierarchical_support,
     draft_view,
+    hierarchical_layers,
     make_hierarchical_cache,
 )
 from ..quant.weights import make_draft_model
@@ -42,7 +45,8 @@ class QuantSpecProposer(Proposer):
         self.group_size = group_size
         self.buffer_size = 2 * group_size if buffer_size is None else buffer_size
         self.value_group_size = value_group_size
-        # Validate the cache options now rather than at the first generation.
+        # Validate the model and the cache options now rather than at the first generation.
+        check_hierarchical_support(model)
         HierarchicalKVCache(group_size, self.buffer_size, value_group_size)
         self.draft_model, self.weight_info = make_draft_model(
             model, bits=weight_bits, group_size=weight_group_size, quantize=quantize)
@@ -64,7 +68,9 @@ class QuantSpecProposer(Proposer):
 
     def bind_cache(self, cache: list) -> None:
         """Use `cache` (made by `make_target_cache`) as the shared cache from now on."""
-        if not all(isinstance(c, HierarchicalKVCache) for c in cache):
+        layers = caches.leaves(cache)
+        if not hierarchical_layers(cache) or any(
+                type(c).__name__ == "KVCache" for c in layers):
             raise TypeError("quantspec needs the cache made by make_target_cache")
         self.cache = cache
 
@@ -78,7 +84,7 @@ class QuantSpecProposer(Proposer):
         cache = self.cache
         if num_draft <= 0:
             return None
-        offset = cache[0].offset
+        offset = caches.offset(cache)
         if offset != len(context) - 1:
             raise RuntimeError(f"quantspec: the shared cache holds {offset} tokens, expected "
                                f"{len(context) - 1} (all committed tokens but the last)")
@@ -86,6 +92,9 @@ class QuantSpecProposer(Proposer):
         keys = mx.random.split(key, num_draft) if (key is not None and not greedy) else None
         token = mx.array([[context[-1]]], mx.uint32)
         tokens, probs = [], []
+        # Recurrent layers (hybrid models) cannot be trimmed: keep their states (references,
+        # no copy) and put them back after drafting, so the verify starts from committed state.
+        ckpt = caches.checkpoint(cache)
         with draft_view(cache):  # upper plane, no auto-commit; commits what is due on entry
             for i in range(num_draft):
                 logits = self.draft_model(token, cache=cache)[0, -1]
@@ -98,11 +107,15 @@ class QuantSpecProposer(Proposer):
                 tokens.append(nxt)
                 token = nxt.reshape(1, 1).astype(mx.uint32)
                 mx.async_eval(token)
-        # The draft wrote the last committed token and the first k-1 drafts: drop them so the
-        # target's verify forward writes its own keys/values at those positions.
-        for c in cache:
-            if c.trim(num_draft) != num_draft:
-                raise RuntimeError("quantspec: could not roll back the draft's cache entries")
+        # The draft wrote the last committed token and the first k-1 drafts: drop them (and
+        # restore the recurrent states) so the target's verify forward starts from the
+        # committed state and writes its own keys/values at those positions.
+        if ckpt is not None:
+            restored = caches.restore(cache, ckpt, offset + num_draft, offset)
+        else:
+            restored = caches.trim_exact(cache, num_draft)
+        if not restored:
+            raise RuntimeError("quantspec: could not roll back the draft's cache entries")
         self.drafted += num_draft
         return Proposal(tokens=mx.stack(tokens), draft_probs=mx.stack(probs) if probs else None,
                         source=self.name)
@@ -117,5 +130,5 @@ class QuantSpecProposer(Proposer):
                     drafted=self.drafted, accepted=self.accepted,
                     acceptance=self.accepted / self.drafted if self.drafted else None)
         if self.cache:
-            info["kv_bytes"] = sum(c.nbytes for c in self.cache)
+            info["kv_bytes"] = sum(c.nbytes for c in hierarchical_layers(self.cache))
         return info

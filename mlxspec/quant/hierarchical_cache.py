@@ -1,6 +1,6 @@
 """QuantSpec's hierarchical INT8/INT4 KV cache, shared by the 4-bit draft and the target.
 
-Layout (one `HierarchicalKVCache` per layer; KIVI):
+Layout (one `HierarchicalKVCache` per attention layer; KIVI):
 
 * keys are quantized per channel along the token axis, in groups of G tokens, and stored
   transposed, (B, kv_heads, head_dim, tokens), so that `mx.quantized_matmul(q, keys_t, s, b,
@@ -13,34 +13,46 @@ Layout (one `HierarchicalKVCache` per layer; KIVI):
   sum of two `mx.quantized_matmul` calls, never a dequantized copy of the cache;
 * the most recent tokens live in a full-precision buffer. New keys/values land there.
 
-Which tokens a query sees quantized is a function of the query's *position* only:
-a query at position p sees keys [0, Q(p)) quantized and [Q(p), p] in full precision, with
-Q(p) = G * floor(max(0, p - (buffer_size - G)) / G). With the default buffer_size = 2G the
-full-precision part of every query holds between G+1 and 2G tokens - the "flush the oldest G when
-the buffer holds 2G" rule evaluated per token. Because it depends on the position only, a prompt
-prefilled in one chunk or many, a verify over k+1 tokens, or k+1 single-token steps see exactly
-the same mix of precisions: speculative decoding with this cache is token-identical (up to float
-rounding of batched vs. single-row matmuls) to plain decoding with it. Within one forward over
-several positions, the rows that need a group the store has not flushed yet get it quantized on
-the fly (the same deterministic codes the later flush stores).
+The position rule. A query at position p reads keys [0, Q(p)) quantized and [Q(p), p] in full
+precision, Q(p) = G * floor(max(0, p - (buffer_size - G)) / G): with the default buffer_size = 2G
+the full-precision part of every query holds between G+1 and 2G tokens. It depends on the
+position only, so a prompt prefilled in one chunk or many, a verify over k+1 tokens, or k+1
+single-token steps see the same mix of precisions.
 
-Physical flushes (moving groups from the buffer into the packed store) happen only in `commit()`,
-which may only run when every token in the cache is committed. With `auto_commit=True` (the
-default of `make_hierarchical_cache`) the cache commits at the start of every `update_and_fetch`:
-that is right for a prefill chunk, a plain decoding step and a verify forward (the cache then
-holds committed tokens only; the new rows are not flushed before the next forward), and wrong
-only while a draft appends speculative tokens one forward after another - so `draft_view(caches)`
-switches auto-commit off for its duration. Speculative tokens therefore only ever live in the
-buffer and rollback is a trim of the buffer; `trim` refuses (trims less) to cut below what a
-flushed group requires (offset must stay >= quantized_tokens + buffer_size - G).
+One computation per query row (exact in half precision too). The rows of one forward are split
+into segments of equal Q(p); every segment is computed exactly as a single-token step at one of
+its positions would be: the packed codes [0, Q) in tiles of `block_size` tokens aligned at
+multiples of `block_size`, then the full-precision buffer [Q, end) in tiles starting at Q, with a
+running (online) softmax in float32 across the tiles. A single step and a verify row thus sum the
+same products in the same order; the verify row only has extra masked (exactly zero) columns at
+the end, which change neither a maximum, nor a sum, nor a matmul on MLX's CPU kernels (tested).
+No L x context score matrix is ever built: at most (rows of a segment) x `block_size`.
+
+Storage grows linearly. Codes live in a list of blocks of `block_size` tokens (the last one grows
+in steps of 256 tokens up to `block_size`, copying at most one block); new codes are written into
+place, never concatenated onto the whole store. The buffer is a preallocated array written in
+place; when full it is compacted (only its live tokens, O(buffer) per compaction). So appends
+cost amortised O(1) per token and memory never runs more than one block (and one buffer) ahead.
+`allocations` and `bytes_copied` count what growth cost.
+
+Codes are written as soon as a row needs them (`update_and_fetch` flushes codes up to Q of the
+last new row); they are a deterministic function of the buffered keys, so writing them early
+changes nothing. The buffer drops its oldest tokens only in `commit()` (tokens no future query
+reads in full precision), which may only run when every cached token is committed: with
+`auto_commit=True` (`make_hierarchical_cache`'s default) at the start of every forward - right
+for prefill, plain steps and verifies - and `draft_view(caches)` switches it off while a draft
+appends speculative tokens. `trim` may go back to any offset whose queries still find their
+full-precision tokens (offset >= buffer start + buffer_size - G); codes of trimmed positions are
+forgotten (q_len drops to Q(offset)).
 
 Plugging into mlx-lm: `update_and_fetch(k, v)` returns a `HierarchicalKV` handle in place of each
 of the (keys, values) arrays, and `install_attention_adapter(model)` replaces the module-global
 `scaled_dot_product_attention` of the model's own module (e.g. `mlx_lm.models.llama`) by a thin
 wrapper that sends `HierarchicalKV` operands to `hierarchical_attention` and everything else,
-unchanged, to mlx-lm's function. The wrapper is installed once per module, is idempotent, and
-does not change behaviour for any other cache. `cache.view` ("target" or "draft", or the
-`draft_view(caches)` context manager) selects the planes the attention reads.
+unchanged, to mlx-lm's function. `cache.view` ("target" or "draft", or the `draft_view(caches)`
+context manager) selects the planes the attention reads. Hybrid models (recurrent layers next to
+attention layers) keep their `ArraysCache` layers; only the attention layers' `KVCache`s are
+replaced (`make_hierarchical_cache`).
 """
 
 from __future__ import annotations
@@ -49,26 +61,33 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    _BaseCache,
+    make_prompt_cache,
+)
 
 from ..errors import MlxspecError
 from .kvquant import (
     BITS,
+    PER_WORD,
     SUPPORTED_GROUP_SIZES,
     TwoPlane,
-    concat_two_plane,
     dequantize_two_plane,
     lower_triple,
     quantize_two_plane,
 )
 
 VIEWS = ("target", "draft")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+BLOCK_SIZE = 4096  # tokens per store block = key columns per attention tile
+GROWTH_STEP = 256  # the last block grows in steps of this many tokens
+_NEG = float(mx.finfo(mx.float32).min)
 
 
 def quantize_keys(keys: mx.array, group_size: int) -> TwoPlane:
@@ -91,28 +110,76 @@ def default_value_group_size(head_dim: int) -> int:
     return 64 if head_dim % 64 == 0 else 32
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class _Block:
+    """Codes of `block_size` consecutive tokens (capacity `cap`, grown in steps)."""
+
+    keys: TwoPlane  # (B, H, D, cap / 8) codes, (B, H, D, cap / G) scales / minima
+    values: TwoPlane  # (B, H, cap, Dv / 8) codes, (B, H, cap, Dv / gv)
+    cap: int
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys, *self.values))
+
+    def key_tile(self, a: int, b: int, g: int) -> TwoPlane:
+        """Tokens [a, b) of this block (block-local, multiples of G)."""
+        return TwoPlane(self.keys.upper[..., a // PER_WORD : b // PER_WORD],
+                        self.keys.lower[..., a // PER_WORD : b // PER_WORD],
+                        self.keys.scales[..., a // g : b // g], self.keys.mins[..., a // g : b // g])
+
+    def value_tile(self, a: int, b: int) -> TwoPlane:
+        return TwoPlane(*(x[..., a:b, :] for x in self.values))
+
+
+def _alloc_block(like_k: TwoPlane, like_v: TwoPlane, cap: int, g: int) -> _Block:
+    """Zero codes for `cap` tokens, shaped like the given code blocks."""
+    ku, _, ks, _ = like_k
+    vu, _, vs, _ = like_v
+    lead_k, lead_v = ku.shape[:-1], vu.shape[:-2]
+    keys = TwoPlane(mx.zeros((*lead_k, cap // PER_WORD), mx.uint32),
+                    mx.zeros((*lead_k, cap // PER_WORD), mx.uint32),
+                    mx.zeros((*lead_k, cap // g), ks.dtype), mx.zeros((*lead_k, cap // g), ks.dtype))
+    values = TwoPlane(mx.zeros((*lead_v, cap, vu.shape[-1]), mx.uint32),
+                      mx.zeros((*lead_v, cap, vu.shape[-1]), mx.uint32),
+                      mx.zeros((*lead_v, cap, vs.shape[-1]), vs.dtype),
+                      mx.zeros((*lead_v, cap, vs.shape[-1]), vs.dtype))
+    return _Block(keys, values, cap)
+
+
 class HierarchicalKVCache(_BaseCache):
     """One layer's hierarchical KV cache (see the module docstring)."""
 
     def __init__(self, group_size: int = 64, buffer_size: int | None = None,
-                 value_group_size: int | None = None, auto_commit: bool = False):
+                 value_group_size: int | None = None, auto_commit: bool = False,
+                 block_size: int = BLOCK_SIZE):
         if group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
         buffer_size = 2 * group_size if buffer_size is None else int(buffer_size)
         if buffer_size < 2 * group_size:
             raise ValueError(f"buffer_size must be >= 2 * group_size = {2 * group_size}, "
                              f"got {buffer_size}")
+        if block_size % GROWTH_STEP or block_size < GROWTH_STEP:
+            raise ValueError(f"block_size must be a multiple of {GROWTH_STEP}, got {block_size}")
         self.group_size = group_size
         self.buffer_size = buffer_size
         self.value_group_size = value_group_size
         self.auto_commit = auto_commit
+        self.block_size = block_size
         self.view = "target"
         self.offset = 0
-        self.q_len = 0  # tokens in the packed store (a multiple of G)
-        self.keys_q: TwoPlane | None = None  # (B, H, D, q_len / 8) codes, (B, H, D, q_len / G) s/min
-        self.values_q: TwoPlane | None = None  # (B, H, q_len, D / 8), (B, H, q_len, D / gv)
-        self.buf_k: mx.array | None = None  # (B, H, offset - q_len, D)
-        self.buf_v: mx.array | None = None
+        self.q_len = 0  # tokens whose codes are stored (a multiple of G)
+        self.buf_start = 0  # first position held in full precision (a multiple of G)
+        self._buf_base = 0  # position of buffer slot 0
+        self._buf_k: mx.array | None = None  # (B, H, capacity, D), written in place
+        self._buf_v: mx.array | None = None
+        self.blocks: list[_Block] = []
+        self.allocations = 0  # arrays (re)allocated to grow or compact
+        self.bytes_copied = 0  # bytes those reallocations copied
+        self.split_forwards = 0  # forwards whose rows read different quantized prefixes
 
     # -- the position rule
     @property
@@ -125,6 +192,82 @@ class HierarchicalKVCache(_BaseCache):
         g = self.group_size
         return g * (max(0, position - self.min_recent) // g)
 
+    # -- the full-precision buffer
+    @property
+    def buf_k(self) -> mx.array | None:
+        """The buffered keys (B, H, offset - buf_start, D)."""
+        if self._buf_k is None:
+            return None
+        return self._buf_k[..., self.buf_start - self._buf_base : self.offset - self._buf_base, :]
+
+    @property
+    def buf_v(self) -> mx.array | None:
+        if self._buf_v is None:
+            return None
+        return self._buf_v[..., self.buf_start - self._buf_base : self.offset - self._buf_base, :]
+
+    @property
+    def buffer_len(self) -> int:
+        """Tokens held in full precision."""
+        return self.offset - self.buf_start
+
+    def _rebuffer(self, keys: mx.array, values: mx.array, extra: int) -> None:
+        """Move the live buffer to slot 0 of fresh arrays with room for `extra` more tokens."""
+        live = self.offset - self.buf_start
+        cap = _round_up(live + extra + self.buffer_size, 64)
+        b, h = keys.shape[:2]
+        new_k = mx.zeros((b, h, cap, keys.shape[-1]), keys.dtype)
+        new_v = mx.zeros((b, h, cap, values.shape[-1]), values.dtype)
+        if live and self._buf_k is not None:
+            new_k[..., :live, :] = self.buf_k
+            new_v[..., :live, :] = self.buf_v
+            self.bytes_copied += (new_k[..., :live, :].nbytes + new_v[..., :live, :].nbytes)
+        self._buf_k, self._buf_v, self._buf_base = new_k, new_v, self.buf_start
+        self.allocations += 2
+
+    # -- the packed store
+    def _ensure_capacity(self, tokens: int, kq: TwoPlane, vq: TwoPlane) -> None:
+        """Blocks for the codes of `tokens` tokens. Only the last block grows (doubling, in steps
+        of 256 tokens, up to `block_size`): growth copies at most one block."""
+        bs = self.block_size
+        while True:
+            i = len(self.blocks) - 1
+            if i >= 0 and min(bs, tokens - i * bs) > self.blocks[-1].cap:
+                old = self.blocks[-1]
+                need = min(bs, tokens - i * bs)
+                cap = min(bs, max(_round_up(need, GROWTH_STEP), 2 * old.cap))
+                new = _alloc_block(kq, vq, cap, self.group_size)
+                used = max(0, min(self.q_len - i * bs, old.cap))
+                if used:
+                    _copy_codes(new, old, 0, used, self.group_size)
+                    self.bytes_copied += old.nbytes() * used // old.cap
+                self.blocks[-1] = new
+                self.allocations += 8
+                continue
+            if len(self.blocks) * bs >= tokens:
+                return
+            need = min(bs, tokens - len(self.blocks) * bs)
+            self.blocks.append(_alloc_block(kq, vq, min(bs, _round_up(need, GROWTH_STEP)),
+                                            self.group_size))
+            self.allocations += 8
+
+    def _flush_codes(self, to: int) -> None:
+        """Store the codes of positions [q_len, to) (from the buffer)."""
+        if to <= self.q_len:
+            return
+        a, b = self.q_len - self._buf_base, to - self._buf_base
+        kq = quantize_keys(self._buf_k[..., a:b, :], self.group_size)
+        vq = quantize_values(self._buf_v[..., a:b, :], self.value_group_size)
+        self._ensure_capacity(to, kq, vq)
+        bs, pos = self.block_size, self.q_len
+        while pos < to:
+            i, lo = divmod(pos, bs)
+            hi = min(bs, to - i * bs)
+            src = (pos - self.q_len, pos - self.q_len + hi - lo)
+            _write_codes(self.blocks[i], lo, hi, kq, vq, src, self.group_size)
+            pos = i * bs + hi
+        self.q_len = to
+
     # -- mlx-lm cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[HierarchicalKV, HierarchicalKV]:
         """Append the new rows to the buffer; returns (kv, kv) - one `HierarchicalKV` handle in
@@ -133,57 +276,55 @@ class HierarchicalKVCache(_BaseCache):
             self.commit()
         if self.value_group_size is None:
             self.value_group_size = default_value_group_size(values.shape[-1])
+        n = keys.shape[-2]
         start = self.offset
-        if self.buf_k is None:
-            self.buf_k, self.buf_v = keys, values
-        else:
-            self.buf_k = mx.concatenate([self.buf_k, keys], axis=-2)
-            self.buf_v = mx.concatenate([self.buf_v, values], axis=-2)
-        self.offset += keys.shape[-2]
-        kv = HierarchicalKV(self, start, keys.shape[-2], self.view)
+        if self._buf_k is None or start + n - self._buf_base > self._buf_k.shape[-2]:
+            self._rebuffer(keys, values, n)
+        s = start - self._buf_base
+        self._buf_k[..., s : s + n, :] = keys
+        self._buf_v[..., s : s + n, :] = values
+        self.offset += n
+        self._flush_codes(self.quantized_before(self.offset - 1))
+        kv = HierarchicalKV(self, start, n, self.view)
+        self.split_forwards += len(kv.segments) > 1
         return kv, kv
 
     def commit(self) -> int:
-        """Declare every cached token committed: flush the groups no future query reads in full
-        precision into the packed planes. Returns the number of tokens flushed."""
-        target = self.quantized_before(self.offset)
-        n = target - self.q_len
-        if n <= 0:
+        """Declare every cached token committed: drop from the buffer the tokens no future query
+        reads in full precision (their codes are stored). Returns how many were dropped."""
+        if self._buf_k is None:
             return 0
-        kq = quantize_keys(self.buf_k[..., :n, :], self.group_size)
-        vq = quantize_values(self.buf_v[..., :n, :], self.value_group_size)
-        self.keys_q = concat_two_plane(self.keys_q, kq, axis=-1)
-        self.values_q = concat_two_plane(self.values_q, vq, axis=-2)
-        self.buf_k = self.buf_k[..., n:, :]
-        self.buf_v = self.buf_v[..., n:, :]
-        self.q_len = target
-        return n
-
-    @property
-    def buffer_len(self) -> int:
-        return self.offset - self.q_len
+        to = self.quantized_before(self.offset)
+        self._flush_codes(to)
+        dropped = max(0, to - self.buf_start)
+        self.buf_start += dropped
+        # A long prefill chunk left a big buffer behind: compact it.
+        live = self.offset - self.buf_start
+        if self._buf_k.shape[-2] > 2 * (live + self.buffer_size) + 64:
+            self._rebuffer(self._buf_k, self._buf_v, 0)
+        return dropped
 
     def is_trimmable(self) -> bool:
         return True
 
     def trimmable(self) -> int:
-        """How many tokens `trim` can remove now (never into what a flushed group requires)."""
-        floor = self.q_len + self.min_recent if self.q_len else 0
+        """How many tokens `trim` can remove now (the next query must find its full-precision
+        tokens in the buffer: offset >= buf_start + buffer_size - G)."""
+        floor = self.buf_start + self.min_recent if self.buf_start else 0
         return max(0, self.offset - floor)
 
     def trim(self, n: int) -> int:
         n = max(0, min(n, self.trimmable()))
         if n:
             self.offset -= n
-            self.buf_k = self.buf_k[..., : self.buffer_len, :]
-            self.buf_v = self.buf_v[..., : self.buffer_len, :]
+            self.q_len = min(self.q_len, max(self.buf_start, self.quantized_before(self.offset)))
         return n
 
     def size(self) -> int:
         return self.offset
 
     def empty(self) -> bool:
-        return self.buf_k is None
+        return self._buf_k is None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
@@ -194,93 +335,189 @@ class HierarchicalKVCache(_BaseCache):
             return create_causal_mask(N, self.offset)
         return "causal"
 
+    # -- the stored codes as whole arrays (tests, accounting, serialisation)
+    def _codes(self, upto: int | None = None) -> tuple[TwoPlane, TwoPlane] | tuple[None, None]:
+        upto = self.q_len if upto is None else upto
+        if not upto:
+            return None, None
+        g, bs = self.group_size, self.block_size
+        ks, vs = [], []
+        for i, blk in enumerate(self.blocks):
+            n = min(bs, upto - i * bs)
+            if n <= 0:
+                break
+            ks.append(blk.key_tile(0, n, g))
+            vs.append(blk.value_tile(0, n))
+        def cat(parts, axis):
+            return (TwoPlane(*(mx.concatenate(x, axis=axis) for x in zip(*parts)))
+                       if len(parts) > 1 else parts[0])
+        return cat(ks, -1), cat(vs, -2)
+
+    @property
+    def keys_q(self) -> TwoPlane | None:
+        return self._codes()[0]
+
+    @property
+    def values_q(self) -> TwoPlane | None:
+        return self._codes()[1]
+
     @property
     def state(self):
-        arrays = [] if self.buf_k is None else [self.buf_k, self.buf_v]
-        if self.keys_q is not None:
-            arrays += list(self.keys_q) + list(self.values_q)
+        if self._buf_k is None:
+            return []
+        arrays = [self.buf_k, self.buf_v]
+        kq, vq = self._codes()
+        if kq is not None:
+            arrays += list(kq) + list(vq)
         return arrays
 
     @state.setter
     def state(self, v):
-        v = list(v)
-        self.buf_k, self.buf_v = (v[0], v[1]) if v else (None, None)
+        # mlx-lm's `from_state` sets the state before the meta state: restore once both are in.
+        self._pending_state = list(v)
+        if hasattr(self, "block_size"):
+            self._restore_state()
+
+    def _restore_state(self) -> None:
+        v = self._pending_state
+        del self._pending_state
+        self.allocations = getattr(self, "allocations", 0)
+        self.bytes_copied = getattr(self, "bytes_copied", 0)
+        self.split_forwards = getattr(self, "split_forwards", 0)
+        self._buf_base = self.buf_start
+        self._buf_k, self._buf_v = (v[0], v[1]) if v else (None, None)
+        self._buf_base = self.buf_start
+        self.blocks = []
+        q_len, self.q_len = self.q_len, 0
         if len(v) > 2:
-            self.keys_q, self.values_q = TwoPlane(*v[2:6]), TwoPlane(*v[6:10])
-        else:
-            self.keys_q = self.values_q = None
+            kq, vq = TwoPlane(*v[2:6]), TwoPlane(*v[6:10])
+            self._ensure_capacity(q_len, kq, vq)
+            pos, bs = 0, self.block_size
+            while pos < q_len:
+                i = pos // bs
+                hi = min(bs, q_len - i * bs)
+                _write_codes(self.blocks[i], 0, hi, kq, vq, (pos, pos + hi), self.group_size)
+                pos += hi
+        self.q_len = q_len
 
     @property
     def meta_state(self):
-        return tuple(map(str, (self.offset, self.q_len, self.group_size, self.buffer_size,
-                               self.value_group_size or 0, int(self.auto_commit))))
+        return tuple(map(str, (self.offset, self.q_len, self.buf_start, self.group_size,
+                               self.buffer_size, self.value_group_size or 0,
+                               int(self.auto_commit), self.block_size)))
 
     @meta_state.setter
     def meta_state(self, v):
-        offset, q_len, g, b, gv, auto = map(int, v)
-        self.offset, self.q_len, self.group_size, self.buffer_size = offset, q_len, g, b
+        offset, q_len, buf_start, g, b, gv, auto, bs = map(int, v)
+        self.offset, self.q_len, self.buf_start = offset, q_len, buf_start
+        self.group_size, self.buffer_size, self.block_size = g, b, bs
         self.value_group_size, self.auto_commit, self.view = gv or None, bool(auto), "target"
+        if hasattr(self, "_pending_state"):
+            self._restore_state()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: both planes, scales and minima of keys and values, and the buffer."""
-        return sum(a.nbytes for a in self.state)
+        """Bytes allocated: code blocks (both planes, scales, minima) and the buffer."""
+        return sum(self.nbytes_by_part().values())
 
     def nbytes_by_part(self) -> dict[str, int]:
+        """Allocated bytes by part (the last block and the buffer include their free room)."""
         parts = {"upper_plane": 0, "lower_plane": 0, "scales": 0, "buffer": 0}
-        for q in (self.keys_q, self.values_q):
+        for blk in self.blocks:
+            for q in (blk.keys, blk.values):
+                parts["upper_plane"] += q.upper.nbytes
+                parts["lower_plane"] += q.lower.nbytes
+                parts["scales"] += q.scales.nbytes + q.mins.nbytes
+        if self._buf_k is not None:
+            parts["buffer"] = self._buf_k.nbytes + self._buf_v.nbytes
+        return parts
+
+    def used_nbytes_by_part(self) -> dict[str, int]:
+        """Bytes of what is held (codes of q_len tokens, the live buffer), without free room."""
+        parts = {"upper_plane": 0, "lower_plane": 0, "scales": 0, "buffer": 0}
+        kq, vq = self._codes()
+        for q in (kq, vq):
             if q is not None:
                 parts["upper_plane"] += q.upper.nbytes
                 parts["lower_plane"] += q.lower.nbytes
                 parts["scales"] += q.scales.nbytes + q.mins.nbytes
-        if self.buf_k is not None:
+        if self._buf_k is not None:
             parts["buffer"] = self.buf_k.nbytes + self.buf_v.nbytes
         return parts
 
-    # -- for tests and accounting
     def dequantized(self, view: str | None = None) -> tuple[mx.array, mx.array]:
-        """The whole cache (keys, values), (B, H, offset, D), as the stored planes and buffer
-        reconstruct it in `view` ("target": both planes, "draft": upper). The rows a query at
-        position p reads are [:Q(p)] from here only if Q(p) == q_len (call `commit` first)."""
+        """The cache (keys, values), (B, H, offset, D): the codes of [0, buf_start) in `view`'s
+        planes ("target": both, "draft": upper) and the buffer in full precision. The rows a
+        query at position p reads are [:Q(p)] from here only if Q(p) == buf_start (commit)."""
         planes = 1 if (view or self.view) == "draft" else 2
         ks, vs = [], []
-        if self.keys_q is not None:
-            ks.append(dequantize_two_plane(self.keys_q, self.group_size, planes).swapaxes(-1, -2))
-            v = dequantize_two_plane(self.values_q, self.value_group_size, planes)
-            vs.append(v[..., : self.buf_v.shape[-1]])
-        if self.buf_k is not None:
+        if self.buf_start:
+            kq, vq = self._codes(self.buf_start)
+            ks.append(dequantize_two_plane(kq, self.group_size, planes).swapaxes(-1, -2))
+            v = dequantize_two_plane(vq, self.value_group_size, planes)
+            vs.append(v[..., : self._buf_v.shape[-1]])
+        if self._buf_k is not None:
             ks.append(self.buf_k)
             vs.append(self.buf_v)
         return mx.concatenate(ks, axis=-2), mx.concatenate(vs, axis=-2)
 
 
+def _write_codes(blk: _Block, lo: int, hi: int, kq: TwoPlane, vq: TwoPlane,
+                 src: tuple[int, int], g: int) -> None:
+    """Block tokens [lo, hi) <- tokens src[0]:src[1] of the code arrays (kq, vq)."""
+    a, b = src
+    for dst, s in zip(blk.keys[:2], kq[:2]):
+        dst[..., lo // PER_WORD : hi // PER_WORD] = s[..., a // PER_WORD : b // PER_WORD]
+    for dst, s in zip(blk.keys[2:], kq[2:]):
+        dst[..., lo // g : hi // g] = s[..., a // g : b // g]
+    for dst, s in zip(blk.values, vq):
+        dst[..., lo:hi, :] = s[..., a:b, :]
+
+
+def _copy_codes(new: _Block, old: _Block, lo: int, hi: int, g: int) -> None:
+    _write_codes(new, lo, hi, old.keys, old.values, (lo, hi), g)
+
+
 @dataclass
 class HierarchicalKV:
-    """What `HierarchicalKVCache.update_and_fetch` returns to the attention layer: a snapshot of
-    the layer's store and buffer, and the positions of the new rows (start .. start + num - 1)."""
+    """What `HierarchicalKVCache.update_and_fetch` returns to the attention layer: the layer's
+    code blocks and buffer as they are now, and the positions of the new rows
+    (start .. start + num - 1)."""
 
     cache: HierarchicalKVCache
     start: int
     num: int
     view: str
+    segments: list = field(default_factory=list)
 
     def __post_init__(self):
         c = self.cache
-        self.q_len = c.q_len
-        self.keys_q, self.values_q = c.keys_q, c.values_q
-        self.buf_k, self.buf_v = c.buf_k, c.buf_v
+        self.blocks = list(c.blocks)
+        self.q_len, self.block_size = c.q_len, c.block_size
+        self.buf_k_all, self.buf_v_all, self.buf_base = c._buf_k, c._buf_v, c._buf_base
+        self.buf_start = c.buf_start
         self.group_size, self.value_group_size = c.group_size, c.value_group_size
-        # Q(p) of each row, and how many buffer tokens some row needs quantized on the fly.
-        self.row_q = [c.quantized_before(self.start + i) for i in range(self.num)]
-        self.pending = max(0, self.row_q[-1] - self.q_len)
-        if self.row_q[0] < self.q_len:
-            raise RuntimeError(
-                "hierarchical KV cache: a query precedes a flushed group (trimmed below the "
-                "committed part?)")
+        # Rows of equal Q(p): (first row, end row, Q).
+        rows = [c.quantized_before(self.start + i) for i in range(self.num)]
+        if rows[0] < self.buf_start or rows[-1] > self.q_len:
+            raise RuntimeError("hierarchical KV cache: a query's full-precision tokens are gone "
+                               "(trimmed below the committed part?)")
+        i = 0
+        while i < self.num:
+            j = i
+            while j < self.num and rows[j] == rows[i]:
+                j += 1
+            self.segments.append((i, j, rows[i]))
+            i = j
+
+    @property
+    def buf_k(self) -> mx.array:
+        return self.buf_k_all[..., self.buf_start - self.buf_base : self.start + self.num - self.buf_base, :]
 
     @property
     def shape(self):  # so that generic code that only inspects shapes does not break
-        return (*self.buf_k.shape[:2], self.q_len + self.buf_k.shape[2], self.buf_k.shape[3])
+        b, h, _, d = self.buf_k_all.shape
+        return (b, h, self.start + self.num, d)
 
 
 def _qmm(x, triple, group_size):
@@ -292,78 +529,94 @@ def _expand_kv(a):
     return mx.expand_dims(a, 2)
 
 
+def _planes_product(x: mx.array, planes: TwoPlane, group_size: int, two: bool) -> mx.array:
+    out = _qmm(x, tuple(map(_expand_kv, planes.upper_triple())), group_size)
+    if two:
+        out = out + _qmm(x, tuple(map(_expand_kv, lower_triple(planes.lower, planes.scales))),
+                         group_size)
+    return out
+
+
+def _segment_attention(q: mx.array, kv: HierarchicalKV, quantized: int, first: int,
+                       causal: bool, mask: mx.array | None) -> mx.array:
+    """Attention of query rows q (B, n_kv, rep, rows, D) at positions first.. over the codes of
+    [0, quantized) and the buffer [quantized, end), tile by tile with a running softmax."""
+    rows, dtype = q.shape[-2], q.dtype
+    g, gv, bs = kv.group_size, kv.value_group_size, kv.block_size
+    two = kv.view != "draft"
+    head_dim = kv.buf_v_all.shape[-1]
+    end = kv.start + kv.num
+    tiles = [("q", a, min(a + bs, quantized)) for a in range(0, quantized, bs)]
+    tiles += [("b", a, min(a + bs, end)) for a in range(quantized, end, bs)]
+    m_run = l_run = o_run = None
+    for kind, a, b in tiles:
+        if kind == "q":
+            blk = kv.blocks[a // bs]
+            lo, hi = a - (a // bs) * bs, b - (a // bs) * bs
+            s = _planes_product(q, blk.key_tile(lo, hi, g), g, two)
+        else:
+            keys = kv.buf_k_all[..., a - kv.buf_base : b - kv.buf_base, :]
+            s = q @ _expand_kv(keys).swapaxes(-1, -2)
+        s = s.astype(mx.float32)
+        if mask is not None:
+            tile = mask[..., a:b]
+            s = mx.where(tile, s, _NEG) if tile.dtype == mx.bool_ else mx.maximum(s + tile, _NEG)
+        elif causal and b - 1 > first:
+            visible = mx.arange(a, b)[None, :] <= mx.arange(first, first + rows)[:, None]
+            s = mx.where(visible, s, _NEG)
+        t_max = s.max(axis=-1, keepdims=True)
+        if m_run is None:
+            m_new = t_max
+        else:
+            m_new = mx.maximum(m_run, t_max)
+        p = mx.exp(s - m_new)
+        if kind == "q":
+            blk = kv.blocks[a // bs]
+            o = _planes_product(p.astype(dtype), blk.value_tile(lo, hi), gv, two)[..., :head_dim]
+        else:
+            values = kv.buf_v_all[..., a - kv.buf_base : b - kv.buf_base, :]
+            o = p.astype(dtype) @ _expand_kv(values)
+        o = o.astype(mx.float32)
+        if m_run is None:
+            l_run, o_run = p.sum(axis=-1, keepdims=True), o
+        else:
+            corr = mx.exp(m_run - m_new)
+            l_run = l_run * corr + p.sum(axis=-1, keepdims=True)
+            o_run = o_run * corr + o
+        m_run = m_new
+    return (o_run / l_run).astype(dtype)
+
+
 def hierarchical_attention(queries: mx.array, kv: HierarchicalKV, scale: float,
                            mask: Any = None) -> mx.array:
-    """Attention of queries (B, n_heads, L, D) over the hierarchical cache in kv.view.
-
-    Scores: the packed store via `mx.quantized_matmul` on the upper plane (+ the lower plane in
-    the target view), the buffer in full precision; rows whose Q(p) reaches into the buffer take
-    those columns from an on-the-fly quantization of the buffer's oldest groups. One softmax over
-    all columns, then the same split for the values.
-    """
+    """Attention of queries (B, n_heads, L, D) over the hierarchical cache in kv.view: row
+    segments of equal Q(p), each as a single-token step would compute it (module docstring)."""
     B, n_heads, L, D = queries.shape
     if L != kv.num:
         raise ValueError(f"{L} queries for {kv.num} new cache rows")
-    n_kv = kv.buf_k.shape[1]
+    n_kv = kv.buf_k_all.shape[1]
     rep = n_heads // n_kv
-    two = kv.view != "draft"
-    g, gv = kv.group_size, kv.value_group_size
-    dtype = queries.dtype
     q = (queries * scale).reshape(B, n_kv, rep, L, D)
-
-    def key_scores(planes: TwoPlane) -> mx.array:
-        s = _qmm(q, tuple(map(_expand_kv, planes.upper_triple())), g)
-        if two:
-            s = s + _qmm(q, tuple(map(_expand_kv, lower_triple(planes.lower, planes.scales))), g)
-        return s
-
-    def value_out(p: mx.array, planes: TwoPlane) -> mx.array:
-        o = _qmm(p, tuple(map(_expand_kv, planes.upper_triple())), gv)
-        if two:
-            o = o + _qmm(p, tuple(map(_expand_kv, lower_triple(planes.lower, planes.scales))), gv)
-        return o
-
-    buf_k, buf_v = _expand_kv(kv.buf_k), _expand_kv(kv.buf_v)
-    t_buf = kv.buf_k.shape[2]
-    s_buf = q @ buf_k.swapaxes(-1, -2)  # (B, n_kv, rep, L, t_buf)
-    use_q = None
-    m = kv.pending
-    if m:
-        pk = quantize_keys(kv.buf_k[..., :m, :], g)
-        row_need = mx.array([rq - kv.q_len for rq in kv.row_q])[:, None]  # (L, 1)
-        use_q = mx.arange(m)[None, :] < row_need  # (L, m): column read quantized by that row
-        s_pend = key_scores(pk)
-        s_buf = mx.concatenate([mx.where(use_q, s_pend, s_buf[..., :m]), s_buf[..., m:]], axis=-1)
-    parts = [key_scores(kv.keys_q), s_buf] if kv.q_len else [s_buf]
-    scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    total = kv.q_len + t_buf
-
-    if isinstance(mask, str) or (mask is None and L > 1):
-        if isinstance(mask, str) and mask != "causal":
+    causal, arr = False, None
+    if isinstance(mask, str):
+        if mask != "causal":
             raise ValueError(f"unsupported mask {mask!r}")
-        rows = mx.arange(kv.start, kv.start + L)[:, None]
-        mask = rows >= mx.arange(total)[None, :]
-    if mask is not None:
-        if mask.ndim == 4:  # (B or 1, heads or 1, L, total) -> split the heads into GQA groups
-            mask = mask.reshape(mask.shape[0], n_kv if mask.shape[1] == n_heads else 1,
-                                rep if mask.shape[1] == n_heads else 1, L, -1)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    probs = mx.softmax(scores, axis=-1, precise=True).astype(dtype)
-
-    p_buf = probs[..., kv.q_len:]
-    head_dim = kv.buf_v.shape[-1]
-    out = value_out(probs[..., : kv.q_len], kv.values_q)[..., :head_dim] if kv.q_len else None
-    if m:
-        pv = quantize_values(kv.buf_v[..., :m, :], gv)
-        zero = mx.zeros((), dtype)
-        o_pend = value_out(mx.where(use_q, p_buf[..., :m], zero), pv)[..., :head_dim]
-        out = o_pend if out is None else out + o_pend
-        p_buf = mx.concatenate([mx.where(use_q, zero, p_buf[..., :m]), p_buf[..., m:]], axis=-1)
-    o_buf = p_buf @ buf_v
-    out = o_buf if out is None else out + o_buf
+        causal = True
+    elif mask is None:
+        causal = L > 1
+    else:
+        arr = mask
+        if arr.ndim == 4:  # (B or 1, heads or 1, L, total) -> split the heads into GQA groups
+            per_head = arr.shape[1] == n_heads
+            arr = arr.reshape(arr.shape[0], n_kv if per_head else 1, rep if per_head else 1,
+                              arr.shape[2], -1)
+    outs = []
+    for i, j, quantized in kv.segments:
+        m = None
+        if arr is not None:
+            m = arr if arr.shape[-2] == 1 else arr[..., i:j, :]
+        outs.append(_segment_attention(q[..., i:j, :], kv, quantized, kv.start + i, causal, m))
+    out = mx.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
     return out.reshape(B, n_heads, L, -1)
 
 
@@ -417,44 +670,88 @@ def install_attention_adapter(model) -> list[str]:
     return sorted(modules)
 
 
+def _leaves(cache) -> list:
+    out = []
+    for c in cache:
+        if isinstance(c, CacheList):
+            out.extend(_leaves(c.caches))
+        else:
+            out.append(c)
+    return out
+
+
+def _family(model) -> str:
+    args = getattr(model, "args", None)
+    return getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def check_hierarchical_support(model) -> None:
+    """Refuse, with the reason and the modes that work, a model the hierarchical cache cannot
+    serve: sliding-window layers (their window already bounds the KV cache, and a
+    `RotatingKVCache` overwrites slots in place), or no attention layer at all (pure recurrent
+    models such as Mamba have no KV cache to quantize)."""
+    family = _family(model)
+    kinds = {type(c).__name__ for c in _leaves(make_prompt_cache(model))}
+    if "RotatingKVCache" in kinds:
+        raise MlxspecError(
+            f"quantspec (and kv='hierarchical') cannot run {family}: it has sliding-window "
+            "attention layers (RotatingKVCache), whose window already bounds the KV cache, so a "
+            "quantized cache saves little there and cannot replace a rotating window. "
+            "Modes that are exact on it: none, ngram, draft, lookahead, auto")
+    if "KVCache" not in kinds:
+        raise MlxspecError(
+            f"quantspec (and kv='hierarchical') cannot run {family}: it has no attention layers "
+            f"(only {', '.join(sorted(kinds))} recurrent state), so there is no KV cache to "
+            "quantize. Modes that are exact on it: none, ngram, draft, auto")
+    other = kinds - {"KVCache", "ArraysCache", "MambaCache"}
+    if other:
+        raise MlxspecError(
+            f"quantspec (and kv='hierarchical') cannot run {family}: its {', '.join(sorted(other))} "
+            "layers are not plain KVCache or recurrent layers. Modes that are exact on it: none, "
+            "ngram, draft, auto")
+
+
+def _replace_kv(c, make):
+    if isinstance(c, CacheList):
+        c.caches = tuple(_replace_kv(x, make) for x in c.caches)
+        return c
+    if type(c) is KVCache:
+        return make()
+    return c  # recurrent state (ArraysCache): kept
+
+
 def make_hierarchical_cache(model, group_size: int = 64, buffer_size: int | None = None,
-                            value_group_size: int | None = None,
-                            auto_commit: bool = True) -> list[HierarchicalKVCache]:
-    """One `HierarchicalKVCache` per layer of `model`, with the attention adapter installed.
+                            value_group_size: int | None = None, auto_commit: bool = True,
+                            block_size: int = BLOCK_SIZE) -> list:
+    """The model's own cache (`make_prompt_cache`) with every attention layer's `KVCache`
+    replaced by a `HierarchicalKVCache`, recurrent layers (`ArraysCache`, also inside a
+    `CacheList`) kept; the attention adapter installed.
 
     Target view, auto-commit on: usable as-is for prefill, plain decoding and verification; wrap
-    draft forwards in `draft_view(cache)`."""
-    if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache()}
-        if kinds - {"KVCache"}:
-            family = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
-            raise MlxspecError(
-                f"quantspec (and kv='hierarchical') cannot run {family}: it uses "
-                f"{', '.join(sorted(kinds - {'KVCache'}))} layers (sliding windows or recurrent "
-                "state), and the hierarchical KV cache replaces plain KVCache layers only. "
-                "Modes that are exact on it: none, ngram, draft, auto"
-                + ("" if "ArraysCache" in kinds else ", lookahead"))
+    draft forwards in `draft_view(cache)` (and restore recurrent states afterwards)."""
+    check_hierarchical_support(model)
     install_attention_adapter(model)
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise MlxspecError("model has no .layers")
-    return [HierarchicalKVCache(group_size, buffer_size, value_group_size, auto_commit)
-            for _ in layers]
+    return [_replace_kv(c, lambda: HierarchicalKVCache(group_size, buffer_size, value_group_size,
+                                                       auto_commit, block_size))
+            for c in make_prompt_cache(model)]
 
 
 def make_reference_cache(model, group_size: int = 64, buffer_size: int | None = None,
-                         value_group_size: int | None = None) -> list[HierarchicalKVCache]:
+                         value_group_size: int | None = None, **kwargs) -> list:
     """The cache for plain (non-speculative) decoding with the hierarchical cache, target view:
     the lossless reference `quantspec` is token-identical to at temperature 0 (the same cache
     `QuantSpecProposer.make_target_cache` makes)."""
     return make_hierarchical_cache(model, group_size, buffer_size, value_group_size,
-                                   auto_commit=True)
+                                   auto_commit=True, **kwargs)
+
+
+def hierarchical_layers(caches) -> list[HierarchicalKVCache]:
+    return [c for c in _leaves(caches) if isinstance(c, HierarchicalKVCache)]
 
 
 def commit(caches) -> None:
-    for c in caches:
-        if isinstance(c, HierarchicalKVCache):
-            c.commit()
+    for c in hierarchical_layers(caches):
+        c.commit()
 
 
 @contextlib.contextmanager
@@ -462,7 +759,7 @@ def draft_view(caches) -> Iterator[None]:
     """Inside the block, every hierarchical cache in `caches` reads the draft (upper-plane) view
     and does not auto-commit (what the draft appends is speculative). Commits once on entry: the
     block must start with a cache of committed tokens only (as a proposer's `propose` does)."""
-    saved = [(c, c.view, c.auto_commit) for c in caches if isinstance(c, HierarchicalKVCache)]
+    saved = [(c, c.view, c.auto_commit) for c in hierarchical_layers(caches)]
     for c, _, _ in saved:
         c.commit()
         c.view, c.auto_commit = "draft", False
@@ -476,6 +773,5 @@ def draft_view(caches) -> Iterator[None]:
 def set_view(caches, view: str) -> None:
     if view not in VIEWS:
         raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
-    for c in caches:
-        if isinstance(c, HierarchicalKVCache):
-            c.view = view
+    for c in hierarchical_layers(caches):
+        c.view = view

@@ -23,13 +23,25 @@ from mlx.utils import tree_flatten
 QUANTIZE_CHOICES = ("mlp", "all")
 
 
-def _selected(path: str, quantize: str) -> bool:
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+
+
+def _mlp_prefixes(model: nn.Module) -> set[str]:
+    """Paths of modules that are MLP blocks by their class (e.g. Nemotron-H's `mixer` of an
+    MLP layer is a `NemotronHMLP`)."""
+    return {p for p, m in model.named_modules()
+            if p and any(n in type(m).__name__.lower() for n in ("mlp", "feedforward"))}
+
+
+def _selected(path: str, quantize: str, mlp_prefixes: frozenset[str] | set[str] = frozenset()
+              ) -> bool:
     parts = path.split(".")
     if "layers" not in parts:
         return False  # embeddings, final norm, lm_head
     if quantize == "all":
         return True
-    return any(p in ("mlp", "feed_forward", "ffn") for p in parts)
+    return any(p in _MLP_NAMES for p in parts) or any(
+        path.startswith(prefix + ".") for prefix in mlp_prefixes)
 
 
 def _nbytes(module: nn.Module) -> int:
@@ -68,8 +80,9 @@ def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
     weight_group_size, quantize, note."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    mlps = _mlp_prefixes(model)
     targets = [(p, m) for p, m in model.named_modules()
-               if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and _selected(p, quantize)]
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and _selected(p, quantize, mlps)]
     if not targets:
         raise ValueError("no linear layers to quantize for the draft")
     if all(isinstance(m, nn.QuantizedLinear) and m.bits <= bits for _, m in targets):
