@@ -269,6 +269,26 @@ def test_truncated_answer_is_never_written(scripted, source):
     assert source.read_text() == SOURCE and not (source.parent / "code.py.orig").exists()
 
 
+def test_answer_cut_by_the_context_says_so(scripted, source):
+    class CutLonger(ScriptedEngine):
+        def stream_steps(self, prompt, **kw):
+            for out in super().stream_steps(prompt, **kw):
+                if out.finish_reason:
+                    yield StepOutput("", [], out.stats, "length")
+                    return
+                yield out
+
+    engine = CutLonger(transform=lambda code: code + "\n# a longer answer" * 3)
+    prompt_chars = len(format_chat([{"role": "user", "content": "Rename `result` to `acc`.\n\n"
+                                     + SOURCE.rstrip()}], True))
+    engine.max_context = prompt_chars + len(SOURCE)  # just room for the request check
+    scripted["engine"] = engine
+    r = run_edit(str(source), "-i", "rename result to acc", "--write")
+    assert r.exit_code == 2
+    assert "context" in r.stderr and "--lines" in r.stderr and "raise --max-tokens" not in r.stderr
+    assert source.read_text() == SOURCE
+
+
 def test_lines_edits_only_the_selection(scripted, source):
     lines = SOURCE.split("\n")
     a = lines.index("    def size(self, items):") + 1

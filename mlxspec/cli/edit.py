@@ -132,8 +132,12 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
     error = None
     written, backup = False, None
     if not result.complete:
-        error = (f"the answer was cut at {result.stats.generated_tokens} tokens "
-                 "(raise --max-tokens)" + ("; nothing written" if write else ""))
+        ctx = getattr(engine, "max_context", None)
+        used = result.stats.prompt_tokens + result.stats.generated_tokens
+        why = (f"the model's context ({ctx} tokens) is full; select fewer lines with --lines"
+               if ctx and used >= ctx else "raise --max-tokens")
+        error = (f"the answer was cut at {result.stats.generated_tokens} tokens ({why})"
+                 + ("; nothing written" if write else ""))
     elif write and result.changed:
         try:
             backup = write_atomic(src, result.edited, backup_suffix or None)
