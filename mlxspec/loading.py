@@ -143,10 +143,20 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     if adaptive and mode == "none":
         raise MlxspecError("adaptive=True adapts k of a speculative mode, but mode 'none' never "
                            "speculates: pass mode='auto' (or another mode) with it")
+    from .models import describe_pair_problem, model_pair_paths
+
+    pair = model_pair_paths(model) if model else None
+    if pair is None and model and (problem := describe_pair_problem(model)):
+        raise MlxspecError(problem)
+    pair_draft = None
+    if pair is not None:  # a folder holding target/ and draft/: used like the bundled pair
+        model, pair_draft = str(pair[0]), pair[1]
     target_path = resolve_model_path(model)
     draft_path = None
     if draft is not None:
         draft_path = resolve_model_path(draft)
+    elif pair_draft is not None:
+        draft_path = pair_draft
     elif model is None:
         from .models import bundled_model_path
 

@@ -1,0 +1,31 @@
+"""The Python API loads like the CLI: a folder holding target/ and draft/ is a pair, the pair's
+draft is loaded when a mode first needs it, and settings that cannot speculate are refused."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+import mlxspec
+from mlxspec.errors import MlxspecError
+
+
+def test_pair_folder_and_draft_loaded_on_demand():
+    engine = mlxspec.load(str(REPO / "models"), mode="ngram")
+    assert engine.draft_model is None and engine.name.endswith("target")
+    engine.set_mode("draft")  # as `mlxspec chat`'s /mode draft does
+    assert engine.draft_model is not None
+    out = engine.generate("def add(a, b):", max_tokens=8)
+    assert out.stats.drafted > 0
+
+
+def test_adaptive_without_a_speculative_mode_is_refused():
+    with pytest.raises(MlxspecError, match="mode='auto'"):
+        mlxspec.load(None, adaptive=True)
+
+
+def test_a_half_built_pair_folder_is_explained(tmp_path):
+    (tmp_path / "target").mkdir()
+    with pytest.raises(MlxspecError) as e:
+        mlxspec.load(str(tmp_path))
+    assert "draft" in str(e.value)
