@@ -309,9 +309,10 @@ class RequestParser:
             max_tokens = cfg.default_max_tokens
         if ctx and not warmup and max_tokens > ctx - len(prompt):
             max_tokens, limited = ctx - len(prompt), True
-        seed = body.get("seed")
+        seed_key = "seed" if body.get("seed") is not None else "random_seed"  # Mistral's name
+        seed = body.get(seed_key)
         if seed is not None:
-            seed = _number(body, "seed", None, int)
+            seed = _number(body, seed_key, None, int)
             if seed < 0:  # llama.cpp: -1 = random
                 seed = None
         stream = body.get("stream", False)
