@@ -136,3 +136,21 @@ def test_the_same_test_rejects_a_broken_rollback(family, monkeypatch):
         monkeypatch.setattr("mlxspec.proposers.draft.caches.rollback", broken_rollback)
     broken = make_engine(target, "draft", draft_model=draft, vocab=VOCAB, num_draft=4)
     assert min_pvalue(sample_counts(broken, RUNS), exact) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ngram-tree", "lookahead", "auto"])
+def test_sampling_is_exact_for_trees_and_auto(mode):
+    """Tree proposals (n-gram tree, lookahead) and auto's choice between sources, with k = 4,
+    against the exact distribution, through the engine."""
+    target = build("llama", seed=7, scale=1.5, vocab_size=VOCAB)
+    draft = noisy_copy(target, "llama", noise=0.5, seed=8, vocab_size=VOCAB)
+    exact = exact_distribution(target, PROMPT)
+    options = {"tree": True} if mode == "ngram-tree" else {}
+    engine = make_engine(target, "ngram" if mode == "ngram-tree" else mode, draft_model=draft,
+                         vocab=VOCAB, num_draft=4, **options)
+    kwargs = {} if mode == "lookahead" else {"prediction": [1, 2, 3, 0, 1, 2]}
+    counts = sample_counts(engine, RUNS, **kwargs)
+    assert min_pvalue(counts, exact) > 1e-4
+    stats = engine.generate(PROMPT, max_tokens=N, seed=3, **SAMPLING, **kwargs).stats
+    assert stats.drafted > 0

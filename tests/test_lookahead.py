@@ -164,9 +164,13 @@ def test_lookahead_through_engine():
     target, _ = build_model("llama", seed=11, scale=4.0)
     plain = make_engine(target, "none")
     spec = make_engine(target, "lookahead")
+    accepted = 0
     for prompt in prompts(50, seed=6):
-        assert spec.generate(prompt, max_tokens=24).tokens == plain.generate(
-            prompt, max_tokens=24).tokens
+        got = spec.generate(prompt, max_tokens=24)
+        assert got.tokens == plain.generate(prompt, max_tokens=24).tokens
+        accepted += got.stats.accepted
+        assert got.stats.target_forwards < len(got.tokens) or got.stats.accepted == 0
+    assert accepted > 0  # tree steps were taken and accepted, through the engine
 
 
 def test_lookahead_sampled_is_exact():
