@@ -98,6 +98,8 @@ def run(families: list[str], n_prompts: int, max_tokens: int) -> list[dict]:
         times = {m: [] for m in engines}
         per = {m: {"tokens": 0, "forwards": 0, "drafted": 0, "accepted": 0, "exact": True}
                for m in engines}
+        for engine in engines.values():  # warm up: kernels built, policies primed
+            engine.generate(prompts(1, vocab, 16)[0], max_tokens=16)
         for prompt in prompts(n_prompts, vocab):
             want = engines["none"].generate(prompt, max_tokens=max_tokens).tokens
             prediction = [t if i % 8 != 5 else (t + 1) % vocab for i, t in enumerate(want)]
