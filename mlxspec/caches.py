@@ -221,6 +221,10 @@ class Checkpoint:
 
     states: list
 
+    def nbytes(self) -> int:
+        return sum(a.nbytes for saved in self.states if saved is not None
+                   for a in saved if a is not None)
+
 
 def checkpoint(cache: list) -> Checkpoint | None:
     """What `rollback` needs to undo the next forward; None when every layer can trim."""

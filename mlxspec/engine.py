@@ -139,7 +139,11 @@ class PromptCache:
     checkpoint: tuple[int, caches.Checkpoint] | None = None
 
     def nbytes(self) -> int:
-        return sum(getattr(c, "nbytes", 0) for c in caches.leaves(self.cache or []))
+        """The cache's bytes, plus the recurrent states its checkpoint keeps alive."""
+        held = sum(getattr(c, "nbytes", 0) for c in caches.leaves(self.cache or []))
+        if self.checkpoint is not None:
+            held += self.checkpoint[1].nbytes()
+        return held
 
     def reuse_prefix(self, tokens: list[int], kind: str) -> int:
         """Bring the cache back to its longest reusable common prefix with `tokens` and return

@@ -129,3 +129,20 @@ def test_half_precision_is_exact_up_to_rounding_ties(name, dtype):
             first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             assert near_tie(target, prompt + want, len(prompt) + first, 0.25), (name, mode)
     assert identical >= 3
+
+
+def test_prompt_cache_checkpoint_restores_a_recurrent_prefix_and_is_counted():
+    """A hybrid model's prompt cache cannot trim; its checkpoint at the end of the prefill lets
+    the same prompt (a retry, an editor's repeated request) skip the prefill, exactly."""
+    target = build("qwen3_5", seed=3)
+    engine = make_engine(target, "ngram", vocab=VOCAB)
+    prompt = family_prompts(2)[1]
+    first = engine.generate(prompt, max_tokens=12)
+    assert engine.prompt_cache.checkpoint is not None
+    held = engine.prompt_cache.nbytes()
+    assert held > sum(c.nbytes for c in caches.leaves(engine.prompt_cache.cache))
+    again = engine.generate(prompt, max_tokens=12)
+    assert again.stats.cached_tokens == len(prompt) - 1 and again.tokens == first.tokens
+    # a prompt that leaves the checkpointed prefix cannot be restored: prefilled, said so
+    other = engine.generate(prompt[:5] + [1, 2, 3], max_tokens=4)
+    assert other.stats.cached_tokens == 0
