@@ -283,3 +283,99 @@ def test_long_drafts_cross_several_groups():
     got, prop = speculative_greedy(model, prompt, 2 * G + 10, k=G + 5, weight_bits=8)
     assert got == reference_decode(model, prompt, 2 * G + 10, group_size=G)
     assert prop.accepted > G  # 8-bit weights: long runs are accepted, crossing boundaries
+
+
+# ----------------------------------------------------------------------------- half precision
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("g,buffer", [(32, None), (64, None), (32, 96)])
+def test_half_precision_token_identical(dtype, g, buffer):
+    """The model kept in bf16 / fp16 (what Metal runs): greedy quantspec equals its reference
+    token for token over many runs whose verifies straddle group flushes."""
+    model = _model("llama", seed=31)
+    model.set_dtype(dtype)
+    lo = (buffer or 2 * g) + 1
+    splits = drafted = 0
+    for i, prompt in enumerate(_prompts(6, seed=g, lo=lo, hi=lo + 2 * g)):
+        want = reference_decode(model, prompt, 40, group_size=g, buffer_size=buffer)
+        engine = make_engine(model, "quantspec", vocab=SHAPE["vocab"], num_draft=3 + i % 4,
+                             group_size=g, buffer_size=buffer)
+        got = engine.generate(prompt, max_tokens=40)
+        assert got.tokens == want, (dtype, g, buffer, i)
+        splits += sum(c.split_forwards for c in engine.proposer.cache)
+        drafted += got.stats.drafted
+    assert splits > 10 and drafted > 0  # verifies (and drafts) across flushes happened
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+HYBRIDS = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1"]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_quantspec_matches_reference(family):
+    """Hybrid recurrent models: the attention layers get the hierarchical cache, the recurrent
+    layers keep their state; drafting restores that state, so greedy quantspec equals `none`
+    with the hierarchical cache, across flushes and with rejections."""
+    from families import VOCAB, build
+
+    from mlxspec import caches
+    from mlxspec.quant.hierarchical_cache import hierarchical_layers
+
+    model = build(family, seed=3)
+    cache = make_reference_cache(model, group_size=G)
+    kinds = {type(c).__name__ for c in caches.leaves(cache)}
+    assert kinds == {"HierarchicalKVCache", "ArraysCache"}, kinds
+    engine = make_engine(model, "quantspec", vocab=VOCAB, num_draft=4, group_size=G)
+    ref = make_engine(model, "none", vocab=VOCAB, kv="hierarchical", kv_group_size=G)
+    drafted = accepted = 0
+    for prompt in _prompts(3, seed=7, lo=2 * G + 5, hi=3 * G):
+        prompt = [t % VOCAB for t in prompt]
+        got = engine.generate(prompt, max_tokens=48)
+        assert got.tokens == ref.generate(prompt, max_tokens=48).tokens, family
+        drafted, accepted = drafted + got.stats.drafted, accepted + got.stats.accepted
+        layers = hierarchical_layers(engine.proposer.cache)
+        assert layers and all(c.q_len > 0 for c in layers)  # flushed
+    assert 0 < accepted < drafted, (family, accepted, drafted)  # rollback really happened
+
+
+def test_propose_restores_recurrent_state():
+    from families import build
+
+    from mlxspec import caches
+    from mlxspec.proposers.quantspec import QuantSpecProposer
+
+    model = build("qwen3_5", seed=1)
+    prop = QuantSpecProposer(model, group_size=G)
+    cache = prop.make_target_cache(model)
+    prompt = list(range(1, 90))
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    mx.eval([c.state for c in caches.leaves(cache)])
+    before = [list(c.cache) if caches.is_recurrent(c) else c.offset for c in caches.leaves(cache)]
+    prop.reset(prompt, SamplingParams())
+    proposal = prop.propose(prompt, 5, None)
+    assert len(proposal) == 5
+    after = [list(c.cache) if caches.is_recurrent(c) else c.offset for c in caches.leaves(cache)]
+    for b, a in zip(before, after):
+        if isinstance(b, list):
+            assert all(x is y for x, y in zip(b, a))  # the very same state arrays
+        else:
+            assert a == b == len(prompt) - 1
+
+
+@pytest.mark.parametrize("family,words", [("gemma3_text", ("sliding-window", "bounds")),
+                                          ("gpt_oss", ("sliding-window",)),
+                                          ("mamba2", ("no attention layers",))])
+def test_quantspec_refusals_say_why(family, words):
+    from families import build
+
+    from mlxspec.errors import MlxspecError
+    from mlxspec.proposers.quantspec import QuantSpecProposer
+
+    model = build(family)
+    for make in (lambda: QuantSpecProposer(model), lambda: make_reference_cache(model)):
+        with pytest.raises(MlxspecError) as e:
+            make()
+        msg = str(e.value)
+        assert family in msg and all(w in msg for w in words), msg
+        assert "Modes that are exact on it" in msg

@@ -11,6 +11,14 @@ one target forward over [last token] + proposal -> trim the rejected -> `update`
 auto-commits (flushes due groups into the packed planes) at the start of every forward except
 inside `propose`, where the draft's tokens are speculative; plain one-token steps in between are
 fine.
+
+Hybrid models (Gated DeltaNet, short-conv or Mamba layers next to attention layers): only the
+attention layers get the hierarchical cache; the recurrent layers keep their `ArraysCache`.
+Drafting advances those states, and they cannot be trimmed, so `propose` takes
+`caches.checkpoint` (references to the states, no copy) before drafting and `caches.restore`s
+them afterwards, trimming the attention layers by the drafted count: the target's verify
+forward starts from the committed state. Sliding-window models are refused (their window already
+bounds the KV cache), and so are models without attention layers (Mamba: no KV cache).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Caches compared (per token, all layers): mlx-lm's `KVCache` in float16, mlx-lm's
 cache (both 4-bit planes, scales and minima, and the full-precision buffer of the last G..2G
 tokens, in the same float16). The numbers are `nbytes` of the caches after writing `length` random
 keys/values in chunks (committing after each chunk for the hierarchical cache), so they include
-mlx-lm's 256-token allocation steps and the buffer.
+mlx-lm's 256-token allocation steps and, for the hierarchical cache, the codes and live buffer
+it holds (`allocated_bytes` adds the free room of its last block and buffer).
 """
 
 from __future__ import annotations
@@ -46,11 +47,14 @@ def kv_memory_table(n_kv_heads: int, head_dim: int, num_layers: int,
         for name, make in makers:
             cache = make()
             _fill(cache, length, n_kv_heads, head_dim, dtype, chunk)
-            total = cache.nbytes * num_layers
+            held = (sum(cache.used_nbytes_by_part().values())
+                    if isinstance(cache, HierarchicalKVCache) else cache.nbytes)
+            total = held * num_layers
             row = dict(cache=name, length=length, bytes=total,
                        bytes_per_token=total / length)
             if isinstance(cache, HierarchicalKVCache):
-                parts = {k: v * num_layers for k, v in cache.nbytes_by_part().items()}
+                parts = {k: v * num_layers for k, v in cache.used_nbytes_by_part().items()}
+                row["allocated_bytes"] = cache.nbytes * num_layers
                 row.update(parts)
                 row["draft_view_bytes"] = total - parts["lower_plane"]
                 row["buffer_tokens"] = cache.buffer_len
@@ -80,3 +84,23 @@ def format_memory_table(rows: list[dict]) -> str:
         lines.append(f"| {r['cache']} | {r['length']} | {r['bytes']:,} | "
                      f"{r['bytes_per_token']:.1f} | {ratio:.3f} |")
     return "\n".join(lines)
+
+
+def hybrid_memory_table(n_attention_layers: int, n_kv_heads: int, head_dim: int,
+                        recurrent_bytes: int, lengths=(4096, 32768, 131072),
+                        dtype=mx.float16, group_size: int = 64) -> list[dict]:
+    """A hybrid model: only its attention layers hold a KV cache (measured per layer as in
+    `kv_memory_table`); its recurrent layers hold a state of `recurrent_bytes` in all,
+    whatever the context. Rows {length, fp16_kv, hierarchical_kv, recurrent, total_fp16,
+    total_hierarchical, saved_fraction}."""
+    rows = []
+    for length in lengths:
+        per = {r["cache"]: r["bytes"] for r in kv_memory_table(
+            n_kv_heads, head_dim, 1, (length,), dtype, group_size, chunk=4096)}
+        fp = per["fp16 KVCache"] * n_attention_layers
+        hier = per[f"hierarchical G={group_size}"] * n_attention_layers
+        rows.append(dict(length=length, fp16_kv=fp, hierarchical_kv=hier,
+                         recurrent=recurrent_bytes, total_fp16=fp + recurrent_bytes,
+                         total_hierarchical=hier + recurrent_bytes,
+                         saved_fraction=(fp - hier) / (fp + recurrent_bytes)))
+    return rows

@@ -34,12 +34,34 @@ def cross_entropy_bits(model, tokens: list[int], cache=None, chunk: int = 512) -
     return total / max(count, 1) / math.log(2)
 
 
+def greedy_agreement(model_a, cache_a, model_b, cache_b, tokens: list[int],
+                     chunk: int = 512) -> float:
+    """Teacher-forced: the fraction of positions where both models' argmax agree."""
+    same = count = 0
+    for start in range(0, len(tokens) - 1, chunk):
+        x = mx.array(tokens[start : min(start + chunk, len(tokens) - 1)])[None]
+        a = mx.argmax(model_a(x, cache=cache_a)[0], axis=-1)
+        b = mx.argmax(model_b(x, cache=cache_b)[0], axis=-1)
+        same += (a == b).sum().item()
+        count += x.shape[1]
+    return same / max(count, 1)
+
+
 def quality_report(model, draft_model, tokens: list[int], group_size: int = 64,
                    buffer_size: int | None = None, num_bytes: int | None = None) -> dict:
     """Bits per token (and per byte when `num_bytes` of text the tokens encode is given) of:
     the target with an fp cache, the target with the hierarchical cache (8-bit view, the
-    reference `quantspec` is exact to), and the draft (4-bit weights, 4-bit view)."""
+    reference `quantspec` is exact to), and the draft (4-bit weights, 4-bit view); and the
+    greedy (teacher-forced argmax) agreement of the reference and of the draft with the
+    fp-cache target. Keep `tokens` within the model's trained positions."""
     out = {"tokens": len(tokens)}
+    out["greedy_agreement_reference_vs_fp"] = greedy_agreement(
+        model, make_prompt_cache(model), model,
+        make_hierarchical_cache(model, group_size, buffer_size), tokens)
+    draft_cache = make_hierarchical_cache(model, group_size, buffer_size)
+    set_view(draft_cache, "draft")
+    out["greedy_agreement_draft_vs_fp"] = greedy_agreement(
+        model, make_prompt_cache(model), draft_model, draft_cache, tokens)
     out["target_fp_cache"] = cross_entropy_bits(model, tokens)
     out["target_hierarchical"] = cross_entropy_bits(
         model, tokens, make_hierarchical_cache(model, group_size, buffer_size))
@@ -53,20 +75,29 @@ def quality_report(model, draft_model, tokens: list[int], group_size: int = 64,
     return out
 
 
-def _weight_bytes(model) -> int:
+def _weight_bytes(model, dtype=None) -> int:
     """Weight bytes one forward reads: every parameter, except that an untied embedding table
-    is only gathered from (a row per token, counted as nothing)."""
+    is only gathered from (a row per token, counted as nothing). `dtype`: count floating
+    parameters (weights, quantization scales and biases) as if stored in it (e.g. float16, as
+    on Apple silicon); packed 4-bit codes count as they are."""
     params = dict(tree_flatten(model.parameters()))
     tied = not any(k.startswith("lm_head.") for k in params)
-    return sum(v.nbytes for k, v in params.items()
-               if tied or "embed_tokens" not in k)
+
+    def size(v):
+        if dtype is not None and mx.issubdtype(v.dtype, mx.floating):
+            return v.size * dtype.size
+        return v.nbytes
+
+    return sum(size(v) for k, v in params.items() if tied or "embed_tokens" not in k)
 
 
 def step_bytes(model, draft_model, context_len: int, group_size: int = 64,
-               buffer_size: int | None = None, kv_dtype=None) -> dict:
+               buffer_size: int | None = None, kv_dtype=None, weight_dtype=None) -> dict:
     """Bytes read by one draft step, one verify step and one plain step at `context_len`
-    (weights + KV). KV is measured on a filled hierarchical cache layer times the layer count;
-    the plain step's KV is an fp cache in `kv_dtype` (default: the model's dtype)."""
+    (weights + KV). KV is measured on a filled hierarchical cache layer (its codes and live
+    buffer, without free room) times the layer count; the plain step's KV is an fp cache in
+    `kv_dtype` (default: the model's dtype); `weight_dtype` counts floating weights as if stored
+    in it (default: as they are)."""
     n_kv, head_dim, layers = model_kv_shape(model)
     dtype = kv_dtype or next(v for _, v in tree_flatten(model.parameters())).dtype
     cache = HierarchicalKVCache(group_size, buffer_size)
@@ -78,11 +109,11 @@ def step_bytes(model, draft_model, context_len: int, group_size: int = 64,
         cache.commit()
         mx.eval(cache.state)
         done += n
-    parts = cache.nbytes_by_part()
-    kv_target = cache.nbytes * layers
-    kv_draft = (cache.nbytes - parts["lower_plane"]) * layers
+    parts = cache.used_nbytes_by_part()
+    kv_target = sum(parts.values()) * layers
+    kv_draft = (sum(parts.values()) - parts["lower_plane"]) * layers
     kv_fp = 2 * context_len * n_kv * head_dim * dtype.size * layers
-    w_target, w_draft = _weight_bytes(model), _weight_bytes(draft_model)
+    w_target, w_draft = _weight_bytes(model, weight_dtype), _weight_bytes(draft_model, weight_dtype)
     return dict(context=context_len,
                 draft_weights=w_draft, draft_kv=kv_draft, draft_step=w_draft + kv_draft,
                 verify_weights=w_target, verify_kv=kv_target, verify_step=w_target + kv_target,
