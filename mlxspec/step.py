@@ -28,14 +28,16 @@ class StepResult:
 
 def decode_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal | None,
                 sampling: SamplingParams, key: mx.array | None,
-                max_accept: int | None = None) -> StepResult:
+                max_accept: int | None = None, sync=None) -> StepResult:
     """Verify `proposal` (None or empty: a plain step) after `last_token`; at most `max_accept`
-    draft tokens are accepted (the caller's remaining budget)."""
+    draft tokens are accepted (the caller's remaining budget). `sync` (a sharded target,
+    `distributed.py`): maps the step's result array to rank 0's, inside the graph, before the
+    host sync, so that every rank commits and rolls back the same tokens."""
     if proposal is not None and len(proposal) and proposal.is_tree:
         from .tree import tree_step
 
         tokens, n = tree_step(model, cache, last_token, proposal, sampling, key,
-                              max_accept=max_accept)
+                              max_accept=max_accept, sync=sync)
         return StepResult(tokens, n, proposal.depth(), proposal.source)
 
     num_draft = len(proposal) if proposal is not None else 0
@@ -55,7 +57,10 @@ def decode_step(model: nn.Module, cache: list, last_token: int, proposal: Propos
         num_accepted, next_token = verify_sampled(probs_from_logits(logits, sampling), draft, q,
                                                   key)
     head = mx.stack([num_accepted.astype(mx.uint32), next_token.astype(mx.uint32)])
-    result = mx.concatenate([head, draft]).tolist()  # the one host sync of the step
+    result = mx.concatenate([head, draft])
+    if sync is not None:
+        result = sync(result)
+    result = result.tolist()  # the one host sync of the step
     n, drafted_tokens = result[0], result[2:]
     if n < num_draft:
         caches.rollback(model, cache, ckpt, [last_token] + drafted_tokens, 1 + n)

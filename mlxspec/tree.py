@@ -249,7 +249,7 @@ def compact_cache(cache: list, start: int, keep: list[int], total: int) -> None:
 
 def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal,
               sampling: SamplingParams, key: mx.array | None,
-              max_accept: int | None = None) -> tuple[list[int], int]:
+              max_accept: int | None = None, sync=None) -> tuple[list[int], int]:
     """One speculative step over a tree proposal: forward, exact verification (one host sync),
     cache compaction. Returns (new_tokens, num_accepted): the accepted path's tokens followed
     by the target's own next token, and the path's length (new_tokens has num_accepted + 1).
@@ -257,7 +257,9 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     `max_accept` caps the accepted path (the engine's remaining-token budget). Capping is exact:
     the next token along the accepted path is distributed as the target's next token.
     On return the cache holds the committed tokens but the last, as before the step.
+    `sync`: as in `decode_step` (rank 0's verification outputs on every rank).
     """
+    sync = sync or (lambda x: x)
     tokens = proposal.tokens.tolist()
     parents = list(proposal.parents)
     if len(parents) != len(tokens):
@@ -268,7 +270,7 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     want = list(proposal.want_argmax)
     extra_out = []
     if sampling.greedy:
-        amax = mx.argmax(logits, axis=-1)
+        amax = sync(mx.argmax(logits, axis=-1))
         fetched = amax.tolist()  # the one host sync
         path, next_token = walk_greedy(spec, fetched)
         want_argmax = [fetched[i + 1] for i in want]
@@ -280,6 +282,7 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
             outs = device_sampled_q(spec, p, proposal.draft_probs, key)
         if want:
             extra_out = [mx.argmax(logits[mx.array([i + 1 for i in want])], axis=-1)]
+        outs, extra_out = [sync(o) for o in outs], [sync(o) for o in extra_out]
         mx.eval(*outs, *extra_out)  # the one host sync
         fetched = [o.tolist() for o in (*outs, *extra_out)]
         path, next_token = walk_sampled(spec, *fetched[: len(outs)],
