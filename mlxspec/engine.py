@@ -44,15 +44,17 @@ AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
 
 
 def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max_tokens: int,
-                 key: mx.array, stats: Stats) -> Iterator[list[int]]:
+                 key: mx.array, stats: Stats, sync=None) -> Iterator[list[int]]:
     """Non-speculative reference, pipelined as mlx_lm.generate is: the next step is queued
     (`mx.async_eval`) before the current token is read back."""
 
     def step(token: mx.array, step_key: mx.array) -> mx.array:
         logits = model(token.reshape(1, 1), cache=cache)[0, -1]
         if sampling.greedy:
-            return mx.argmax(logits, axis=-1)
-        return sample(probs_from_logits(logits, sampling), step_key)
+            y = mx.argmax(logits, axis=-1)
+        else:
+            y = sample(probs_from_logits(logits, sampling), step_key)
+        return y if sync is None else sync(y)  # sync: rank 0's token (distributed.py)
 
     keys = mx.random.split(key, max_tokens + 1) if not sampling.greedy else [None] * (max_tokens + 1)
     y = step(mx.array([context[-1]], mx.uint32), keys[0])
@@ -78,7 +80,7 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
 
 def speculative_decode(model, cache, context: list[int], proposer: Proposer, policy,
                        sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
-                       num_draft: int = MAX_NUM_DRAFT) -> Iterator[list[int]]:
+                       num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
     """Yield the tokens committed by each step (>= 1 per step); `context` grows in place.
     `num_draft` caps k (a per-call limit); the policy chooses within it."""
     generated = 0
@@ -90,7 +92,7 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
         source, k = policy.plan(proposer.available(context, cap)) if cap > 0 else ("", 0)
         proposal = proposer.propose(context, k, propose_key, source=source) if k > 0 else None
         result = decode_step(model, cache, context[-1], proposal, sampling, verify_key,
-                             max_accept=k)
+                             max_accept=k, sync=sync)
         context.extend(result.tokens)
         proposer.update(context, result.accepted)
         policy.observe(result.source, result.drafted, result.accepted,
@@ -198,6 +200,7 @@ class Engine:
         self._proposers: dict = {}
         self._policies: dict = {}
         self._recurrent: bool | None = None
+        self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
         self.num_draft_set = num_draft is not None
         self.num_draft = DEFAULT_NUM_DRAFT
         self.set_mode(mode, num_draft=num_draft, **mode_options)
@@ -342,11 +345,13 @@ class Engine:
             stats.prefill_seconds = time.perf_counter() - start
             context = list(tokens)
             if proposer is None:
-                steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key, stats)
+                steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key,
+                                     stats, sync=self.sync)
             else:
                 steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
                                            sampling, max_tokens, key, stats,
-                                           num_draft=num_draft or MAX_NUM_DRAFT)
+                                           num_draft=num_draft or MAX_NUM_DRAFT,
+                                           sync=self.sync)
             start = time.perf_counter()
             try:
                 yield from self._detokenize(steps, stats, stops, start)
