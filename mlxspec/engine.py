@@ -44,9 +44,14 @@ AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
 
 
 def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max_tokens: int,
-                 key: mx.array, stats: Stats, sync=None) -> Iterator[list[int]]:
-    """Non-speculative reference, pipelined as mlx_lm.generate is: the next step is queued
-    (`mx.async_eval`) before the current token is read back."""
+                 key: mx.array, stats: Stats,
+                 stop: Callable[[list[int]], bool] | None = None,
+                 sync=None) -> Iterator[list[int]]:
+    """Plain decoding, pipelined as mlx_lm.generate is: the next step is queued
+    (`mx.async_eval`) before the current token is read back. `none` runs it to max_tokens;
+    a speculative mode runs it as a stretch, asking `stop(context)` after each token: when it
+    says so, the step already queued is read back as the next token (so nothing is lost or
+    computed twice) and the stretch ends with the cache holding all but the last token."""
 
     def step(token: mx.array, step_key: mx.array) -> mx.array:
         logits = model(token.reshape(1, 1), cache=cache)[0, -1]
@@ -66,13 +71,20 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
                 queued = caches.checkpoint(cache), y
                 next_y = step(y, keys[n])
                 mx.async_eval(next_y)
-            else:
-                queued = None
             token = y.item()
             context.append(token)
             stats.record_step("", 0, 0, 1)
             yield [token]
-            y = next_y if n < max_tokens else None
+            if n == max_tokens:
+                return
+            y = next_y
+            if stop is not None and stop(context):
+                queued = None  # the queued step is the next token: read it back and end
+                token = y.item()
+                context.append(token)
+                stats.record_step("", 0, 0, 1)
+                yield [token]
+                return
     finally:
         if queued is not None:  # restore the invariant: the cache holds all but the last token
             caches.rollback(model, cache, queued[0], [context[-1]], 0)
@@ -82,24 +94,61 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
                        sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
                        num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
     """Yield the tokens committed by each step (>= 1 per step); `context` grows in place.
-    `num_draft` caps k (a per-call limit); the policy chooses within it."""
-    generated = 0
-    while generated < max_tokens:
-        key, propose_key, verify_key = mx.random.split(key, 3)
+    `num_draft` caps k (a per-call limit); the policy chooses within it.
+
+    When the policy wants no proposal, decode a pipelined plain stretch (`plain_decode`, as
+    `none` does) until it wants one again: after every token the proposer's index is updated
+    and the policy asked, so a cheap source's match ends the stretch at once."""
+    end = len(context) + max_tokens
+
+    def plan() -> tuple[str, int]:
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
-        cap = min(num_draft, policy.max_k, max_tokens - generated - 1)
+        cap = min(num_draft, policy.max_k, end - len(context) - 1)
+        return policy.plan(proposer.available(context, cap)) if cap > 0 else ("", 0)
+
+    while len(context) < end:
+        key, propose_key, verify_key = mx.random.split(key, 3)
         start = time.perf_counter()
-        source, k = policy.plan(proposer.available(context, cap)) if cap > 0 else ("", 0)
-        proposal = proposer.propose(context, k, propose_key, source=source) if k > 0 else None
+        source, k = plan()
+        if k == 0:
+            yield from plain_stretch(model, cache, context, proposer, policy, sampling,
+                                     end - len(context), verify_key, stats, plan, sync=sync)
+            continue
+        proposal = proposer.propose(context, k, propose_key, source=source)
         result = decode_step(model, cache, context[-1], proposal, sampling, verify_key,
                              max_accept=k, sync=sync)
         context.extend(result.tokens)
         proposer.update(context, result.accepted)
-        policy.observe(result.source, result.drafted, result.accepted,
+        policy.observe(source if result.drafted else "", result.drafted, result.accepted,
                        time.perf_counter() - start)
         stats.record_step(result.source, result.drafted, result.accepted, len(result.tokens))
-        generated += len(result.tokens)
         yield result.tokens
+
+
+def plain_stretch(model, cache, context: list[int], proposer: Proposer, policy,
+                  sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
+                  plan: Callable[[], tuple[str, int]], sync=None) -> Iterator[list[int]]:
+    """Pipelined plain tokens until `plan()` proposes something. The policy is told every
+    token, and the steady-state time of each (its reference cost, t_plain)."""
+    last, asked = None, 0
+
+    def wants_proposal(ctx: list[int]) -> bool:
+        nonlocal last, asked
+        now = time.perf_counter()
+        policy.observe_plain(1, None if last is None else now - last)
+        last, asked = now, asked + 1
+        proposer.update(ctx, 0)
+        return plan()[1] > 0
+
+    emitted = 0
+    try:
+        for tokens in plain_decode(model, cache, context, sampling, max_tokens, key, stats,
+                                   stop=wants_proposal, sync=sync):
+            emitted += 1
+            yield tokens
+    finally:
+        policy.observe_plain(emitted - asked)  # the tokens not yet counted (the last one)
+        proposer.update(context, 0)
 
 
 # ----------------------------------------------------------------------------- results

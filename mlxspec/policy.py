@@ -1,16 +1,27 @@
 """How many tokens to propose per step, and from which source: one object per engine, asked
-once per step (`plan`), told the outcome after (`observe`).
+once per step (`plan`), told the outcome after (`observe` for a speculative step,
+`observe_plain` for each token of a pipelined plain stretch).
 
-`FixedK` always proposes k. `AdaptiveK` keeps, per proposal source, running estimates of the
-acceptance probability at each draft position and of the step time as a function of k, and picks
-the k that maximises expected tokens per second:
+`FixedK` always proposes k. `AdaptiveK` keeps, per proposal source ("arm": a proposer may split
+its offers by quality, e.g. `ngram:4` for a 4-gram match, `ngram:1` for a 1-gram one), running
+estimates of the acceptance probability at each draft position, and per cost group (the arm's
+name up to the first ':') a linear model of the step time in k; it picks the k that maximises
+expected tokens per second:
 
     E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j        (tokens a step emits)
-    T(k) = t_plain + k * slope_source               (seconds a step takes)
+    T(k) = t_step + k * slope                       (seconds a speculative step takes, k >= 1)
+    T(0) = t_plain                                  (seconds per token of *pipelined* plain decoding)
     k*   = argmax_k E(k) / T(k),  k = 0 meaning "do not speculate"
 
-Costs differ by orders of magnitude between backends (a verify of k tokens is nearly free on a
-GPU, linear in k on a CPU without a good BLAS), so both are measured, never assumed.
+The reference `t_plain` is what `none` really costs: the pipelined loop (`mx.async_eval`
+queues the next forward before the current token is read back), measured in the engine's plain
+stretches. A speculative step syncs with the host every step, so its intercept `t_step` is
+larger than `t_plain`; both are measured, never assumed (the priors only start the estimates).
+
+While an arm is switched off it is probed (`probe_k` tokens) on a schedule set by measured
+goodput: every `probe_every` tokens at first, twice as rarely after each probe that leaves it
+off (up to `probe_max`), and never more often than keeps the probes' expected loss (time
+beyond plain decoding, in tokens) under `probe_budget` of the tokens decoded.
 """
 
 from __future__ import annotations
@@ -38,35 +49,78 @@ class FixedK:
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         pass
 
+    def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
+        pass
+
 
 @dataclass
 class SourceEstimate:
-    """Decayed counts of (reached, accepted) per draft position and of the marginal step time."""
+    """Decayed counts of (reached, accepted) per draft position."""
 
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    slope_sum: float = 0.0  # decayed sum of (step time - plain step time) / k
-    slope_weight: float = 0.0
+
+
+@dataclass
+class CostEstimate:
+    """Decayed sums for a least-squares line seconds = t_step + slope * k."""
+
+    w: float = 0.0
+    k: float = 0.0
+    kk: float = 0.0
+    t: float = 0.0
+    kt: float = 0.0
+
+    def add(self, k: int, seconds: float, decay: float) -> None:
+        self.w = self.w * decay + 1.0
+        self.k = self.k * decay + k
+        self.kk = self.kk * decay + k * k
+        self.t = self.t * decay + seconds
+        self.kt = self.kt * decay + k * seconds
+
+
+@dataclass
+class Probe:
+    interval: float
+    due: float  # the token clock at which the arm may be probed again
+
+
+def cost_group(arm: str) -> str:
+    return arm.split(":", 1)[0]
 
 
 @dataclass
 class AdaptiveK:
-    """Choose k per step from measured acceptance and cost (see module docstring)."""
+    """Choose the source and k per step from measured acceptance and cost (see module
+    docstring)."""
 
     max_k: int = 8
     decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
     prior_accept: float = 0.5
-    prior_strength: float = 2.0  # pseudo-observations behind the prior
-    prior_slope: float = 0.05  # marginal cost of one more token, as a fraction of a plain step
-    sources: dict[str, SourceEstimate] = field(default_factory=dict)
-    plain_time: float = 0.0  # decayed mean seconds of a step that verifies nothing
-    plain_weight: float = 0.0
-    probe_every: int = 16  # while a source is switched off, try it again this often (in steps)
+    prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
+    prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
+    prior_slope: float = 0.05  # marginal cost of one more token, as a fraction of t_plain
+    cost_prior_weight: float = 1.0  # pseudo-observations (at k=0 and k=4) behind the cost prior
+    plain_decay: float = 0.98  # per plain token
+    plain_every: int = 128  # refresh t_plain after this many speculative steps without a stretch
+    probe_every: int = 16  # tokens between probes of a switched-off arm, at first
+    probe_max: int = 256
+    probe_budget: float = 0.01
     probe_k: int = 2
-    plain_every: int = 64  # measure a plain step this often: every cost is relative to it
-    _off_steps: dict[str, int] = field(default_factory=dict)
-    _since_plain: int = 0
-    _offered: list[str] = field(default_factory=list)
+    outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
+    switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
+    dither: bool = True  # every other step, k +- 1 around the best (flat there; see `plan`)
+    sources: dict[str, SourceEstimate] = field(default_factory=dict)
+    costs: dict[str, CostEstimate] = field(default_factory=dict)
+    plain_time: float = 0.0  # decayed mean seconds per token of pipelined plain decoding
+    plain_weight: float = 0.0
+    clock: float = 0.0  # tokens decoded under this policy
+    probes: dict[str, Probe] = field(default_factory=dict)
+    _steps: int = 0  # speculative steps observed
+    _since_plain: int = 0  # speculative steps since t_plain was last measured
+    _fresh_plain: int = 0  # plain tokens measured since the last speculative step
+    _memo: dict = field(default_factory=dict)  # (arm, limit) -> k, while the estimates hold
+    _memo_plain: float = 0.0
 
     # -- estimates
     def accept_probs(self, source: str) -> list[float]:
@@ -88,61 +142,116 @@ class AdaptiveK:
             total += survive
         return total
 
+    def _plain(self) -> float:
+        return self.plain_time if self.plain_weight else 1.0
+
+    def step_cost(self, source: str) -> tuple[float, float]:
+        """(t_step, slope) of a speculative step from this arm's cost group."""
+        plain = self._plain()
+        a0 = plain * (1.0 + self.prior_overhead)
+        b0 = plain * self.prior_slope
+        c = self.costs.get(cost_group(source)) or CostEstimate()
+        lam = self.cost_prior_weight
+        w, k, kk = c.w + 2 * lam, c.k + 4 * lam, c.kk + 16 * lam
+        t, kt = c.t + lam * (2 * a0 + 4 * b0), c.kt + lam * 4 * (a0 + 4 * b0)
+        det = w * kk - k * k
+        slope = max((w * kt - k * t) / det, 0.0)
+        intercept = max((t - slope * k) / w, 0.5 * plain)
+        return intercept, slope
+
     def step_time(self, source: str, k: int) -> float:
-        plain = self.plain_time if self.plain_weight else 1.0
-        est = self.sources.get(source)
-        if est and est.slope_weight:
-            slope = est.slope_sum / est.slope_weight
-        else:
-            slope = self.prior_slope * plain
-        return plain + k * max(slope, 0.0)
-
-    # -- decisions
-    def choose(self, source: str, limit: int | None = None) -> int:
-        """The k <= limit with the highest expected tokens per second (0: do not speculate)."""
-        best_k, best = 0, 1.0 / self.step_time(source, 0)
-        for k in range(1, min(self.max_k, self.max_k if limit is None else limit) + 1):
-            rate = self.expected_tokens(source, k) / self.step_time(source, k)
-            if rate > best * 1.0001:
-                best_k, best = k, rate
-        return best_k
-
-    def plan(self, available: dict[str, int]) -> tuple[str, int]:
-        """The source and k for this step (("", 0): a plain step). Idempotent: the counters
-        move in `observe`. A source switched off is probed every `probe_every` steps it was
-        offered, so that its estimates follow content that has become predictable again."""
-        self._offered = [s for s, n in available.items() if n > 0]
-        if self.plain_weight < 1.0 or self._since_plain >= self.plain_every:
-            return "", 0  # (re)measure the plain step first
-        best_source, best_k, best_rate = "", 0, 0.0
-        for source in self._offered:
-            n = available[source]
-            k = self.choose(source, n)
-            if k == 0:
-                if self._off_steps.get(source, 0) >= self.probe_every:
-                    return source, min(self.probe_k, n)
-                continue
-            rate = self.expected_rate(source, k)
-            if rate > best_rate:
-                best_source, best_k, best_rate = source, k, rate
-        return best_source, best_k
+        if k == 0:
+            return self._plain()
+        intercept, slope = self.step_cost(source)
+        return intercept + k * slope
 
     def expected_rate(self, source: str, k: int) -> float:
         return self.expected_tokens(source, k) / self.step_time(source, k)
 
+    # -- decisions
+    def choose(self, source: str, limit: int | None = None) -> int:
+        """The k <= limit with the highest expected tokens per second (0: do not speculate)."""
+        limit = self.max_k if limit is None else min(limit, self.max_k)
+        if self.plain_weight and abs(self.plain_time - self._memo_plain) > 0.02 * self._memo_plain:
+            self._memo.clear()
+            self._memo_plain = self.plain_time
+        hit = self._memo.get((source, limit))
+        if hit is not None:
+            return hit
+        probs = self.accept_probs(source)
+        intercept, slope = self.step_cost(source)
+        best_k, best = 0, (1.0 + self.switch_margin) / self._plain()
+        total, survive = 1.0, 1.0
+        for k in range(1, limit + 1):
+            survive *= probs[k - 1]
+            total += survive
+            rate = total / (intercept + k * slope)
+            if rate > best * 1.0001:
+                best_k, best = k, rate
+        self._memo[(source, limit)] = best_k
+        return best_k
+
+    def plain_due(self) -> bool:
+        return self.plain_weight < 1.5 or self._since_plain >= self.plain_every
+
+    def plan(self, available: dict[str, int]) -> tuple[str, int]:
+        """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
+        move in `observe` / `observe_plain`."""
+        if self.plain_due():
+            return "", 0  # (re)measure the plain rate first
+        best_source, best_k, best_rate = "", 0, 0.0
+        probe = None
+        for source, n in available.items():
+            if n <= 0:
+                continue
+            k = self.choose(source, n)
+            if k == 0:
+                p = self.probes.get(source)
+                if probe is None and (p is None or self.clock >= p.due):
+                    probe = (source, min(self.probe_k, n))
+                continue
+            rate = self.expected_rate(source, k)
+            if rate > best_rate:
+                best_source, best_k, best_rate = source, k, rate
+        if best_k == 0 and probe is not None:
+            return probe
+        if best_k and self.dither:  # spread k a little, so the cost line has two ends to fit
+            phase = self._steps % 4
+            if phase == 1 and best_k < min(available[best_source], self.max_k):
+                best_k += 1
+            elif phase == 3 and best_k > 1:
+                best_k -= 1
+        return best_source, best_k
+
     # -- learning
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
-        d = self.decay
-        self._since_plain = 0 if not drafted else self._since_plain + 1
-        for offered in self._offered:  # counts toward the next probe of a switched-off source
-            self._off_steps[offered] = 0 if (drafted and offered == source) else (
-                self._off_steps.get(offered, 0) + 1)
-        self._offered = []
-        if not drafted:
-            self.plain_time = (self.plain_time * self.plain_weight * d + seconds) / (
-                self.plain_weight * d + 1.0)
-            self.plain_weight = self.plain_weight * d + 1.0
+    def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
+        """`tokens` decoded by the pipelined plain loop; `seconds` (when given) is their
+        steady-state time (not the first token of a stretch, not the one consumed on leaving
+        it)."""
+        self.clock += tokens
+        if seconds is None or tokens <= 0:
             return
+        if self.plain_weight:  # a descheduled process or a GC pause is not the model's cost
+            seconds = min(seconds, self.outlier * tokens * self.plain_time)
+        d = self.plain_decay**tokens
+        self.plain_time = (self.plain_time * self.plain_weight * d + seconds) / (
+            self.plain_weight * d + tokens)
+        self.plain_weight = self.plain_weight * d + tokens
+        self._fresh_plain += tokens
+        if self._fresh_plain >= 2:
+            self._since_plain = 0
+
+    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
+        """A step of the speculative loop: `drafted` positions verified, `accepted` of them
+        accepted, `seconds` for the whole step (plan, propose, verify, update)."""
+        self.clock += accepted + 1
+        if not drafted:
+            return  # a synced step that verified nothing: not the plain reference
+        d = self.decay
+        self._steps += 1
+        self._since_plain += 1
+        self._fresh_plain = 0
+        was_off = self.choose(source) == 0
         est = self.sources.setdefault(source, SourceEstimate())
         while len(est.reached) < drafted:
             est.reached.append(0.0)
@@ -154,6 +263,24 @@ class AdaptiveK:
             est.reached[i] += 1.0
             if i < accepted:
                 est.accepted[i] += 1.0
-        if self.plain_weight:
-            est.slope_sum = est.slope_sum * d + (seconds - self.plain_time) / drafted
-            est.slope_weight = est.slope_weight * d + 1.0
+        cost = self.costs.setdefault(cost_group(source), CostEstimate())
+        if cost.w:
+            seconds = min(seconds, self.outlier * self.step_time(source, drafted))
+        cost.add(drafted, seconds, d)
+        self._memo.clear()
+        self._schedule_probe(source, was_off and accepted < drafted)
+
+    def _schedule_probe(self, source: str, failed_probe: bool) -> None:
+        """After a step from `source`: when it is (still) off, when to try it again (twice as
+        late after a probe that was rejected; soon after one that was all accepted)."""
+        if self.choose(source) > 0:
+            self.probes.pop(source, None)
+            return
+        p = self.probes.get(source)
+        interval = min(2 * p.interval, self.probe_max) if p and failed_probe else self.probe_every
+        # A probe costs its time beyond plain decoding; keep that under probe_budget.
+        k = self.probe_k
+        loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
+        if failed_probe:
+            interval = max(interval, min(loss / self.probe_budget, self.probe_max))
+        self.probes[source] = Probe(interval, self.clock + interval)

@@ -208,3 +208,95 @@ def test_failing_progress_callback_during_prefill():
         engine.generate(prompt, max_tokens=5, progress=progress)
     want = make_engine(target, "none").generate(prompt, max_tokens=10).tokens
     assert engine.generate(prompt, max_tokens=10).tokens == want
+
+
+# ----------------------------------------------------------------------------- plain stretches
+
+
+class CountingModel:
+    """Wraps a model; records len(context) at every one-token forward (when it is queued)."""
+
+    def __init__(self, model, context: list[int]):
+        self.model, self.layers, self.args = model, model.layers, model.args
+        self.context, self.calls = context, []
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.calls.append((inputs.shape[1], len(self.context)))
+        return self.model(inputs, *args, **kwargs)
+
+
+class LateProposer(Proposer):
+    """Offers nothing until the context holds `start` tokens, then the right continuation."""
+
+    name = "late"
+
+    def __init__(self, reference: list[int], prompt_len: int, start: int):
+        self.reference, self.prompt_len, self.start = reference, prompt_len, start
+        self.proposed_at: list[int] = []
+        self.cache_offsets: list[int] = []
+        self.cache = None
+
+    def available(self, context, cap):
+        return {"late": cap} if len(context) >= self.start else {}
+
+    def propose(self, context, num_draft, key, source=None):
+        self.proposed_at.append(len(context))
+        self.cache_offsets.append(self.cache[0].offset)
+        pos = len(context) - self.prompt_len
+        return Proposal(tokens=self.reference[pos : pos + num_draft], source="late")
+
+
+def test_plain_stretch_is_pipelined_and_hands_back_at_once(llama_pair):
+    """While nothing is offered the loop runs pipelined (the next forward is queued before the
+    current token is read); the token after which a source offers ends the stretch at once:
+    the queued forward is read back as the next token, then the proposal is verified."""
+    target, _ = llama_pair
+    prompt = [7, 3, 9, 1]
+    reference = make_engine(target, "none").generate(prompt, max_tokens=30).tokens
+    start = len(prompt) + 10
+    context = list(prompt)
+    model = CountingModel(target, context)
+    cache = make_prompt_cache(target)
+    target(mx.array(prompt[:-1])[None], cache=cache)
+    proposer = LateProposer(reference, len(prompt), start)
+    proposer.cache = cache
+    stats = Stats()
+    for _ in speculative_decode(model, cache, context, proposer, FixedK(4), SamplingParams(), 30,
+                                mx.random.key(0), stats):
+        pass
+    assert context[len(prompt):] == reference  # nothing lost, nothing duplicated
+    # The stretch saw `start` tokens, asked, stopped, and read back the queued token.
+    assert proposer.proposed_at[0] == start + 1
+    assert proposer.cache_offsets[0] == start  # the invariant holds when speculation resumes
+    assert stats.accepted > 0
+    # Pipelined: the forward for token i+1 was queued while the context still lacked token i.
+    one_token = [n for width, n in model.calls if width == 1]
+    assert one_token[:3] == [len(prompt), len(prompt), len(prompt) + 1]
+
+
+@pytest.mark.parametrize("mode", ["ngram", "auto"])
+def test_stretches_hand_back_to_ngram_and_stay_exact(arch, mode, monkeypatch):
+    """Greedy output equals `none` while plain stretches and n-gram steps alternate; n-gram
+    drafts, and gets tokens accepted, right after stretches."""
+    _, target, _ = arch
+    steps = []
+    record = Stats.record_step
+
+    def spy(self, source, drafted, accepted, emitted):
+        steps.append((source, drafted, accepted))
+        record(self, source, drafted, accepted, emitted)
+
+    monkeypatch.setattr(Stats, "record_step", spy)
+    plain = make_engine(target, "none")
+    spec = make_engine(target, mode, num_draft=4, min_ngram=2)
+    handed_back = accepted = 0
+    for prompt in prompts(30, seed=7):
+        want = plain.generate(prompt, max_tokens=40).tokens
+        steps.clear()
+        got = spec.generate(prompt, max_tokens=40)
+        assert got.tokens == want
+        for before, after in zip(steps, steps[1:]):
+            if before[1] == 0 and after[0] == "ngram" and after[1] > 0:
+                handed_back += 1
+                accepted += after[2]
+    assert handed_back > 0 and accepted > 0

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import build_model, make_engine
+from mlx_lm.models.cache import make_prompt_cache
+from scipy import stats as scipy_stats
 
-from mlxspec.policy import AdaptiveK
+import mlxspec.engine as engine_module
+from mlxspec.engine import speculative_decode
+from mlxspec.policy import AdaptiveK, FixedK
+from mlxspec.proposers.base import Proposal, Proposer
+from mlxspec.sampling import SamplingParams, probs_from_logits
+from mlxspec.stats import Stats
 
 
 def true_rate(accept: float, plain: float, slope: float, k: int) -> float:
@@ -25,7 +35,10 @@ def simulate(policy: AdaptiveK, accept: float, plain: float, slope: float, steps
         while n < k and rng.random() < accept:
             n += 1
         noise = 1 + rng.uniform(-0.05, 0.05)  # timings are noisy
-        policy.observe("draft" if k else "", k, n, (plain + slope * k) * noise)
+        if k:
+            policy.observe("draft", k, n, (plain + slope * k) * noise)
+        else:  # a token of a pipelined plain stretch
+            policy.observe_plain(1, plain * noise)
         used.append(k)
     return used
 
@@ -37,7 +50,8 @@ def test_chooses_the_rate_maximising_k(accept, slope, seed):
     simulate(policy, accept, 0.01, 0.01 * slope, 3000, seed=seed)
     rates = [true_rate(accept, 1.0, slope, k) for k in range(13)]
     chosen = policy.choose("draft")
-    assert rates[chosen] >= 0.98 * max(rates), (chosen, rates.index(max(rates)))
+    # within the noise of ~100 steps of memory per draft position
+    assert rates[chosen] >= 0.965 * max(rates), (chosen, rates.index(max(rates)))
 
 
 def test_switches_off_when_speculation_does_not_pay():
@@ -75,27 +89,38 @@ def test_auto_mode_is_lossless_and_uses_ngram_on_repetitive_text():
 
 
 def test_plan_is_idempotent_and_probes_a_switched_off_source():
-    """Asking twice in a step changes nothing; a source that is off is probed again."""
+    """Asking twice in a step changes nothing; a source that is off is probed again, more
+    rarely after each probe that fails, and soon again after one that is all accepted."""
     policy = AdaptiveK(max_k=8, probe_every=4)
     simulate(policy, accept=0.0, plain=0.01, slope=0.005, steps=300)
     assert policy.choose("draft") == 0
-    probes = 0
-    for _ in range(40):
+    probes = []
+    for step in range(3000):
         first = policy.plan({"draft": 8})
         assert policy.plan({"draft": 8}) == first
         source, k = first
-        probes += k > 0
-        policy.observe(source, k, 0, 0.01 + 0.005 * k)
-    assert 4 <= probes <= 12
+        if k:
+            probes.append(step)
+            policy.observe(source, k, 0, 0.01 + 0.005 * k)
+        else:
+            policy.observe_plain(1, 0.01)
+    assert len(probes) >= 5  # never switched off for good
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] <= policy.probe_max + 1  # backs off, up to a cap
+    # A probe that is all accepted brings the next one close.
+    due = policy.probes["draft"].due - policy.clock
+    policy.observe("draft", 2, 2, 0.02)
+    assert policy.probes["draft"].due - policy.clock <= policy.probe_every < due
 
 
 def test_plan_picks_the_better_source_within_what_is_offered():
     policy = AdaptiveK(max_k=8)
+    policy.observe_plain(4, 0.04)
     for _ in range(300):  # ngram: always accepted; draft: never
-        for source, accept in (("ngram", True), ("draft", False), ("", False)):
-            k = 0 if not source else 4
-            policy.observe(source, k, k if accept else 0, 0.01 + 0.001 * k)
-    assert policy.plan({"ngram": 3, "draft": 8}) == ("ngram", 3)
+        for source, accept in (("ngram", True), ("draft", False)):
+            policy.observe(source, 4, 4 if accept else 0, 0.012 + 0.001 * 4)
+        policy.observe_plain(2, 0.02)
+    assert policy.plan({"ngram": 3, "draft": 8})[0] == "ngram"
     assert policy.plan({"draft": 8})[1] in (0, policy.probe_k)
     assert policy.plan({}) == ("", 0)
 
@@ -111,3 +136,144 @@ def test_auto_respects_k_and_per_call_num_draft():
     assert auto.policy is auto.policy_for(auto.proposer) and auto.policy.plain_weight > 0
     default = make_engine(target, "auto")
     assert default.policy.max_k == 8
+
+
+def test_the_engine_reprobes_a_switched_off_source():
+    """Through the engine: a draft that is never right gets switched off (plain stretches
+    take over) and is still probed now and then, more rarely as probes keep failing."""
+    target, _ = build_model("llama", seed=21, scale=4.0)
+    draft, _ = build_model("llama", seed=23, layers=1, scale=4.0)
+    engine = make_engine(target, "draft", draft_model=draft, num_draft=4, adaptive=True)
+    policy = engine.policy
+    policy.probe_every, policy.probe_max = 8, 64
+    drafted_at = []
+    observe = policy.observe
+
+    def spy(source, drafted, accepted, seconds):
+        if drafted:
+            drafted_at.append(policy.clock)
+        observe(source, drafted, accepted, seconds)
+
+    policy.observe = spy
+    rng = random.Random(5)
+    total = 0
+    for _ in range(12):
+        prompt = [rng.randrange(1, 256) for _ in range(8)]
+        out = engine.generate(prompt, max_tokens=60)
+        total += out.stats.generated_tokens
+    assert policy.choose("draft") == 0  # off
+    late = [c for c in drafted_at if c > total / 2]
+    assert len(late) >= 3  # ... and probed again, in the second half too
+    assert len(drafted_at) < total / 8  # mostly plain
+
+
+# ----------------------------------------------------------------------------- exactness at T > 0
+
+VOCAB, N = 4, 5
+SAMPLING = dict(temperature=1.0, top_k=3, top_p=0.95)
+PROMPT = [1, 2, 3, 0, 1, 2]
+
+
+def exact_distribution(model, prompt):
+    """P(t_1..t_N), shape (VOCAB,) * N, from uncached forwards over every prefix."""
+    sp = SamplingParams(**SAMPLING)
+    prefixes, probs = [()], {(): 1.0}
+    for _ in range(N):
+        rows = mx.array([prompt + list(p) for p in prefixes])
+        p_next = np.array(probs_from_logits(model(rows)[:, -1], sp), dtype=np.float64)
+        grown = []
+        for p, dist in zip(prefixes, p_next):
+            for t in range(VOCAB):
+                probs[p + (t,)] = probs[p] * dist[t]
+                grown.append(p + (t,))
+        prefixes = grown
+    out = np.zeros((VOCAB,) * N)
+    for seq in itertools.product(range(VOCAB), repeat=N):
+        out[seq] = probs[seq]
+    return out
+
+
+def min_pvalue(counts, exact) -> float:
+    """Smallest chi-square p-value over per-position marginals and adjacent pairs."""
+    tests = []
+    for i in range(N):
+        axes = tuple(j for j in range(N) if j != i)
+        tests.append((counts.sum(axis=axes), exact.sum(axis=axes)))
+    for i in range(N - 1):
+        axes = tuple(j for j in range(N) if j not in (i, i + 1))
+        tests.append((counts.sum(axis=axes).ravel(), exact.sum(axis=axes).ravel()))
+    pvalues = []
+    for obs, p in tests:
+        expected = p / p.sum() * obs.sum()
+        small = expected < 5
+        o = np.append(obs[~small], obs[small].sum())
+        e = np.append(expected[~small], expected[small].sum())
+        if e[-1] == 0:
+            o, e = o[:-1], e[:-1]
+        pvalues.append(scipy_stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
+    return min(pvalues)
+
+
+class OnZero(Proposer):
+    """Offers a fixed guess only right after a 0: plain stretches end on a sampled token."""
+
+    name = "onzero"
+
+    def available(self, context, cap):
+        return {"onzero": cap} if context[-1] == 0 else {}
+
+    def propose(self, context, num_draft, key, source=None):
+        return Proposal(tokens=[1, 2, 3, 1][:num_draft], source="onzero")
+
+
+def sample_counts(run, runs: int):
+    counts = np.zeros((VOCAB,) * N)
+    for seed in range(runs):
+        counts[tuple(run(seed))] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target, _ = build_model("llama", seed=31, vocab=VOCAB, scale=2.0)
+    draft, _ = build_model("llama", seed=32, layers=1, vocab=VOCAB, scale=2.0)
+    return target, draft, exact_distribution(target, PROMPT)
+
+
+def run_forced(target, seed, totals=None):
+    cache = make_prompt_cache(target)
+    target(mx.array(PROMPT[:-1])[None], cache=cache)
+    context = list(PROMPT)
+    stats = Stats()
+    for _ in speculative_decode(target, cache, context, OnZero(), FixedK(4),
+                                SamplingParams(**SAMPLING), N, mx.random.key(seed), stats):
+        pass
+    if totals is not None:
+        totals["drafted"] += stats.drafted
+        totals["accepted"] += stats.accepted
+    return context[len(PROMPT):]
+
+
+def test_stretch_handoffs_are_exact_at_temperature(tiny, monkeypatch):
+    """Stretches that end on a sampled token, the queued token read back, then a verified
+    proposal: the distribution of the output is exact; reusing one key breaks it."""
+    target, _, exact = tiny
+    totals = {"drafted": 0, "accepted": 0}  # PROMPT ends in 2: every run starts plain
+    counts = sample_counts(lambda s: run_forced(target, s, totals), 800)
+    assert min_pvalue(counts, exact) > 1e-4
+    assert totals["drafted"] > 400 and 0 < totals["accepted"] < totals["drafted"]
+    sample = engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", lambda p, key: sample(p, mx.random.key(0)))
+    broken = sample_counts(lambda s: run_forced(target, s), 800)
+    assert min_pvalue(broken, exact) < 1e-4
+
+
+def test_auto_is_exact_at_temperature_through_the_engine(tiny):
+    target, draft, exact = tiny
+    engine = make_engine(target, "auto", draft_model=draft, vocab=VOCAB, num_draft=4)
+
+    def run(seed):
+        return engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING).tokens
+
+    assert min_pvalue(sample_counts(run, 800), exact) > 1e-4
+    assert engine.policy.sources  # it did speculate

@@ -51,7 +51,7 @@ class NgramProposer(Proposer):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.index = NgramIndex(min_ngram, max_ngram)
         self.prediction: NgramIndex | None = None
-        self._looked_up: tuple[int, int, tuple[str, list[int]] | None] | None = None
+        self._looked_up: tuple[int, int, tuple[str, list[int], int] | None] | None = None
 
     def set_prediction(self, tokens: list[int] | None) -> None:
         """Use `tokens` (a predicted output) as a proposal source for the next generation."""
@@ -65,11 +65,12 @@ class NgramProposer(Proposer):
         self.index.extend(list(prompt))
         self._looked_up = None
 
-    def _lookup(self, context: list[int], num: int) -> tuple[str, list[int]] | None:
-        """(source, tokens) of the best match, remembered for the step (available, propose)."""
+    def _lookup(self, context: list[int], num: int) -> tuple[str, list[int], int] | None:
+        """(source, tokens, n-gram length) of the best match, remembered for the step
+        (available, propose)."""
         hit = self._looked_up
         if hit is not None and hit[0] == len(context) and hit[1] >= num:
-            return hit[2] and (hit[2][0], hit[2][1][:num])
+            return hit[2] and (hit[2][0], hit[2][1][:num], hit[2][2])
         self._catch_up(context)
         tail = context[-self.max_ngram :]
         found = None
@@ -79,16 +80,20 @@ class NgramProposer(Proposer):
                 own, own_n = self.index.lookup(tail, num)
                 # The prediction wins unless the context matches a strictly longer n-gram.
                 if own_n <= n:
-                    found = ("prediction", tokens)
+                    found = ("prediction", tokens, n)
         if found is None:
-            tokens, _ = self.index.lookup(tail, num)
-            found = ("ngram", tokens) if tokens else None
+            tokens, n = self.index.lookup(tail, num)
+            found = ("ngram", tokens, n) if tokens else None
         self._looked_up = (len(context), num, found)
         return found
 
     def available(self, context: list[int], cap: int) -> dict[str, int]:
+        """One offer, keyed `SOURCE:N` (`ngram:4`, `prediction:2`) by the length N of the
+        matched n-gram: a 4-gram match is accepted far more often than a 1-gram one (measured
+        on the bundled pair: 81-96 % against 5-35 % of drafted tokens), so the policy keeps
+        separate estimates for each."""
         found = self._lookup(context, cap) if cap > 0 else None
-        return {found[0]: len(found[1])} if found else {}
+        return {f"{found[0]}:{found[2]}": len(found[1])} if found else {}
 
     def propose(self, context: list[int], num_draft: int, key: mx.array | None,
                 source: str | None = None) -> Proposal | None:

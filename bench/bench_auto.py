@@ -1,0 +1,102 @@
+"""`auto` against every single mode, paired and interleaved, on workloads at chosen temperatures
+(`mlxspec bench` always runs `free` at temperature 1; this also runs it greedy).
+
+    python bench/bench_auto.py --modes none,ngram,auto --workloads completion@0,free@0,free@1 \
+        --prompts 8 --rounds 3
+
+Every prompt runs every mode (the order rotates per prompt); `--rounds` repeats the whole set,
+so that each prompt has several paired ratios. The report is the median over prompts and
+rounds of (mode tok/s) / (reference tok/s) for the same prompt in the same round, against
+`none` and against the best other mode of the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
+from mlxspec.bench.run import make_runners
+from mlxspec.bench.workloads import build_workload
+from mlxspec.engine import Engine
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="none,ngram,auto")
+    ap.add_argument("--workloads", default="completion@0,fim@0,edit@0,doc-qa@0,chat@0,free@0,free@1")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("-k", "--num-draft", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the raw per-prompt figures here")
+    args = ap.parse_args(argv)
+
+    # With its draft, as `mlxspec bench` loads it when a mode needs one.
+    engine = mlxspec.load(None, mode="draft", num_draft=args.num_draft)
+    if not isinstance(engine, Engine):
+        raise SystemExit("could not load the bundled pair")
+    runners = make_runners(engine, args.modes.split(","), args.num_draft)
+    labels = [r.label for r in runners]
+    report, raw = {}, {}
+    start = time.perf_counter()
+    for spec in args.workloads.split(","):
+        name, _, temp = spec.partition("@")
+        temp = float(temp or 0)
+        items = build_workload(name, args.prompts, args.max_tokens, args.seed)
+        tps = {label: [] for label in labels}  # [round][prompt]
+        tokens = {label: 0 for label in labels}
+        for rnd in range(args.rounds):
+            for label in labels:
+                tps[label].append([])
+            for i, item in enumerate(items):
+                prompt = engine.encode(item.prompt)
+                shift = (i + rnd) % len(runners)
+                for runner in runners[shift:] + runners[:shift]:
+                    run = runner.run(prompt, item.max_tokens, temp, args.seed + i, item.prediction)
+                    tps[runner.label][rnd].append(run.tps)
+                    tokens[runner.label] += len(run.tokens)
+            sys.stderr.write(f"\r{spec} round {rnd + 1}/{args.rounds} "
+                             f"({time.perf_counter() - start:.0f}s)   ")
+            sys.stderr.flush()
+
+        def ratio(a: str, b: str, tps=tps) -> float:
+            pairs = [x / y for ra, rb in zip(tps[a], tps[b]) for x, y in zip(ra, rb) if y > 0]
+            return statistics.median(pairs) if pairs else float("nan")
+
+        rows = {}
+        for label in labels:
+            others = [o for o in labels if o != label]
+            best = max(others, key=lambda o: ratio(o, "none") if "none" in labels else 0.0,
+                       default=None)
+            rows[label] = {
+                "tok_s": statistics.median(x for r in tps[label] for x in r),
+                "vs_none": ratio(label, "none") if "none" in labels else None,
+                "best_other": best,
+                "vs_best_other": ratio(label, best) if best else None,
+            }
+        report[spec] = rows
+        raw[spec] = tps
+    sys.stderr.write("\n")
+    print("| workload | T | mode | tok/s (median) | vs none (paired median) | "
+          "vs best other mode |")
+    print("|---|---|---|---:|---:|---|")
+    for spec, rows in report.items():
+        name, _, temp = spec.partition("@")
+        for label, r in rows.items():
+            other = (f"{r['vs_best_other']:.3f}× `{r['best_other']}`"
+                     if r["best_other"] else "")
+            print(f"| {name} | {temp or 0} | {label} | {r['tok_s']:.1f} | {r['vs_none']:.3f}× | "
+                  f"{other} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "report": report, "raw": raw}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
