@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -20,6 +21,9 @@ def exits_cleanly(fn):
             return fn(*args, **kwargs)
         except MlxspecError as e:
             click.echo(f"error: {e}", err=True)
+            if getattr(e, "fatal", False):  # a lost rank (--distributed): no teardown
+                sys.stderr.flush()
+                os._exit(1)
             sys.exit(2)
 
     return wrapper
@@ -114,9 +118,26 @@ def resolve_pair(model: str | None, draft_model: str | None, mode: str) -> tuple
     return target, draft_model, draft
 
 
-def load_engine(model, draft_model, mode, num_draft, quiet: bool = False, **options):
+def distributed_option(fn):
+    return click.option(
+        "--distributed", type=click.Choice(["auto", "tensor", "pipeline"]), is_flag=False,
+        flag_value="auto", default=None,
+        help="Shard the target over the ranks started by mlx.launch: tensor or pipeline "
+             "parallel (alone: what the architecture supports). See docs/SEVERAL_MACS.md.")(fn)
+
+
+def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
+                distributed: str | None = None, **options):
     from .. import backend
     from ..engine import load
+
+    if distributed:  # rank 0 gets the engine; the other ranks follow it and never return
+        from ..distributed import cli_engine
+
+        engine = cli_engine(model, draft_model, mode, num_draft, distributed, quiet=quiet,
+                            **options)
+        if engine is not None:
+            return engine
 
     model, draft_model, _ = resolve_pair(model, draft_model, mode)
     if not quiet:

@@ -9,6 +9,7 @@ import click
 
 from ..errors import MlxspecError
 from .common import (
+    distributed_option,
     exits_cleanly,
     load_engine,
     mode_kwargs,
@@ -40,9 +41,10 @@ def context_note(engine, stats, max_tokens: int, finish_reason: str | None) -> s
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @mode_options
+@distributed_option
 @exits_cleanly
 def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-             prompt, prompt_file, chat, as_json, **mode_flags):
+             prompt, prompt_file, chat, as_json, distributed=None, **mode_flags):
     """Generate a completion of a prompt.
 
     The text streams to stdout and a stats line follows on stderr; --json prints one object
@@ -60,7 +62,8 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         prompt = sys.stdin.read()
     if not prompt:
         raise MlxspecError("the prompt is empty")
-    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json, **options)
+    engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
+                         distributed=distributed, **options)
     if chat:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)

@@ -1,0 +1,753 @@
+"""Speculation with a target sharded over several processes (several Macs), on MLX's own
+distributed engine, started by `mlx.launch` (docs/SEVERAL_MACS.md).
+
+Every rank holds a shard of the target (mlx-lm's `sharded_load`: tensor parallel where the
+architecture has `shard`, pipeline parallel where it has `pipeline`) and runs identical forwards
+with identical shapes. Rank 0 decides everything else and the others follow:
+
+- the policy's (source, k) is rank 0's, broadcast as a fixed-size packet (`SyncedPolicy`), except
+  where every rank computes the same plan from the same tokens (FixedK over a cheap proposer);
+- the proposal is rank 0's, broadcast as a fixed-size packet of tokens and tree parents
+  (`SyncedProposer`); a draft model runs on rank 0 only (it is loaded whole on every rank);
+- the verification result (accepted count, next token, the draft) is rank 0's, broadcast inside
+  the graph before the step's one host sync (`Coordinator.sync`, `step.decode_step(sync=...)`),
+  and so is every plain token: every rank trims its cache the same way, and nothing depends on
+  logits being bit-identical across ranks;
+- whole generations are mirrored: rank 0's `stream_steps` (from generate, chat, bench or the
+  server's worker) sends each request, step and close to the other ranks, which run `follow`
+  instead of the command; only rank 0 reads input, prints, writes files and serves HTTP.
+
+Failures: a rank that dies closes its sockets and the ring backend raises on the others
+(`DistributedFailure`, a clear error, exit 1); a rank stuck inside a generation trips the
+watchdog (`MLXSPEC_DIST_TIMEOUT`, default 120 s without progress) and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from .errors import MlxspecError
+from .proposers.base import Proposal, Proposer
+
+STRATEGIES = ("auto", "tensor", "pipeline")
+SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "auto")
+MAX_NODES = 256  # proposal packet capacity (chain tokens or tree nodes)
+SOURCE_BYTES = 32  # a source name ("ngram:4", "draft") in the plan packet
+DEFAULT_TIMEOUT = 120.0  # seconds without progress inside a generation
+
+
+class DistributedFailure(MlxspecError):
+    """Another rank failed, or a collective timed out."""
+
+    fatal = True  # the CLI exits 1 at once (no teardown that could wait on a dead rank)
+
+
+# ----------------------------------------------------------------------------- the group
+
+
+def launched() -> bool:
+    """Whether this process was started as one rank of several (by mlx.launch or by hand)."""
+    return any(os.environ.get(v) for v in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE",
+                                           "MLX_JACCL_COORDINATOR"))
+
+
+def init_group():
+    """MLX's distributed group; size 1 when this process was not launched as a rank."""
+    if not launched():
+        return mx.distributed.init()
+    try:
+        return mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise MlxspecError(f"--distributed: cannot join the other ranks ({e}); start the "
+                           "command with mlx.launch (docs/SEVERAL_MACS.md)") from None
+
+
+class Coordinator:
+    """Rank, broadcasts from rank 0, collective counting and the watchdog."""
+
+    def __init__(self, group, timeout: float | None = None):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        if timeout is None:
+            timeout = float(os.environ.get("MLXSPEC_DIST_TIMEOUT", DEFAULT_TIMEOUT))
+        self.timeout = timeout
+        self.collectives = 0  # issued by this rank: ours plus the model's (when counted)
+        self._deadline: float | None = None
+        self._what = ""
+        self._lock = threading.Lock()
+        self._watch = threading.Thread(target=self._watchdog, name="mlxspec-watchdog",
+                                       daemon=True)
+        self._watch.start()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # -- the watchdog: never hang inside a generation
+    def arm(self, what: str) -> None:
+        with self._lock:
+            self._what = what
+            self._deadline = time.monotonic() + self.timeout
+
+    def tick(self) -> None:
+        with self._lock:
+            if self._deadline is not None:
+                self._deadline = time.monotonic() + self.timeout
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(min(1.0, max(self.timeout / 10, 0.05)))
+            with self._lock:
+                late = self._deadline is not None and time.monotonic() > self._deadline
+            if late:
+                fail(f"rank {self.rank}: no progress for {self.timeout:.0f} s during {self._what} "
+                     "(another rank is stuck or unreachable); stopping "
+                     "(MLXSPEC_DIST_TIMEOUT sets the limit)")
+
+    # -- collectives
+    def sync(self, x: mx.array) -> mx.array:
+        """Rank 0's value of `x` on every rank, lazily (inside the graph)."""
+        self.tick()
+        self.collectives += 1
+        dtype = x.dtype
+        if dtype == mx.bool_:
+            x = x.astype(mx.int32)
+        elif dtype == mx.uint32:
+            x = x.astype(mx.int32)  # token ids < 2**31
+        # The followers' zeros depend on their own x: the forward that computes it (and its
+        # collectives) runs before this one on every rank, in the same order.
+        mine = x if self.leader else mx.depends(mx.zeros_like(x), x)
+        out = mx.distributed.all_sum(mine, group=self.group)
+        return out.astype(dtype) if out.dtype != dtype else out
+
+    def bcast_ints(self, values: list[int] | None, size: int) -> list[int]:
+        """Rank 0's `values` (padded to `size`) on every rank; blocking."""
+        if self.leader:
+            if len(values) > size:
+                raise DistributedFailure(f"packet of {len(values)} values exceeds {size}")
+            data = mx.array(list(values) + [0] * (size - len(values)), mx.int32)
+        else:
+            data = mx.zeros((size,), mx.int32)
+        try:
+            return self.sync(data).tolist()
+        except RuntimeError as e:
+            raise DistributedFailure(lost(self.rank, e)) from None
+
+    def bcast_obj(self, obj=None):
+        """A JSON-able object from rank 0 (two collectives: length, then the bytes)."""
+        raw = json.dumps(obj).encode() if self.leader else b""
+        (n,) = self.bcast_ints([len(raw)], 1)
+        words = (n + 3) // 4
+        vals = None
+        if self.leader:
+            padded = raw + b"\0" * (4 * words - n)
+            vals = [int.from_bytes(padded[i:i + 4], "little", signed=True)
+                    for i in range(0, len(padded), 4)]
+        got = self.bcast_ints(vals, max(words, 1))[:words]
+        data = b"".join(int(v).to_bytes(4, "little", signed=True) for v in got)[:n]
+        return json.loads(data.decode())
+
+
+def lost(rank: int, e: BaseException) -> str:
+    return (f"rank {rank}: lost another rank ({e}); every rank stops "
+            "(see the other ranks' output for the cause)")
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print the error and end this process now (no atexit: pending collectives would hang)."""
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def encode_source(source: str) -> list[int]:
+    raw = source.encode()[:SOURCE_BYTES]
+    return [len(raw)] + list(raw) + [0] * (SOURCE_BYTES - len(raw))
+
+
+def decode_source(vals: list[int]) -> str:
+    n = vals[0]
+    return bytes(vals[1:1 + n]).decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+class SyncedPolicy:
+    """Rank 0's plan on every rank. `local`: every rank computes the same plan itself (FixedK
+    over a cheap, deterministic proposer: the plan is a function of the committed tokens)."""
+
+    def __init__(self, inner, coord: Coordinator, local: bool):
+        self.inner, self.coord, self.local = inner, coord, local
+
+    @property
+    def max_k(self) -> int:
+        return self.inner.max_k
+
+    def plan(self, available: dict[str, int]) -> tuple[str, int]:
+        if self.local:
+            return self.inner.plan(available)
+        source, k = self.inner.plan(available) if self.coord.leader else ("", 0)
+        vals = self.coord.bcast_ints([k] + encode_source(source), 2 + SOURCE_BYTES)
+        return decode_source(vals[1:]), vals[0]
+
+    def observe(self, *args, **kwargs) -> None:
+        self.inner.observe(*args, **kwargs)
+
+    def observe_plain(self, *args, **kwargs) -> None:
+        if hasattr(self.inner, "observe_plain"):
+            self.inner.observe_plain(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class SyncedProposer(Proposer):
+    """Rank 0 proposes; the proposal reaches every rank as a fixed-size packet
+    [n, is_tree, has_verify] + source + tokens + parents + verify flags. With `local` (ngram:
+    deterministic from the committed tokens) every rank proposes itself, no packet; the step's
+    result sync then checks that the drafts agreed."""
+
+    def __init__(self, inner: Proposer, coord: Coordinator, local: bool):
+        self.inner, self.coord, self.local = inner, coord, local
+        self.name = inner.name
+        self.cheap = inner.cheap
+        self.uses_trees = inner.uses_trees
+        self.cache_kind = inner.cache_kind
+        self.adaptive = getattr(inner, "adaptive", False)
+
+    @property
+    def runs_inner(self) -> bool:
+        return self.coord.leader or self.local
+
+    def make_target_cache(self, model):
+        return self.inner.make_target_cache(model)
+
+    def bind_cache(self, cache: list) -> None:
+        self.inner.bind_cache(cache)
+
+    def set_prediction(self, tokens) -> None:
+        self.inner.set_prediction(tokens)
+
+    def reset(self, prompt, sampling) -> None:
+        if self.runs_inner:  # a draft model prefills on rank 0 only
+            self.inner.reset(prompt, sampling)
+
+    def available(self, context, cap):
+        if self.runs_inner:
+            return self.inner.available(context, cap)
+        return {self.name: cap}  # unused: the plan comes from rank 0
+
+    def propose(self, context, num_draft, key, source=None):
+        if self.local:
+            p = self.inner.propose(context, num_draft, key, source=source)
+            if not self.coord.leader:
+                self._own = p.tokens.tolist() if p is not None and not p.is_tree else None
+            return p
+        p = None
+        if self.coord.leader:
+            p = self.inner.propose(context, num_draft, key, source=source)
+            n = len(p) if p is not None else 0
+            if n > MAX_NODES:
+                raise DistributedFailure(f"a proposal of {n} tokens exceeds the packet "
+                                         f"({MAX_NODES}); use a smaller k or tree budget")
+            vals = [n, int(p is not None and p.is_tree), int(p is not None and p.verify is not None)]
+            vals += encode_source(p.source if p is not None else "")
+            if n:
+                vals += p.tokens.tolist()
+                if p.is_tree:
+                    vals += [q + 1 for q in p.parents]
+                if p.verify is not None:
+                    vals += [int(v) for v in p.verify]
+            self.coord.bcast_ints(vals, 3 + 1 + SOURCE_BYTES + 3 * MAX_NODES)
+            return p
+        vals = self.coord.bcast_ints(None, 3 + 1 + SOURCE_BYTES + 3 * MAX_NODES)
+        n, is_tree, has_verify = vals[:3]
+        source = decode_source(vals[3:4 + SOURCE_BYTES])
+        if n == 0:
+            return None
+        at = 4 + SOURCE_BYTES
+        tokens = vals[at:at + n]
+        at += n
+        parents = verify = None
+        if is_tree:
+            parents = [q - 1 for q in vals[at:at + n]]
+            at += n
+        if has_verify:
+            verify = [bool(v) for v in vals[at:at + n]]
+        # No draft probabilities here: rank 0's verification result is the one every rank uses.
+        return Proposal(tokens=mx.array(tokens, mx.uint32), source=source, parents=parents,
+                        verify=verify)
+
+    def update(self, context, num_accepted) -> None:
+        own, self._own = getattr(self, "_own", None), None
+        if own is not None and num_accepted and (
+                own[:num_accepted] != context[-1 - num_accepted:-1]):
+            raise DistributedFailure(f"rank {self.coord.rank}: its {self.name} draft differs "
+                                     "from rank 0's (a non-deterministic proposer)")
+        if self.runs_inner:
+            self.inner.update(context, num_accepted)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def _engine_class():
+    from .engine import Engine, PromptCache
+    from .policy import FixedK
+
+    class DistributedEngine(Engine):
+        """An Engine over a sharded target whose generations every rank runs in step."""
+
+        def __init__(self, *args, coordinator: Coordinator, **kwargs):
+            self.coord = coordinator
+            self._wrapped: dict[int, object] = {}
+            self.slot_id = 0
+            self._next_slot = 1
+            super().__init__(*args, **kwargs)
+            self.sync = coordinator.sync
+
+        def clone(self):
+            other = DistributedEngine(
+                self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
+                num_draft=self.num_draft if self.num_draft_set else None, config=self.config,
+                name=self.name, max_context=self.max_context,
+                prefill_step_size=self.prefill_step_size, adaptive=self.adaptive,
+                draft_source=self.draft_source, coordinator=self.coord)
+            other.set_mode(self.mode, **self.mode_options)
+            other.slot_id, self._next_slot = self._next_slot, self._next_slot + 1
+            return other
+
+        def proposer_for(self, mode: str, **mode_options):
+            check_mode(mode)
+            inner = super().proposer_for(mode, **mode_options)
+            if inner is None or isinstance(inner, SyncedProposer):
+                return inner
+            if id(inner) not in self._wrapped:
+                local = mode == "ngram"
+                self._wrapped[id(inner)] = (inner, SyncedProposer(inner, self.coord, local))
+            return self._wrapped[id(inner)][1]
+
+        def wrap_policy(self, policy, proposer):
+            if policy is None or isinstance(policy, SyncedPolicy):
+                return policy
+            local = (type(policy) is FixedK and isinstance(proposer, SyncedProposer)
+                     and proposer.local)
+            return SyncedPolicy(policy, self.coord, local)
+
+        def policy_for(self, proposer):
+            policy = super().policy_for(proposer)
+            key = ("policy", id(policy))
+            if key not in self._wrapped:
+                self._wrapped[key] = (policy, self.wrap_policy(policy, proposer))
+            return self._wrapped[key][1]
+
+        def stream_steps(self, prompt, **kwargs):
+            """On rank 0: the generation, mirrored on every rank (see `follow`)."""
+            if not self.coord.leader:
+                raise MlxspecError("stream_steps runs on rank 0 only; the other ranks follow")
+            return Mirrored(self, prompt, kwargs)
+
+        def run_local(self, prompt, kwargs):
+            """The generation itself (every rank, in step)."""
+            mode = kwargs.get("mode") or self.mode
+            policy = kwargs.pop("policy", None)
+            if policy is not None:
+                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+                kwargs["policy"] = self.wrap_policy(policy, proposer)
+            if kwargs.get("prompt_cache") is not None:
+                # The server's prompt-cache store lives on rank 0 only: every rank starts
+                # from a fresh cache (prefix reuse across server requests is not mirrored).
+                kwargs["prompt_cache"] = PromptCache()
+            return Engine.stream_steps(self, prompt, **kwargs)
+
+    return DistributedEngine
+
+
+_ENGINE_CLASS = None
+
+
+def engine_class():
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        _ENGINE_CLASS = _engine_class()
+    return _ENGINE_CLASS
+
+
+# ----------------------------------------------------------------------------- mirroring
+
+OPEN, STEP, CLOSE, EXIT = 1, 2, 3, 4
+_gen_ids = iter(range(1, 1 << 30))
+
+
+def _request(engine, prompt, kwargs) -> dict:
+    """What a follower needs to run the same generation: JSON-able."""
+    kw = dict(kwargs)
+    kw.pop("progress", None)
+    policy = kw.pop("policy", None)
+    kw.pop("prompt_cache", None)
+    if kw.get("seed", 0) is None:  # one seed for every rank
+        kw["seed"] = time.time_ns() % 2**31
+    prediction = kw.get("prediction")
+    if prediction is not None and not isinstance(prediction, str):
+        kw["prediction"] = [int(t) for t in prediction]
+    return {"prompt": engine.encode(prompt), "kwargs": kw, "mode": engine.mode,
+            "mode_options": engine.mode_options,
+            "num_draft": engine.num_draft if engine.num_draft_set else None,
+            "policy": None if policy is None else _policy_spec(policy),
+            "cache": kwargs.get("prompt_cache") is not None, "slot": engine.slot_id}
+
+
+def _policy_spec(policy) -> dict | None:
+    from .policy import AdaptiveK, FixedK
+
+    if type(policy) is FixedK:
+        return {"kind": "fixed", "k": policy.num_draft}
+    if type(policy) is AdaptiveK:
+        return {"kind": "adaptive", "max_k": policy.max_k}
+    return {"kind": "other"}
+
+
+def _policy_from(spec):
+    from .policy import AdaptiveK, FixedK
+
+    if spec is None:
+        return None
+    if spec["kind"] == "fixed":
+        return FixedK(spec["k"])
+    return AdaptiveK(max_k=spec.get("max_k", 8))  # its plan comes from rank 0 anyway
+
+
+class Mirrored:
+    """Rank 0's side of one generation: a generator that tells the followers to open, step and
+    close the same generation as it does each of these."""
+
+    def __init__(self, engine, prompt, kwargs):
+        self.engine, self.coord = engine, engine.coord
+        self.prompt, self.kwargs = prompt, kwargs
+        self.gid = next(_gen_ids)
+        self.inner: Iterator | None = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def _send(self, op: int, payload=None) -> None:
+        self.coord.bcast_ints([op, self.gid], 2)
+        if payload is not None:
+            self.coord.bcast_obj(payload)
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        try:
+            if self.inner is None:
+                self.coord.arm("a generation")
+                request = _request(self.engine, self.prompt, self.kwargs)
+                self._send(OPEN, request)
+                kwargs = dict(self.kwargs)
+                kwargs["seed"] = request["kwargs"].get("seed", 0)
+                self.inner = self.engine.run_local(self.prompt, kwargs)
+            self._send(STEP)
+            self.coord.tick()
+            return next(self.inner)
+        except StopIteration:
+            self.done = True
+            self.coord.disarm()
+            raise
+        except DistributedFailure:
+            raise
+        except MlxspecError:  # a bad request: every rank raises it at the same point
+            self.done = True
+            self.coord.disarm()
+            raise
+        except RuntimeError as e:
+            raise DistributedFailure(lost(self.coord.rank, e)) from None
+
+    def close(self) -> None:
+        if self.inner is not None and not self.done:
+            self.done = True
+            try:
+                self._send(CLOSE)
+                self.inner.close()
+            except RuntimeError as e:
+                raise DistributedFailure(lost(self.coord.rank, e)) from None
+            finally:
+                self.coord.disarm()
+
+
+def follow(engine) -> None:
+    """A follower rank's whole life: run rank 0's generations in step until it says stop."""
+    coord = engine.coord
+    gens: dict[int, Iterator] = {}
+    slots = {0: engine}
+    while True:
+        try:
+            op, gid = coord.bcast_ints(None, 2)
+            if op == EXIT:
+                return
+            if op == OPEN:
+                req = coord.bcast_obj()
+                coord.arm("a generation")
+                slot = slots.get(req["slot"])
+                if slot is None:
+                    slot = slots[req["slot"]] = engine.clone()
+                if req["mode"] != slot.mode or req["mode_options"] != slot.mode_options or (
+                        req["num_draft"] is not None and req["num_draft"] != slot.num_draft):
+                    slot.set_mode(req["mode"], num_draft=req["num_draft"], **req["mode_options"])
+                kwargs = dict(req["kwargs"])
+                if req["policy"] is not None:
+                    kwargs["policy"] = _policy_from(req["policy"])
+                if req["cache"]:
+                    kwargs["prompt_cache"] = True  # replaced by a fresh cache in run_local
+                gens[gid] = slot.run_local(req["prompt"], kwargs)
+            elif op == STEP:
+                gen = gens.get(gid)
+                try:
+                    next(gen)
+                    coord.tick()
+                except StopIteration:
+                    gens.pop(gid, None)
+                except MlxspecError as e:  # rank 0 hits the same error and reports it
+                    if isinstance(e, DistributedFailure):
+                        raise
+                    gens.pop(gid, None)
+                if not gens:
+                    coord.disarm()
+            elif op == CLOSE:
+                gen = gens.pop(gid, None)
+                if gen is not None:
+                    gen.close()
+                if not gens:
+                    coord.disarm()
+        except RuntimeError as e:
+            fail(lost(coord.rank, e))
+        except DistributedFailure as e:
+            fail(str(e))
+
+
+def finish(engine) -> None:
+    """Rank 0: tell the followers to stop (at exit)."""
+    coord = engine.coord
+    if coord.leader and not getattr(coord, "finished", False):
+        coord.finished = True
+        try:
+            coord.bcast_ints([EXIT, 0], 2)
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------- checks, loading
+
+
+def check_mode(mode: str) -> None:
+    if mode == "quantspec":
+        raise MlxspecError(
+            "mode 'quantspec' cannot run sharded yet (its 4-bit draft would pay every round trip "
+            f"of the target); with --distributed use one of: {', '.join(SHARDED_MODES[1:])}")
+
+
+def choose_strategy(config: dict, size: int, strategy: str) -> str:
+    """'tensor' or 'pipeline' for this architecture over `size` ranks, or a clear refusal;
+    needs only config.json (nothing is loaded)."""
+    from mlx_lm.utils import _get_classes
+
+    if strategy not in STRATEGIES:
+        raise MlxspecError(f"--distributed must be one of {', '.join(STRATEGIES)}, "
+                           f"got {strategy!r}")
+    try:
+        model_cls, args_cls = _get_classes(config)
+    except ValueError as e:
+        raise MlxspecError(f"cannot shard: {e}") from None
+    model = model_cls(args_cls.from_dict(config))  # lazy: no weights are computed
+    arch = config.get("model_type", "?")
+    can_tensor = hasattr(model, "shard")
+    can_pipe = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    if not can_tensor and not can_pipe:
+        raise MlxspecError(
+            f"architecture {arch!r} can be neither tensor- nor pipeline-sharded by mlx-lm (it has "
+            "no shard() and no pipeline()): run it on one machine, or use an architecture such "
+            "as llama, qwen2, qwen3, mistral or deepseek_v3")
+    if strategy == "auto":
+        strategy = "tensor" if can_tensor else "pipeline"
+    if strategy == "tensor" and not can_tensor:
+        raise MlxspecError(f"architecture {arch!r} has no tensor parallelism in mlx-lm: use "
+                           "--distributed pipeline")
+    if strategy == "pipeline" and not can_pipe:
+        raise MlxspecError(f"architecture {arch!r} has no pipeline parallelism in mlx-lm: use "
+                           "--distributed tensor")
+    if strategy == "tensor":
+        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = config.get(field)
+            if isinstance(value, int) and value % size:
+                works = [n for n in range(2, value + 1) if value % n == 0 and all(
+                    not isinstance(config.get(f), int) or config[f] % n == 0
+                    for f in ("num_attention_heads", "num_key_value_heads", "intermediate_size"))]
+                hint = (f"use {', '.join(map(str, works[:4]))} ranks" if works
+                        else "no rank count divides it")
+                if can_pipe:
+                    hint += ", or --distributed pipeline"
+                raise MlxspecError(f"{field} = {value} is not divisible by {size} ranks, so the "
+                                   f"model cannot be tensor-sharded over them: {hint}")
+    else:
+        layers = config.get("num_hidden_layers", 0)
+        if layers < size:
+            raise MlxspecError(f"the model has {layers} layers, fewer than {size} ranks: "
+                               "pipeline parallelism needs one layer per rank at least")
+    return strategy
+
+
+def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
+         num_draft: int | None = None, strategy: str = "auto", adaptive: bool = False,
+         max_context: int | None = None, coordinator: Coordinator | None = None,
+         **mode_options):
+    """`mlxspec.load` for a rank of a sharded run. With one process: exactly `load`."""
+    from . import backend, loading
+    from .models import model_pair_paths
+
+    loading._check_mode(mode)
+    check_mode(mode)
+    if num_draft is not None:
+        loading._check_num_draft(num_draft)
+    group = coordinator.group if coordinator is not None else init_group()
+    if group.size() == 1:
+        return loading.load(model, mode=mode, draft=draft, num_draft=num_draft,
+                            adaptive=adaptive, max_context=max_context, **mode_options)
+    pair = model_pair_paths(model) if model else None
+    pair_draft = None
+    if pair is not None:
+        model, pair_draft = str(pair[0]), pair[1]
+    path = loading.resolve_model_path(model)
+    draft_path = None
+    if draft is not None:
+        draft_path = loading.resolve_model_path(draft)
+    elif pair_draft is not None:
+        draft_path = pair_draft
+    elif model is None:
+        from .models import bundled_model_path
+
+        try:
+            draft_path = bundled_model_path("draft")
+        except FileNotFoundError:
+            pass
+    if mode == "draft" and draft_path is None:
+        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise MlxspecError(f"{path}: cannot read config.json: {e}") from None
+    strategy = choose_strategy(config, group.size(), strategy)  # refused before loading
+    net, tokenizer = sharded_load(path, group, strategy)
+    dtype = backend.compute_dtype()
+    if dtype is not None:
+        net.set_dtype(dtype)
+    coord = coordinator or Coordinator(group)
+    coord.strategy = strategy
+    name = model if model is not None else f"bundled:{path.name}"
+    engine = engine_class()(net, tokenizer, mode="none", num_draft=num_draft, config=config,
+                            name=name, max_context=max_context, adaptive=adaptive,
+                            draft_source=draft_path, coordinator=coord)
+    if draft_path is not None and mode in ("draft", "auto"):
+        engine.draft_model = loading.load_draft(draft_path, engine)  # whole, on every rank
+    engine.set_mode(mode, **mode_options)
+    return engine
+
+
+def sharded_load(path, group, strategy: str):
+    """mlx-lm's `sharded_load`; a pipeline over a checkpoint without a weight index (one
+    model.safetensors) is split the same way after a lazy load."""
+    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import sharded_load as mlx_sharded_load
+
+    if strategy == "pipeline" and not (path / "model.safetensors.index.json").exists():
+        net, config = load_model(path, lazy=True, strict=False)
+        net.model.pipeline(group)
+        mx.eval(net.parameters())
+        tokenizer = load_tokenizer(path, {"trust_remote_code": True},
+                                   eos_token_ids=config.get("eos_token_id", None))
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))
+        return net, tokenizer
+    groups = {"tensor_group": group} if strategy == "tensor" else {"pipeline_group": group}
+    try:
+        return mlx_sharded_load(str(path), **groups)
+    except ValueError as e:
+        raise MlxspecError(f"{path}: cannot shard: {e}") from None
+
+
+# ----------------------------------------------------------------------------- the CLI side
+
+
+def cli_engine(model, draft_model, mode, num_draft, strategy: str, quiet: bool = False,
+               **options):
+    """Load for a command run with --distributed. On rank 0 return the engine; on the other
+    ranks run `follow` and exit (they never return to the command)."""
+    import click
+
+    from . import backend
+
+    group = init_group()
+    if group.size() == 1:
+        click.echo("note: --distributed with one process: running on this machine alone "
+                   "(start it with mlx.launch to shard the model)", err=True)
+        return None
+    coord = Coordinator(group)
+    if coord.leader and not quiet:
+        click.echo(f"loading {model or 'the bundled model'} sharded over {coord.size} ranks "
+                   f"(backend {backend.device_name()}, BLAS {backend.blas_in_use})", err=True)
+    try:
+        coord.arm("loading")  # every rank loads; a rank that never arrives trips the watchdog
+        engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft,
+                      strategy=strategy, coordinator=coord, **options)
+        coord.disarm()
+    except RuntimeError as e:
+        fail(lost(coord.rank, e))
+    except MlxspecError as e:  # the same refusal on every rank: rank 0 prints it
+        if coord.leader:
+            raise
+        os._exit(2 if not getattr(e, "fatal", False) else 1)
+    if coord.leader:
+        atexit.register(finish, engine)
+        if not quiet:
+            click.echo(f"sharded: {coord.strategy} parallel over {coord.size} ranks", err=True)
+        return engine
+    follow(engine)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def guarded(fn):
+    """Around a command run with --distributed: a lost rank is one clear error and exit 1
+    (never a traceback, never a hang in the ring backend's teardown)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DistributedFailure as e:
+            fail(str(e))
+        except RuntimeError as e:
+            if "[ring]" in str(e) or "[jaccl]" in str(e) or "distributed" in str(e):
+                fail(lost(int(os.environ.get("MLX_RANK", 0)), e))
+            raise
+
+    return wrapper
