@@ -495,8 +495,9 @@ class Mirrored:
                 self.coord.disarm()
 
 
-def follow(engine) -> None:
-    """A follower rank's whole life: run rank 0's generations in step until it says stop."""
+def follow(engine, on_step=None) -> None:
+    """A follower rank's whole life: run rank 0's generations in step until it says stop.
+    `on_step(gid, output)` sees each step's output (tests: the tokens every rank commits)."""
     coord = engine.coord
     gens: dict[int, Iterator] = {}
     slots = {0: engine}
@@ -523,8 +524,10 @@ def follow(engine) -> None:
             elif op == STEP:
                 gen = gens.get(gid)
                 try:
-                    next(gen)
+                    out = next(gen)
                     coord.tick()
+                    if on_step is not None:
+                        on_step(gid, out)
                 except StopIteration:
                     gens.pop(gid, None)
                 except MlxspecError as e:  # rank 0 hits the same error and reports it
