@@ -3,7 +3,9 @@
 One step (`step.decode_step`): the policy picks a source and k from what the proposer offers,
 the proposer proposes, one target forward verifies exactly, the rejected tokens are rolled back.
 The cache always holds every committed token but the last, so the next step starts by feeding
-that one. Plain decoding (`none`) runs pipelined, as mlx-lm does.
+that one. Plain decoding runs pipelined, as mlx-lm does: all of `none`, and inside every
+speculative mode each stretch where the policy wants no proposal (`plain_stretch`), which ends
+as soon as the proposer offers something the policy wants.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
     queued = None  # (checkpoint, token array) of a step queued past the last emitted token
     try:
         for n in range(1, max_tokens + 1):
+            queued = None
             if n < max_tokens:
                 queued = caches.checkpoint(cache), y
                 next_y = step(y, keys[n])

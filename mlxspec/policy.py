@@ -277,10 +277,12 @@ class AdaptiveK:
             self.probes.pop(source, None)
             return
         p = self.probes.get(source)
-        interval = min(2 * p.interval, self.probe_max) if p and failed_probe else self.probe_every
-        # A probe costs its time beyond plain decoding; keep that under probe_budget.
-        k = self.probe_k
-        loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
-        if failed_probe:
+        if p is not None and not failed_probe:  # all accepted: look again soon
+            interval = self.probe_every
+        else:
+            interval = min(2 * p.interval, self.probe_max) if p else self.probe_every
+            # A probe costs its time beyond plain decoding; keep that under probe_budget.
+            k = self.probe_k
+            loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
             interval = max(interval, min(loss / self.probe_budget, self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)
