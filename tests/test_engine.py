@@ -117,15 +117,17 @@ def test_rollback_leaves_cache_as_fresh_prefill(arch, seed):
         assert mx.allclose(k1, k2, atol=1e-4).item() and mx.allclose(v1, v2, atol=1e-4).item()
 
 
-def test_prompt_cache_reuse_is_exact():
+@pytest.mark.parametrize("mode", ["ngram", "none", "auto"])
+def test_prompt_cache_reuse_is_exact(mode):
+    """Also after a pipelined stretch ran to max_tokens (its last step is never queued)."""
     target, _ = build_model("llama", seed=3, scale=4.0)
-    engine = make_engine(target, "ngram")
+    engine = make_engine(target, mode)
     first = prompts(1, seed=5)[0]
     out = engine.generate(first, max_tokens=20)
     follow = first + out.tokens + [7, 8, 9]
     reused = engine.generate(follow, max_tokens=20)
     assert reused.stats.cached_tokens >= len(first)
-    fresh = make_engine(target, "ngram").generate(follow, max_tokens=20)
+    fresh = make_engine(target, mode).generate(follow, max_tokens=20)
     assert fresh.stats.cached_tokens == 0
     assert reused.tokens == fresh.tokens
 
