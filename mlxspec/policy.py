@@ -21,7 +21,9 @@ larger than `t_plain`; both are measured, never assumed (the priors only start t
 While an arm is switched off it is probed (`probe_k` tokens) on a schedule set by measured
 goodput: every `probe_every` tokens at first, twice as rarely after each probe that leaves it
 off (up to `probe_max`), and never more often than keeps the probes' expected loss (time
-beyond plain decoding, in tokens) under `probe_budget` of the tokens decoded.
+beyond plain decoding, in tokens) under `probe_budget` of the tokens decoded (so an expensive
+source such as the draft model is probed every several hundred tokens, an n-gram arm every few
+dozen); soon again after a probe that was all accepted.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class AdaptiveK:
     plain_every: int = 128  # refresh t_plain after this many speculative steps without a stretch
     probe_every: int = 16  # tokens between probes of a switched-off arm, at first
     probe_max: int = 256
-    probe_budget: float = 0.01
+    probe_budget: float = 0.005
     probe_k: int = 2
     outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
     switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
@@ -284,5 +286,5 @@ class AdaptiveK:
             # A probe costs its time beyond plain decoding; keep that under probe_budget.
             k = self.probe_k
             loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
-            interval = max(interval, min(loss / self.probe_budget, self.probe_max))
+            interval = max(interval, min(loss / self.probe_budget, 4 * self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)

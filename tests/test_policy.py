@@ -145,7 +145,7 @@ def test_the_engine_reprobes_a_switched_off_source():
     draft, _ = build_model("llama", seed=23, layers=1, scale=4.0)
     engine = make_engine(target, "draft", draft_model=draft, num_draft=4, adaptive=True)
     policy = engine.policy
-    policy.probe_every, policy.probe_max = 8, 64
+    policy.probe_every, policy.probe_max, policy.probe_budget = 8, 64, 0.05
     drafted_at = []
     observe = policy.observe
 
