@@ -108,7 +108,7 @@ def test_chat_terminal_session(model_dirs, tmp_path):
     try:
         # A reply streams and is followed by the stats line.
         child.sendline("hello there")
-        child.expect(STATS + r".* tok/forward .* mode ngram")
+        child.expect(STATS + r".* tok/forward .* mode auto")  # the default mode
         child.expect_exact(">>> ")
         # /mode switches without reloading.
         child.sendline("/mode none")
@@ -127,7 +127,7 @@ def test_chat_terminal_session(model_dirs, tmp_path):
         child.expect_exact(">>> ")
         # /stats has the session totals; /save writes valid JSON.
         child.sendline("/stats")
-        child.expect(r"replies\s+3 \(0 interrupted; by mode: ngram 1, none 2\)")
+        child.expect(r"replies\s+3 \(0 interrupted; by mode: auto 1, none 2\)")
         child.expect_exact(">>> ")
         saved = tmp_path / "conv.json"
         child.sendline(f"/save {saved}")

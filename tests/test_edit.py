@@ -396,7 +396,7 @@ def test_cli_edit_json_on_a_real_model(model_dirs, tmp_path):
                                   "--model", str(model_dirs["llama"]), "--max-tokens", "16"])
     assert r.exit_code in (0, 1), r.output  # 1: a random model's answer is cut at 16 tokens
     payload = json.loads(r.stdout.strip().splitlines()[-1])
-    assert payload["path"] == str(path) and payload["stats"]["mode"] == "ngram"
+    assert payload["path"] == str(path) and payload["stats"]["mode"] == "auto"  # the default
     assert payload["stats"]["generated_tokens"] <= 16
     assert path.read_text() == SMALL
 

@@ -76,7 +76,7 @@ def model_options(fn):
         click.option("--draft-model", default=None,
                      help="Draft model for --mode draft (default with the bundled model or a pair: "
                           "its draft)."),
-        click.option("--mode", type=click.Choice(MODES), default="ngram", show_default=True,
+        click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
                      help="Speculation mode."),
         click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4,
                      show_default=True, callback=in_range(1, MAX_NUM_DRAFT),

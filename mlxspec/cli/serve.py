@@ -12,9 +12,9 @@ from ..errors import MlxspecError
 from ..proposers import MODES
 from .common import exits_cleanly, load_engine
 
-# Prompt lookup: free, and it pays on input-grounded work. `auto` becomes the default once it
-# meets its figures in `mlxspec bench` (README, Performance); it does not yet.
-DEFAULT_MODE = "ngram"
+# Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
+# else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
+DEFAULT_MODE = "auto"
 
 
 def parse_size(text: str) -> int:
