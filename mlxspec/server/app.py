@@ -15,6 +15,7 @@ import queue
 import re
 import select
 import socket
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -129,9 +130,22 @@ class AccessPolicy:
         return origin.strip() if self.origin_allowed(origin) else None
 
 
+OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; "
+                 b"charset=utf-8\r\nRetry-After: 1\r\nConnection: close\r\n"
+                 b"Content-Length: %d\r\n\r\n%s")
+
+
 class MlxspecHTTPServer(ThreadingHTTPServer):
+    """The HTTP server: a handler thread per connection, up to `max_connections` open at
+    once (beyond that a connection is answered 503 with Retry-After and closed, never reset).
+    The listen backlog takes bursts of a thousand connections. A connection that takes longer
+    than `read_timeout` to send its request (headers and body; an idle keep-alive connection
+    too) is closed, so slow or stuck clients cannot hold handler threads; a client that does
+    not read its answer for `write_timeout` is dropped and its job cancelled."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024  # the listen backlog (the standard library's is 5)
 
     def __init__(self, address, engine: Engine, *, spec_max_concurrency: int = 2,
                  max_batch: int = 8, max_queue: int = 64, cache_bytes: int = 2 << 30,
@@ -141,7 +155,9 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
                  model_name: str | None = None, model_aliases: tuple[str, ...] = (),
                  accept_any_model: bool = False, api_key: str | None = None,
-                 log_prompts: bool = False):
+                 log_prompts: bool = False, max_connections: int = 512,
+                 read_timeout: float = 30.0, write_timeout: float = 30.0,
+                 request_timeout: float | None = None, send_buffer_bytes: int | None = None):
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -149,6 +165,14 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.engine = engine
         self.metrics = Metrics()
         self.max_body_bytes = max_body_bytes
+        self.max_connections = max_connections
+        self.read_timeout, self.write_timeout = read_timeout, write_timeout
+        self.send_buffer_bytes = send_buffer_bytes
+        # Open connections: socket -> [phase, since]; phase "read" (waiting for a request, or
+        # reading one) or "busy" (answering). The reaper closes "read" ones past read_timeout.
+        self.conns: dict[socket.socket, list] = {}
+        self.conn_lock = threading.Lock()
+        self._closing = threading.Event()
         self.access = AccessPolicy(host, tuple(allowed_hosts), tuple(cors_origins))
         self.api_key = api_key
         self.log_prompts = log_prompts
@@ -175,8 +199,9 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.worker = Worker(engine, spec_max_concurrency=spec_max_concurrency,
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
-                             metrics=self.metrics)
+                             metrics=self.metrics, request_timeout=request_timeout)
         self.worker.start()
+        threading.Thread(target=self._reap, name="mlxspec-reaper", daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -185,13 +210,108 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self._closing.set()
         self.worker.stop()
         self.worker.join(timeout=10)
+
+    # -- connections
+    def open_connections(self) -> int:
+        with self.conn_lock:
+            return len(self.conns)
+
+    def busy_connections(self) -> int:
+        with self.conn_lock:
+            return sum(1 for phase, _ in self.conns.values() if phase == "busy")
+
+    def mark(self, sock: socket.socket, phase: str) -> None:
+        with self.conn_lock:
+            if sock in self.conns:
+                self.conns[sock] = [phase, time.monotonic()]
+
+    def process_request(self, request, client_address) -> None:
+        with self.conn_lock:
+            over = len(self.conns) >= self.max_connections
+            if not over:
+                self.conns[request] = ["read", time.monotonic()]
+        if over:
+            self.metrics.rejected("connections")
+            threading.Thread(target=self._turn_away, args=(request,), daemon=True).start()
+            return
+        if self.send_buffer_bytes:
+            request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+        super().process_request(request, client_address)
+
+    def _turn_away(self, sock: socket.socket) -> None:
+        """Over max_connections: a 503 with Retry-After, then read what the client sends
+        until it closes (closing with unread data would reset the connection)."""
+        body = dumps(ApiError(503, f"the server has {self.max_connections} connections open "
+                                   "(--max-connections); retry shortly", type="server_busy",
+                              code="too_many_connections").body()).encode()
+        try:
+            sock.settimeout(2.0)
+            sock.sendall(OVER_CAPACITY % (len(body), body))
+            sock.shutdown(socket.SHUT_WR)
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end and sock.recv(65536):
+                pass
+        except OSError:
+            pass
+        finally:
+            super().shutdown_request(sock)
+
+    def shutdown_request(self, request) -> None:
+        with self.conn_lock:
+            self.conns.pop(request, None)
+        super().shutdown_request(request)
+
+    def _reap(self) -> None:
+        """Close connections that have been sending a request (or idling) too long."""
+        while not self._closing.wait(min(0.25, self.read_timeout / 4)):
+            now = time.monotonic()
+            with self.conn_lock:
+                late = [s for s, (phase, since) in self.conns.items()
+                        if phase == "read" and now - since > self.read_timeout]
+                for s in late:
+                    self.conns[s] = ["reaped", now]
+            for s in late:
+                self.metrics.timed_out("read")
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # the handler's read returns at once
+                except OSError:
+                    pass
+
+    def drain(self, grace: float, stopping_server: bool = True) -> bool:
+        """Graceful shutdown: stop accepting, refuse new requests (503), let running ones
+        finish for up to `grace` seconds, then end the rest with their partial answers
+        (finish_reason "shutdown", a clean end of stream). True if all finished in time.
+        A KeyboardInterrupt while waiting (a second Ctrl-C) ends them at once."""
+        self.worker.draining = True
+        if stopping_server:
+            super().shutdown()  # serve_forever has returned (or returns now)
+        self.socket.close()
+        finished = True
+        try:
+            end = time.monotonic() + grace
+            while not self.worker.idle() and time.monotonic() < end:
+                time.sleep(0.02)
+        except KeyboardInterrupt:
+            pass
+        if not self.worker.idle():
+            finished = False
+            self.worker.end_all("shutdown")
+        # Let the handlers write the last events (a job's final chunk) before the worker goes.
+        end = time.monotonic() + 5.0
+        while (not self.worker.idle() or self.busy_connections()) and time.monotonic() < end:
+            time.sleep(0.02)
+        self._closing.set()
+        self.worker.stop()
+        self.worker.join(timeout=10)
+        return finished
 
     def handle_error(self, request, client_address) -> None:  # quiet about vanished clients
         import sys
 
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
             return
         super().handle_error(request, client_address)
 
@@ -227,9 +347,23 @@ class Handler(BaseHTTPRequestHandler):
     server: MlxspecHTTPServer
     protocol_version = "HTTP/1.1"
     server_version = f"mlxspec/{__version__}"
-    timeout = 600  # idle keep-alive connections are closed after this
-
     _last_check = 0.0
+
+    def setup(self) -> None:
+        # Sends block at most this long (a client not reading its stream is dropped); reads
+        # too, and the server's reaper bounds a whole request's reading by --read-timeout.
+        self.timeout = max(self.server.write_timeout, 0.001)
+        super().setup()
+
+    def handle_one_request(self) -> None:
+        self.server.mark(self.connection, "read")
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok and self.command != "POST":
+            self.server.mark(self.connection, "busy")
+        return ok
 
     def log_message(self, format, *args):  # noqa: A002
         pass  # one line per request is written by log_request, without headers or query
@@ -250,9 +384,11 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- plumbing
     def _headers(self, status: int, content_type: str, length: int | None = None,
-                 close: bool = False) -> None:
+                 close: bool = False, retry_after: int | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
+        if retry_after is not None:
+            self.send_header("Retry-After", str(retry_after))
         self._cors()
         if length is not None:
             self.send_header("Content-Length", str(length))
@@ -261,17 +397,19 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.end_headers()
 
-    def _send_json(self, status: int, body: dict | list, close: bool = False) -> None:
+    def _send_json(self, status: int, body: dict | list, close: bool = False,
+                   retry_after: int | None = None) -> None:
         data = dumps(body).encode()
-        self._headers(status, "application/json; charset=utf-8", len(data), close=close)
+        self._headers(status, "application/json; charset=utf-8", len(data), close=close,
+                      retry_after=retry_after)
         self.wfile.write(data)
         self.wfile.flush()
 
     def _send_error(self, err: ApiError, endpoint: str, close: bool = False) -> None:
         self.server.metrics.request(endpoint, err.status)
         try:
-            self._send_json(err.status, err.body(), close=close)
-        except (BrokenPipeError, ConnectionResetError):
+            self._send_json(err.status, err.body(), close=close, retry_after=err.retry_after)
+        except OSError:  # gone, reset, or not reading (a send timeout)
             self.close_connection = True
 
     def _client_gone(self) -> bool:
@@ -303,7 +441,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError as e:  # gone, or not reading for --write-timeout
+            if isinstance(e, TimeoutError):
+                self.server.metrics.timed_out("write")
             raise ClientGone from None
 
     # -- verbs
@@ -385,6 +525,10 @@ class Handler(BaseHTTPRequestHandler):
                 "mlxspec_requests_batched_active": (
                     "Requests in the batch of plain decoding.", len(w.batch_jobs)),
                 "mlxspec_requests_queued": ("Requests waiting for the worker.", w.inbox.qsize()),
+                "mlxspec_connections_open": ("Open HTTP connections (--max-connections).",
+                                             srv.open_connections()),
+                "mlxspec_connections_busy": ("Connections being answered.",
+                                             srv.busy_connections()),
                 "mlxspec_prompt_cache_entries": ("Prompt caches kept.", len(w.cache.entries)),
                 "mlxspec_prompt_cache_bytes": ("Bytes held by kept prompt caches.",
                                                w.cache.nbytes()),
@@ -448,12 +592,13 @@ class Handler(BaseHTTPRequestHandler):
         start = time.perf_counter()
         try:
             body = self._read_body()
+            self.server.mark(self.connection, "busy")
             if self.server.log_prompts:
                 log.info("%s %s request: %s", self.address_string(), path, dumps(body))
             req = getattr(self.server.parser, "fim_completion" if kind == "fim" else kind)(body)
             job = self.server.worker.submit(req) if req.n_cmpl == 1 else self._submit_many(req)
         except ApiError as e:
-            self._send_error(e, path, close=e.status in (411, 413))
+            self._send_error(e, path, close=e.status in (408, 411, 413))
             return
         except Exception as e:  # a bug: answer 500 and keep serving
             log.exception("request parsing failed")
@@ -476,9 +621,10 @@ class Handler(BaseHTTPRequestHandler):
         """/tokenize, /detokenize, /apply-template: tokenizer work, answered here."""
         try:
             body = self._read_body()
+            self.server.mark(self.connection, "busy")
             answer = getattr(self.server.parser, UTILITY_ROUTES[path])(body)
         except ApiError as e:
-            self._send_error(e, path, close=e.status in (411, 413))
+            self._send_error(e, path, close=e.status in (408, 411, 413))
             return
         except Exception as e:  # a bug: answer 500 and keep serving
             log.exception("%s failed", path)
@@ -504,7 +650,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(413, f"the request body is {n} bytes; the limit is "
                                 f"{self.server.max_body_bytes} bytes (--max-body-bytes)",
                            code="body_too_large")
-        raw = self.rfile.read(n)
+        try:
+            raw = self.rfile.read(n)
+        except OSError:
+            raw = b""
+        if len(raw) < n:  # the client stopped sending, or --read-timeout closed it
+            raise ApiError(408, f"the body ended after {len(raw)} of {n} bytes (a request must "
+                                f"arrive within --read-timeout, {self.server.read_timeout:g} s)",
+                           code="request_timeout")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -528,7 +681,7 @@ class Handler(BaseHTTPRequestHandler):
                 ev = self._next_event(job)
             try:
                 self._send_json(200, self._final_body(kind, req, "".join(text), ev))
-            except (BrokenPipeError, ConnectionResetError):
+            except OSError:
                 raise ClientGone from None
             return 200
         self._headers(200, "text/event-stream; charset=utf-8", close=True)
@@ -591,14 +744,14 @@ class Handler(BaseHTTPRequestHandler):
                       zip(results, group.jobs * (group.n // len(group.jobs))))]
         try:
             self._send_json(200, bodies)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:
             raise ClientGone from None
         return 200
 
     def _answer_error(self, err: ApiError) -> int:
         try:
-            self._send_json(err.status, err.body())
-        except (BrokenPipeError, ConnectionResetError):
+            self._send_json(err.status, err.body(), retry_after=err.retry_after)
+        except OSError:
             raise ClientGone from None
         return err.status
 

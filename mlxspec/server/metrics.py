@@ -52,6 +52,8 @@ class Metrics:
         self.disconnects = 0
         self.cancels = 0
         self.failures = 0
+        self.rejections: dict[str, int] = defaultdict(int)  # 503s by reason
+        self.timeouts: dict[str, int] = defaultdict(int)  # by kind: request, read, write
 
     # -- recording (handlers and the worker)
     def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
@@ -84,6 +86,14 @@ class Metrics:
     def cancelled(self) -> None:
         with self.lock:
             self.cancels += 1
+
+    def rejected(self, reason: str) -> None:
+        with self.lock:
+            self.rejections[reason] += 1
+
+    def timed_out(self, kind: str) -> None:
+        with self.lock:
+            self.timeouts[kind] += 1
 
     def failed(self) -> None:
         with self.lock:
@@ -134,6 +144,17 @@ class Metrics:
                    [f"mlxspec_client_disconnects_total {self.disconnects}"])
             metric("mlxspec_failed_generations_total", "counter", "Generations that failed.",
                    [f"mlxspec_failed_generations_total {self.failures}"])
+            metric("mlxspec_rejected_requests_total", "counter",
+                   "Requests answered 503 by reason (queue_full, connections, shutting_down).",
+                   [f'mlxspec_rejected_requests_total{{reason="{r}"}} {self.rejections[r]}'
+                    for r in sorted({"queue_full", "connections", "shutting_down",
+                                     *self.rejections})])
+            metric("mlxspec_timeouts_total", "counter",
+                   "Timeouts by kind: request (--request-timeout ended a generation), read (a "
+                   "client too slow sending its request), write (a client not reading its "
+                   "answer).",
+                   [f'mlxspec_timeouts_total{{kind="{k}"}} {self.timeouts[k]}'
+                    for k in sorted({"request", "read", "write", *self.timeouts})])
             lat = []
             for e, h in sorted(self.latency.items()):
                 lat += h.lines("mlxspec_request_duration_seconds", f'endpoint="{e}"')

@@ -18,8 +18,9 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str | None = None,
                  param: str | None = None, code: str | None = None,
-                 extra: dict | None = None):
+                 extra: dict | None = None, retry_after: int | None = None):
         super().__init__(message)
+        self.retry_after = retry_after  # seconds, sent as a Retry-After header
         self.status = status
         self.message = message
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
@@ -726,8 +727,9 @@ def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | No
     body: dict[str, Any] = {"index": index, "content": text, "tokens": [], "id_slot": 0,
                             "stop": usage is not None, "model": req.model}
     if usage is not None:
-        stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit"}.get(
-            finish or "", "none")
+        # A generation ended by --request-timeout or by shutdown is cut short, as a limit.
+        stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit",
+                     "timeout": "limit", "shutdown": "limit"}.get(finish or "", "none")
         # llama.cpp's `truncated`: the prompt was shortened, or generation ran into the end
         # of the context.
         out_of_context = (finish == "length" and req.context_limited

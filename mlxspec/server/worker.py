@@ -32,6 +32,7 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
+from ..stopstrings import StopMatcher
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
@@ -78,6 +79,7 @@ class Job:
     prefilled_here: int = 0
     prefill_seconds: float = 0.0
     indent: IndentStop | None = None
+    deadline: float | None = None  # perf_counter time after which it ends ("timeout")
 
     def __post_init__(self) -> None:
         if self.req.n_indent > 0:
@@ -154,38 +156,31 @@ def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
 
 class TextStream:
     """Detokenization and stop strings for the batched path (what `Engine._detokenize` does
-    for the engine path): text that might start a stop string is held back."""
+    for the engine path, with the same matcher): text that might start a stop string is held
+    back, and the earliest match in the text ends the answer."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.detok = tokenizer.detokenizer
         self.detok.reset()
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.held = ""
+        self.matcher = StopMatcher(stops)
         self.stopping_word = ""
 
     def add(self, token: int) -> tuple[str, bool]:
         self.detok.add_token(token)
-        return self._emit(self.detok.last_segment, final=False)
+        return self._emit(self.detok.last_segment)
 
     def finish(self) -> str:
+        """The rest of the text when the answer ends for another reason than a stop string."""
         self.detok.finalize()
-        text, _ = self._emit(self.detok.last_segment, final=True)
-        return text
+        text, hit = self._emit(self.detok.last_segment)
+        return text if hit else text + self.matcher.flush()
 
-    def _emit(self, segment: str, final: bool) -> tuple[str, bool]:
-        text = self.held + segment
-        for s in self.stops:
-            cut = text.find(s)
-            if cut >= 0:
-                self.held, self.stopping_word = "", s
-                return text[:cut], True
-        if self.hold and not final:
-            cut = max(0, len(text) - self.hold)
-            self.held, text = text[cut:], text[:cut]
-        else:
-            self.held = ""
-        return text, False
+    def _emit(self, segment: str) -> tuple[str, bool]:
+        was = self.matcher.stopped
+        text, hit = self.matcher.feed(segment)
+        if hit is not None and was is None:
+            self.stopping_word = hit
+        return text, hit is not None
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -194,7 +189,7 @@ class TextStream:
 class Worker(threading.Thread):
     def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
-                 prefill_chunk: int = 512, metrics=None):
+                 prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         self.spec_max_concurrency = spec_max_concurrency
@@ -202,6 +197,9 @@ class Worker(threading.Thread):
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.metrics = metrics
+        self.request_timeout = request_timeout  # seconds from submission; None: no limit
+        self.draining = False  # shutting down: new jobs are refused
+        self.ending: str | None = None  # set: every job ends at its next step with this reason
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
         self.spec_jobs: list[Job] = []
@@ -222,12 +220,42 @@ class Worker(threading.Thread):
 
     # -- handler side
     def submit(self, req: GenRequest) -> Job:
+        if self.draining:
+            if self.metrics:
+                self.metrics.rejected("shutting_down")
+            raise ApiError(503, "the server is shutting down; retry shortly",
+                           type="server_busy", code="shutting_down", retry_after=5)
         if self.inbox.qsize() + self.active() >= self.max_queue:
+            if self.metrics:
+                self.metrics.rejected("queue_full")
             raise ApiError(503, f"the server is busy ({self.max_queue} requests queued or "
-                                "running); retry shortly", type="server_busy")
+                                "running); retry shortly", type="server_busy",
+                           code="queue_full", retry_after=1)
         job = Job(req)
+        if self.request_timeout:
+            job.deadline = job.submitted + self.request_timeout
         self.inbox.put(job)
         return job
+
+    def idle(self) -> bool:
+        return self.active() == 0 and self.inbox.qsize() == 0
+
+    def end_all(self, reason: str = "shutdown") -> None:
+        """End every job, running or queued, at its next step with its partial answer and
+        this finish_reason (a clean end of stream); new jobs are refused."""
+        self.draining = True
+        self.ending = reason
+        self.inbox.put(_WAKE)
+
+    def _end_reason(self, job: Job) -> str | None:
+        """Why this job must end now (its time is up, or the server is stopping), or None."""
+        if self.ending is not None:
+            return self.ending
+        if job.deadline is not None and time.perf_counter() > job.deadline:
+            if self.metrics:
+                self.metrics.timed_out("request")
+            return "timeout"
+        return None
 
     def active(self) -> int:
         return len(self.spec_jobs) + len(self.batch_jobs)
@@ -288,8 +316,14 @@ class Worker(threading.Thread):
             if job is None:
                 return
             block = False
+            if job is _WAKE:
+                continue
             if job.cancelled.is_set():
                 self._count_cancel(job)
+                continue
+            reason = self._end_reason(job)
+            if reason is not None:  # its time ran out in the queue: an empty answer
+                self._done(job, Done(reason, Usage(prompt_tokens=len(job.req.prompt))))
                 continue
             self.last_prompt = job.req.prompt
             job.started = time.perf_counter()
@@ -364,6 +398,10 @@ class Worker(threading.Thread):
         if job.cancelled.is_set():
             self._count_cancel(job)
             self._close_engine_job(job)
+            return
+        reason = self._end_reason(job)
+        if reason is not None:  # the partial answer, its cache kept
+            self._finish_engine(job, reason, job.stats)
             return
         try:
             if job.gen is None:
@@ -488,6 +526,20 @@ class Worker(threading.Thread):
             self.batch.remove(gone)
             for uid in gone:
                 self._count_cancel(self.batch_jobs.pop(uid))
+        ended = [(uid, job, reason) for uid, job in self.batch_jobs.items()
+                 if (reason := self._end_reason(job)) is not None]
+        if ended:
+            self.batch.remove([uid for uid, _, _ in ended])
+            for uid, job, reason in ended:  # the partial answer
+                del self.batch_jobs[uid]
+                text = job.text.finish()
+                if text:
+                    job.text_so_far += text
+                    job.events.put(Delta(text, 0))
+                usage = usage_from_stats(job.stats)
+                usage.batched = True
+                usage.context_tokens = len(job.req.prompt) + max(0, job.stats.generated_tokens - 1)
+                self._done(job, Done(reason, usage))
         if not self.batch_jobs:
             return
         with mx.stream(stream):
@@ -543,6 +595,9 @@ class Worker(threading.Thread):
         if self.batch is not None:
             self.batch.close()
         self.batch = None
+
+
+_WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
 
 
 def usage_from_stats(s: Stats) -> Usage:
