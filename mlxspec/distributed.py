@@ -25,6 +25,7 @@ watchdog (`MLXSPEC_DIST_TIMEOUT`, default 120 s without progress) and the proces
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import sys
@@ -184,6 +185,51 @@ def encode_source(source: str) -> list[int]:
 def decode_source(vals: list[int]) -> str:
     n = vals[0]
     return bytes(vals[1:1 + n]).decode(errors="replace")
+
+
+class CollectiveMeter:
+    """Bench only (`mlxspec bench --distributed`): counts every collective this process issues
+    (ours and the sharded model's) and, with `delay` > 0, evaluates each one as it is issued
+    and then sleeps `delay` seconds: a stand-in for the network latency that loopback hides
+    (every rank sleeps, as every rank would wait for the wire). Installed by wrapping
+    `mx.distributed.all_sum`, `all_gather`, `send`, `recv_like`, ... (mlx-lm's sharded
+    layers and pipelines look them up at call time)."""
+
+    NAMES = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv",
+             "recv_like")
+
+    def __init__(self, delay: float = 0.0):
+        self.count = 0
+        self.delay = delay
+        self.waited = 0.0  # seconds really slept (sleep overshoots short delays)
+        self._orig: dict[str, object] = {}
+
+    def install(self) -> CollectiveMeter:
+        for name in self.NAMES:
+            fn = getattr(mx.distributed, name, None)
+            if fn is not None and name not in self._orig:
+                self._orig[name] = fn
+                setattr(mx.distributed, name, self._wrap(fn))
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._orig.items():
+            setattr(mx.distributed, name, fn)
+        self._orig.clear()
+
+    def _wrap(self, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.count += 1
+            if self.delay > 0:
+                mx.eval(out)
+                start = time.perf_counter()
+                time.sleep(self.delay)
+                self.waited += time.perf_counter() - start
+            return out
+
+        return wrapped
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -414,7 +460,8 @@ def _request(engine, prompt, kwargs) -> dict:
             "mode_options": engine.mode_options,
             "num_draft": engine.num_draft if engine.num_draft_set else None,
             "policy": None if policy is None else _policy_spec(policy),
-            "cache": kwargs.get("prompt_cache") is not None, "slot": engine.slot_id}
+            "cache": kwargs.get("prompt_cache") is not None, "slot": engine.slot_id,
+            "delay": meter.delay if (meter := getattr(engine.coord, "meter", None)) else None}
 
 
 def _policy_spec(policy) -> dict | None:
@@ -474,14 +521,23 @@ class Mirrored:
             self.done = True
             self.coord.disarm()
             raise
-        except DistributedFailure:
+        except DistributedFailure as e:
+            self._lost(str(e))
             raise
         except MlxspecError:  # a bad request: every rank raises it at the same point
             self.done = True
             self.coord.disarm()
             raise
         except RuntimeError as e:
+            self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
+
+    @staticmethod
+    def _lost(message: str) -> None:
+        """A lost rank on a thread other than the main one (the server's worker): nothing there
+        can report it to the user and every later request would fail too; end the process."""
+        if threading.current_thread() is not threading.main_thread():
+            fail(message)
 
     def close(self) -> None:
         if self.inner is not None and not self.done:
@@ -490,6 +546,7 @@ class Mirrored:
                 self._send(CLOSE)
                 self.inner.close()
             except RuntimeError as e:
+                self._lost(lost(self.coord.rank, e))
                 raise DistributedFailure(lost(self.coord.rank, e)) from None
             finally:
                 self.coord.disarm()
@@ -509,6 +566,9 @@ def follow(engine, on_step=None) -> None:
             if op == OPEN:
                 req = coord.bcast_obj()
                 coord.arm("a generation")
+                meter = getattr(coord, "meter", None)
+                if meter is not None and req.get("delay") is not None:
+                    meter.delay = req["delay"]  # bench: rank 0's injected delay
                 slot = slots.get(req["slot"])
                 if slot is None:
                     slot = slots[req["slot"]] = engine.clone()
@@ -700,19 +760,23 @@ def sharded_load(path, group, strategy: str):
 
 
 def cli_engine(model, draft_model, mode, num_draft, strategy: str, quiet: bool = False,
-               **options):
+               meter: bool = False, interactive: bool = False, **options):
     """Load for a command run with --distributed. On rank 0 return the engine; on the other
-    ranks run `follow` and exit (they never return to the command)."""
+    ranks run `follow` and exit (they never return to the command). `meter`: count (and
+    optionally delay) every collective on every rank (`CollectiveMeter`, bench only);
+    `interactive` (chat, serve): rank 0 keeps its own Ctrl-C handling."""
     import click
 
     from . import backend
 
-    group = init_group()
-    if group.size() == 1:
+    coord = cli_coordinator()
+    if coord is None:
         click.echo("note: --distributed with one process: running on this machine alone "
                    "(start it with mlx.launch to shard the model)", err=True)
         return None
-    coord = Coordinator(group)
+    stop_on_signals(coord, interactive)
+    if meter:
+        coord.meter = CollectiveMeter().install()
     if coord.leader and not quiet:
         click.echo(f"loading {model or 'the bundled model'} sharded over {coord.size} ranks "
                    f"(backend {backend.device_name()}, BLAS {backend.blas_in_use})", err=True)
@@ -735,6 +799,70 @@ def cli_engine(model, draft_model, mode, num_draft, strategy: str, quiet: bool =
     follow(engine)
     sys.stdout.flush()
     os._exit(0)
+
+
+_CLI_COORD: Coordinator | None = None
+
+
+def cli_coordinator() -> Coordinator | None:
+    """This process's coordinator for a command run with --distributed (one per process);
+    None when it runs alone."""
+    global _CLI_COORD
+    if _CLI_COORD is None:
+        group = init_group()
+        if group.size() == 1:
+            return None
+        _CLI_COORD = Coordinator(group)
+    return _CLI_COORD
+
+
+def leader_input(read):
+    """`read()` (a prompt from a file or stdin) on rank 0 only, its result broadcast to the
+    others before anything loads; an error there (MlxspecError) stops every rank (exit 2, rank 0
+    says why). Alone: just `read()`."""
+    coord = cli_coordinator() if launched() else None
+    if coord is None:
+        return read()
+    value = error = None
+    if coord.leader:
+        try:
+            value = read()
+        except MlxspecError as e:
+            error = str(e)
+    coord.arm("reading the input")
+    try:
+        got = coord.bcast_obj({"value": value, "error": error} if coord.leader else None)
+    finally:
+        coord.disarm()
+    if got["error"] is not None:
+        if coord.leader:
+            raise MlxspecError(got["error"])
+        os._exit(2)
+    return got["value"]
+
+
+def stop_on_signals(coord: Coordinator, interactive: bool = False) -> None:
+    """Ctrl-C and SIGTERM stop every rank. The followers die at once (default actions: a Python
+    handler would wait for the collective they are blocked in); rank 0 flushes, says so and
+    exits, and the others see its sockets close (or got the same signal from mlx.launch). In
+    `interactive` commands rank 0 keeps its own Ctrl-C handling (chat: a reply stops between
+    steps; serve: a clean shutdown, then the others are told to stop)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if not coord.leader:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return
+
+    def stop(signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        fail(f"rank 0: {name}: stopping every rank", 130 if signum == signal.SIGINT else 143)
+
+    signal.signal(signal.SIGTERM, stop)
+    if not interactive:
+        signal.signal(signal.SIGINT, stop)
 
 
 def guarded(fn):

@@ -9,7 +9,14 @@ import click
 
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import MAX_NUM_DRAFT, exits_cleanly, in_range, load_engine, resolve_pair
+from .common import (
+    MAX_NUM_DRAFT,
+    distributed_option,
+    exits_cleanly,
+    in_range,
+    load_engine,
+    resolve_pair,
+)
 
 
 def default_out_dir() -> Path:
@@ -54,10 +61,19 @@ def report_written(written: list[Path]) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
+@distributed_option
+@click.option("--collective-delay", "collective_delay", default="0", show_default=True,
+              help="With --distributed: milliseconds slept after every collective on every "
+                   "rank, comma-separated (e.g. 0,0.2,0.5,1): the network latency that "
+                   "loopback hides. Each collective is then evaluated as it is issued.")
 @exits_cleanly
 def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
-          audit_prompts, quick, out_dir, seed, from_json):
+          audit_prompts, quick, out_dir, seed, from_json, distributed=None,
+          collective_delay="0"):
     """Benchmark speculation modes and mlx-lm on held-out workloads."""
+    if distributed and from_json is None:
+        return bench_distributed(model, draft_model, modes, workloads, n_prompts, max_tokens,
+                                 num_draft, quick, out_dir, seed, distributed, collective_delay)
     if from_json is not None:
         import json
 
@@ -127,3 +143,75 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
             click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
                        f"{a['bugs']} divergences with top-2 gap > 1e-3")
     report_written(written)
+
+
+def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_tokens, num_draft,
+                      quick, out_dir, seed, strategy, collective_delay):
+    """`bench --distributed` under mlx.launch: our modes only, at each injected delay."""
+    import json
+
+    from .. import backend
+    from ..bench.distributed import markdown_table, run_distributed, speedup_table
+    from ..bench.run import machine_summary
+    from ..bench.workloads import WORKLOADS
+    from ..distributed import SHARDED_MODES, guarded
+
+    try:
+        delays = [float(d) for d in collective_delay.split(",") if d.strip()]
+    except ValueError:
+        raise MlxspecError("--collective-delay must be comma-separated milliseconds, "
+                           f"got {collective_delay!r}") from None
+    if not delays or any(d < 0 for d in delays):
+        raise MlxspecError("--collective-delay needs one or more delays >= 0 (milliseconds)")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    skipped = [m for m in mode_list if m not in SHARDED_MODES]
+    mode_list = [m for m in mode_list if m in SHARDED_MODES]
+    if "none" not in mode_list:
+        mode_list.insert(0, "none")
+    workload_list = [w.strip() for w in workloads.split(",") if w.strip()]
+    for w in workload_list:
+        if w not in WORKLOADS:
+            raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    if quick:
+        n_prompts, max_tokens = min(n_prompts, 3), min(max_tokens, 32)
+    model, draft_model, _ = resolve_pair(model, draft_model, "draft")
+    with_draft = any(m in ("draft", "auto") for m in mode_list) and (
+        draft_model is not None or model is None)
+    if not with_draft:
+        mode_list = [m for m in mode_list if m not in ("draft", "auto")]
+    engine = guarded(load_engine)(model, draft_model if with_draft else None,
+                                  "draft" if with_draft else "none", num_draft,
+                                  distributed=strategy, meter=True)
+    if getattr(engine, "coord", None) is None:
+        raise MlxspecError("bench --distributed needs several ranks: start it with mlx.launch "
+                           "(docs/SEVERAL_MACS.md)")
+    if skipped:
+        click.echo(f"note: not run sharded: {', '.join(skipped)} (mlx-lm's decoders and "
+                   "quantspec cannot follow a sharded target)", err=True)
+    click.echo(f"machine: {machine_summary()}; {engine.coord.size} ranks, "
+               f"{engine.coord.strategy} parallel", err=True)
+    click.echo(f"modes: {', '.join(mode_list)}; delays per collective: "
+               f"{', '.join(f'{d:g} ms' for d in delays)}", err=True)
+    report = guarded(run_distributed)(engine, mode_list, workload_list, n_prompts, max_tokens,
+                                      num_draft, delays, seed)
+    report.update({"machine": machine_summary(), "machine_info": backend.machine_info(),
+                   "model": engine.name, "ranks": engine.coord.size,
+                   "strategy": engine.coord.strategy, "num_draft": num_draft,
+                   "max_tokens": max_tokens, "prompts_per_workload": n_prompts})
+    out = Path(out_dir).expanduser() if out_dir else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    tables = (markdown_table(report)
+              + "\n\nSpeedup over none (median of per-prompt ratios), as measured:\n\n"
+              + speedup_table(report)
+              + "\n\nThe same with each collective's sleep counted at the delay asked (sleep "
+              "overshoots on a loaded machine):\n\n"
+              + speedup_table(report, "speedup_nominal_median"))
+    exact = ", ".join(f"{m} {e['identical']}/{e['compared']}" for m, e in report["exact"].items())
+    (out / "bench_distributed.json").write_text(json.dumps(report, indent=1))
+    (out / "bench_distributed.md").write_text(
+        f"Machine: {report['machine']}; {report['ranks']} ranks, {report['strategy']} parallel"
+        f"\n\n{tables}\n\nIdentical to none at T=0: {exact}\n")
+    click.echo(tables)
+    click.echo(f"identical to none at T=0: {exact}")
+    click.echo(f"wrote {out / 'bench_distributed.json'}, {out / 'bench_distributed.md'}",
+               err=True)

@@ -15,7 +15,14 @@ import click
 from ..chat_session import ChatSession, check_chat_template
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import exits_cleanly, load_engine, model_options, resolve_pair, sampling_options
+from .common import (
+    distributed_option,
+    exits_cleanly,
+    load_engine,
+    model_options,
+    resolve_pair,
+    sampling_options,
+)
 from .statsline import dim, stats_line
 
 PROMPT = ">>> "
@@ -230,6 +237,10 @@ class ChatREPL:
             click.echo(f"mode {engine.mode} (k={engine.num_draft}); modes: {', '.join(MODES)}")
             return
         try:
+            if name in ("draft", "auto") and engine.draft_model is None and getattr(
+                    engine, "coord", None) is not None:
+                raise MlxspecError("with --distributed the draft model is loaded at start on "
+                                   "every rank: start chat with --mode draft or --mode auto")
             if name == "draft" and engine.draft_model is None and self.draft_source:
                 self.load_draft()
             engine.set_mode(name)
@@ -274,15 +285,19 @@ def bundled_draft_path() -> str | None:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
+@distributed_option
 @exits_cleanly
-def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system):
+def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system,
+         distributed=None):
     """Chat with a model (default: the bundled one). /help lists the commands."""
     # Ctrl-C must interrupt a reply even when started from a shell that launched us with SIGINT
     # ignored (a background job of a non-interactive shell inherits SIG_IGN).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
     try:
-        engine = load_engine(model, draft_model, mode, num_draft)
+        # --distributed: only rank 0 returns here (reads stdin, prints); the others follow it
+        engine = load_engine(model, draft_model, mode, num_draft, distributed=distributed,
+                             **({"interactive": True} if distributed else {}))
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None
     click.echo(describe_model(engine, time.perf_counter() - start), err=True)

@@ -138,6 +138,8 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
                             **options)
         if engine is not None:
             return engine
+    options.pop("meter", None)  # --distributed's own options, for sharded runs only
+    options.pop("interactive", None)
 
     model, draft_model, _ = resolve_pair(model, draft_model, mode)
     if not quiet:

@@ -52,16 +52,27 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
     if (prompt is None) == (prompt_file is None):
         raise MlxspecError("give exactly one of --prompt or --prompt-file")
     options = mode_kwargs(mode, **mode_flags)  # checked before the model loads
-    if prompt_file is not None:
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise MlxspecError(f"cannot read prompt file {prompt_file}: {e}") from None
-    elif prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt:
-        raise MlxspecError("the prompt is empty")
+
+    def read_prompt():
+        text = prompt
+        if prompt_file is not None:
+            try:
+                with open(prompt_file, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise MlxspecError(f"cannot read prompt file {prompt_file}: {e}") from None
+        elif text == "-":
+            text = sys.stdin.read()
+        if not text:
+            raise MlxspecError("the prompt is empty")
+        return text
+
+    if distributed:  # rank 0 reads the prompt; the others get it from rank 0
+        from ..distributed import leader_input
+
+        prompt = leader_input(read_prompt)
+    else:
+        prompt = read_prompt()
     engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
                          distributed=distributed, **options)
     if chat:

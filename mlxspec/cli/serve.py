@@ -10,7 +10,7 @@ import click
 
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import exits_cleanly, load_engine
+from .common import distributed_option, exits_cleanly, load_engine
 
 # Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
 # else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
@@ -81,11 +81,12 @@ def parse_size(text: str) -> int:
               help="Log every request (method, path, status) to stderr; never headers or keys.")
 @click.option("--log-prompts", is_flag=True,
               help="With --log-requests, also log request bodies (prompts) and answers.")
+@distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
-          cors_origins, log_requests, log_prompts):
+          cors_origins, log_requests, log_prompts, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -94,7 +95,12 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
     logging.basicConfig(level=logging.INFO if log_requests or log_prompts else logging.WARNING,
                         format="%(asctime)s %(message)s")
-    engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context)
+    # --distributed: only rank 0 returns here and serves HTTP; the others follow its worker
+    engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context,
+                         distributed=distributed, **({"interactive": True} if distributed else {}))
+    sharded = getattr(engine, "coord", None) is not None
+    if sharded:  # no prefill outside the mirrored generations (the other ranks would not see it)
+        prefill_chunk = 1 << 40
     try:
         server = make_server(
             engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
@@ -108,6 +114,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             log_prompts=log_prompts)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    if sharded:  # mlx-lm's batched decoding would run collectives the other ranks never see
+        server.worker.batchable = False
     fim = server.parser.fim
     click.echo(f"mlxspec serve: model {server.config.model_name} | mode {engine.mode} "
                f"(k={engine.num_draft}, speculative up to {spec_max_concurrency} concurrent "

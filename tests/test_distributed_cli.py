@@ -1,0 +1,166 @@
+"""chat, serve, bench and generate's input with --distributed, on two ring ranks on 127.0.0.1
+(free ports, hard timeouts); a tensor-parallel qwen3. Random-weight models from conftest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import REPO
+from test_distributed import PROMPT, TIMEOUT, free_ports, launch, rank_script, reference
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-m", "mlxspec.cli.main"]
+
+
+def start(tmp_path, argv, stdin0=None):
+    """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
+    is empty: only rank 0 may read it."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
+                   MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20")
+        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=REPO))
+    for rank, p in enumerate(procs):
+        if rank == 0 and stdin0:
+            p.stdin.write(stdin0)
+        p.stdin.close()
+        p.stdin = None  # communicate() must not touch it
+    return procs
+
+
+def wait_all(procs, timeout=TIMEOUT):
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def test_generate_reads_the_prompt_on_rank_0_only(tmp_path, model_dirs):
+    cmd = CLI + ["generate", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
+                 "--max-tokens", "40", "-p", "-", "--json"]
+    (r0, o0, e0), (r1, o1, e1) = wait_all(start(tmp_path, cmd, stdin0=PROMPT))
+    assert r0 == 0 and r1 == 0, e0 + e1  # rank 1's stdin is empty: it never read it
+    assert json.loads(o0)["tokens"] == reference(model_dirs["llama"])
+    assert o1 == ""
+
+
+def test_chat_reads_and_prints_on_rank_0_only(tmp_path, model_dirs):
+    cmd = CLI + ["chat", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
+                 "--max-tokens", "8"]
+    (r0, o0, e0), (r1, o1, e1) = wait_all(start(tmp_path, cmd, stdin0="hello\n/mode none\n"
+                                                                       "again\n/exit\n"))
+    assert r0 == 0 and r1 == 0, e0 + e1
+    assert o0.count(" tok/s") == 2 and "mode none" in o0
+    assert o1 == "" and "Traceback" not in e1
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_serve_answers_from_rank_0(tmp_path, model_dirs):
+    (port,) = free_ports(1)
+    cmd = CLI + ["serve", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
+                 "--port", str(port), "--temp", "0"]
+    procs = start(tmp_path, cmd)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                    procs[0].stderr.read() if procs[0].poll() is not None else "no answer"
+                time.sleep(0.3)
+        got = _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
+                                               "temperature": 0})
+        ref = reference(model_dirs["llama"])
+        from mlxspec import load
+
+        assert got["choices"][0]["text"] == load(str(model_dirs["llama"])).tokenizer.decode(ref)
+        chat = _post(base + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["usage"]["completion_tokens"] > 0
+        procs[0].send_signal(signal.SIGTERM)  # a clean shutdown ends the other rank too
+        (r0, _, e0), (r1, o1, e1) = wait_all(procs, timeout=30)
+        assert r0 == 0 and r1 == 0, e0 + e1
+        assert o1 == ""
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_signal_on_one_rank_stops_every_rank(tmp_path, model_dirs):
+    cmd = CLI + ["generate", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "none",
+                 "--max-tokens", "100000", "-p", PROMPT]
+    procs = start(tmp_path, cmd)
+    deadline = time.monotonic() + TIMEOUT
+    line = ""
+    while "sharded:" not in line:  # rank 0 is loaded and about to generate
+        assert time.monotonic() < deadline
+        line = procs[0].stderr.readline()
+        assert line or procs[0].poll() is None
+    time.sleep(1.0)
+    procs[1].send_signal(signal.SIGTERM)  # the follower dies at once, rank 0 says so
+    (r0, _, e0), (r1, _, _) = wait_all(procs, timeout=30)
+    assert r1 == -signal.SIGTERM
+    assert r0 == 1 and "lost another rank" in e0
+
+
+def test_bench_distributed_counts_collectives_and_delays_them(tmp_path, model_dirs):
+    out = tmp_path / "bench"
+    cmd = CLI + ["bench", "--distributed", "-m", str(model_dirs["llama"]), "--modes",
+                 "none,ngram,mlx_lm", "--workloads", "doc-qa", "--prompts", "1", "--max-tokens",
+                 "6", "--collective-delay", "0,1", "--out", str(out)]
+    (r0, o0, e0), (r1, o1, e1) = launch(tmp_path, cmd)
+    assert r0 == 0 and r1 == 0, e0 + e1
+    assert "not run sharded: mlx_lm" in e0
+    report = json.loads((out / "bench_distributed.json").read_text())
+    assert report["exact"]["ngram"] == {"identical": 2, "compared": 2}  # 1 prompt, 2 delays
+    rows = report["results"]
+    assert set(rows) == {"doc-qa@0ms", "doc-qa@1ms"}
+    none0, none1 = rows["doc-qa@0ms"]["modes"]["none"], rows["doc-qa@1ms"]["modes"]["none"]
+    # tensor parallel, 2 layers: 2 all-reduces per layer + rank 0's token + the step packet
+    assert none0["collectives_per_token"] == pytest.approx(6.0, abs=0.5)
+    assert none0["collectives_per_forward"] == pytest.approx(6.0, abs=0.01)
+    assert none1["slept_per_collective_ms"] >= 1.0
+    assert "Speedup over none" in o0 and o1 == ""
+
+
+def test_qwen3_tensor_parallel_matches_plain_decoding(tmp_path, model_dirs):
+    modes = ["none", "ngram", "lookahead"]
+    (r0, o0, e0), (r1, o1, e1) = launch(tmp_path, rank_script(model_dirs["qwen3"], None,
+                                                              "tensor", 0.0, modes))
+    assert r0 == 0 and r1 == 0, e0 + e1
+    ref = reference(model_dirs["qwen3"])
+    lines = [json.loads(x) for x in o0.splitlines()]
+    assert [x["mode"] for x in lines] == modes
+    assert all(x["strategy"] == "tensor" and x["tokens"] == ref for x in lines)
+    assert [json.loads(x)["tokens"] for x in o1.splitlines()] == [ref] * len(modes)
