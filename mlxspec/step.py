@@ -26,6 +26,16 @@ class StepResult:
     source: str  # the proposal's source, "" for a plain step
 
 
+def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
+                 sampling: SamplingParams, key: mx.array | None) -> tuple[mx.array, mx.array]:
+    """The exact rule for a chain: logits (k + 1, vocab) over [last token] + draft (k,), q the
+    draft's probabilities or None. Lazy (num_accepted, next_token). Shared by `decode_step` and
+    the batched step (`batch_step.py`), which applies it to each row of its forward."""
+    if sampling.greedy:
+        return verify_greedy(logits, draft)
+    return verify_sampled(probs_from_logits(logits, sampling), draft, q, key)
+
+
 def decode_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal | None,
                 sampling: SamplingParams, key: mx.array | None,
                 max_accept: int | None = None, sync=None) -> StepResult:
@@ -51,11 +61,7 @@ def decode_step(model: nn.Module, cache: list, last_token: int, proposal: Propos
     inputs = mx.concatenate([mx.array([last_token], mx.uint32), draft])
     ckpt = caches.checkpoint(cache) if num_draft else None
     logits = model(inputs[None], cache=cache)[0]
-    if sampling.greedy:
-        num_accepted, next_token = verify_greedy(logits, draft)
-    else:
-        num_accepted, next_token = verify_sampled(probs_from_logits(logits, sampling), draft, q,
-                                                  key)
+    num_accepted, next_token = verify_chain(logits, draft, q, sampling, key)
     head = mx.stack([num_accepted.astype(mx.uint32), next_token.astype(mx.uint32)])
     result = mx.concatenate([head, draft])
     if sync is not None:

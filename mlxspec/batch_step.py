@@ -1,0 +1,438 @@
+"""One speculative step for several requests at once: one target forward over the batch.
+
+Every row proposes with its own proposer, source and k (possibly 0); the proposals are padded
+to a common length L = 1 + max k; the target runs **one forward** over (B, L); each row is
+verified with the single-request rule (`step.verify_chain`, the function `decode_step` uses) on
+its own 1 + k_i positions; one host sync for the whole batch; then each row keeps its own
+1 + n_i tokens (ragged acceptance).
+
+Per-row cache state: `RaggedKVCache`, one per layer, stores row b's tokens left-aligned in
+slots [0, length_b) of a (B, heads, capacity, head_dim) buffer. A forward writes row b's L new
+entries at slots length_b .. length_b + L - 1 (a scatter), RoPE rotates each row from its own
+offset (an array of lengths: `mx.fast.rope` takes one offset per batch row), and the mask lets
+query j of row b see slots <= length_b + j only. Rolling back a row is lowering its length:
+whatever lies beyond is masked and later overwritten, so there is no compaction to do. A row
+joins by copying its single-request `KVCache` in and leaves by copying its slots out.
+
+Only plain-attention models (every layer an mlx-lm `KVCache`) and chain proposals run here:
+sliding-window layers, recurrent state, QuantSpec's hierarchical cache and token trees keep
+the one-request-at-a-time engine step (`BatchSpeculator.accepts` says which).
+
+Each row keeps the engine's invariant: its cache holds every committed token but the last.
+The result equals each request decoded alone: token-identical at temperature 0 (in float32, up
+to the rounding of a batched matmul on a near-tie), exact in distribution at temperature > 0,
+and, seeded, the same whatever else is in the batch (each row draws from its own key).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import caches
+from .engine import MAX_NUM_DRAFT, Engine, PromptCache, StepOutput
+from .errors import MlxspecError
+from .loading import _check_num_draft
+from .proposers.base import Proposal
+from .sampling import SamplingParams
+from .stats import Stats
+from .step import StepResult, verify_chain
+
+# ----------------------------------------------------------------------------- the cache
+
+
+class RaggedKVCache:
+    """One attention layer's keys and values for a batch of rows of different lengths."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None  # (B, heads, capacity, head_dim)
+        self.lengths: list[int] = []
+
+    # -- what mlx-lm's attention asks of a cache
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self.lengths, mx.int32)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise MlxspecError("a sliding-window layer cannot run in the batched step")
+        span = max(self.lengths) + N
+        queries = self.offset[:, None] + mx.arange(N)[None]  # (B, N) positions
+        return (mx.arange(span)[None, None] <= queries[:, :, None])[:, None]  # (B, 1, N, S)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        longest = max(self.lengths)
+        self._reserve(longest + n)
+        if all(x == longest for x in self.lengths):
+            self.keys[..., longest : longest + n, :] = keys
+            self.values[..., longest : longest + n, :] = values
+        else:
+            slots = (self.offset[:, None] + mx.arange(n)[None])[:, None, :, None]
+            self.keys = mx.put_along_axis(
+                self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(
+                self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
+        self.lengths = [x + n for x in self.lengths]
+        end = longest + n
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self):
+        return [] if self.keys is None else (self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    # -- rows
+    def _reserve(self, size: int) -> None:
+        have = self.keys.shape[2]
+        if size <= have:
+            return
+        grow = ((size - have + self.step - 1) // self.step) * self.step
+
+        def pad(a):
+            b, h, _, d = a.shape
+            return mx.concatenate([a, mx.zeros((b, h, grow, d), a.dtype)], axis=2)
+
+        self.keys, self.values = pad(self.keys), pad(self.values)
+
+    def trim_rows(self, drop: list[int]) -> None:
+        """Remove the last drop[b] tokens of row b."""
+        self.lengths = [x - d for x, d in zip(self.lengths, drop)]
+
+    def add_row(self, c: KVCache) -> None:
+        """Append a row holding what the single-request cache `c` holds."""
+        n = c.offset
+        k, v = c.keys[..., :n, :], c.values[..., :n, :]
+        if self.keys is None:
+            cap = ((n + self.step - 1) // self.step + 1) * self.step
+            self.keys = mx.zeros((0, k.shape[1], cap, k.shape[3]), k.dtype)
+            self.values = mx.zeros((0, v.shape[1], cap, v.shape[3]), v.dtype)
+        self._reserve(n + 1)
+        cap = self.keys.shape[2]
+
+        def widen(a):
+            b, h, _, d = a.shape
+            return mx.concatenate([a, mx.zeros((b, h, cap - n, d), a.dtype)], axis=2)
+
+        self.keys = mx.concatenate([self.keys, widen(k)], axis=0)
+        self.values = mx.concatenate([self.values, widen(v)], axis=0)
+        self.lengths.append(n)
+
+    def remove_row(self, b: int) -> KVCache:
+        """Take row b out of the batch; returns it as a single-request cache."""
+        n = self.lengths[b]
+        out = KVCache()
+        out.keys = self.keys[b : b + 1, :, :n, :]
+        out.values = self.values[b : b + 1, :, :n, :]
+        out.offset = n
+        rest = [i for i in range(len(self.lengths)) if i != b]
+        if rest:
+            idx = mx.array(rest, mx.int32)
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        else:
+            self.keys = self.values = None
+        del self.lengths[b]
+        return out
+
+
+def plain_attention(cache: list) -> bool:
+    """Whether a single-request cache can join the batch (every layer a plain KVCache)."""
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def batch_decode_step(model, cache: list[RaggedKVCache], last_tokens: list[int],
+                      proposals: list[Proposal | None], samplings: list[SamplingParams],
+                      keys: list[mx.array | None],
+                      max_accepts: list[int | None]) -> list[StepResult]:
+    """`decode_step` for B rows in one forward: row b verifies proposals[b] (a chain, or None
+    for a plain step) after last_tokens[b] with samplings[b] and keys[b]; at most
+    max_accepts[b] draft tokens are accepted. Each row's cache holds its committed tokens but
+    the last, before and after. A row whose last token is None sits the step out (its cache
+    is unchanged, its result None)."""
+    drafts, qs, sizes = [], [], []
+    for prop, cap in zip(proposals, max_accepts):
+        k = len(prop) if prop is not None else 0
+        if k and prop.is_tree:
+            raise MlxspecError("token trees cannot run in the batched step")
+        if cap is not None:
+            k = min(k, cap)
+        sizes.append(k)
+        if k:
+            drafts.append(prop.tokens[:k].astype(mx.uint32))
+            qs.append(prop.draft_probs[:k] if prop.draft_probs is not None else None)
+        else:
+            drafts.append(mx.array([], mx.uint32))
+            qs.append(None)
+    width = 1 + max(sizes)
+    rows = []
+    for last, draft, k in zip(last_tokens, drafts, sizes):
+        first = 0 if last is None else last
+        pad = mx.full((width - 1 - k,), first, mx.uint32)  # never seen: trimmed below
+        rows.append(mx.concatenate([mx.array([first], mx.uint32), draft, pad]))
+    logits = model(mx.stack(rows), cache=cache)
+    heads = []
+    for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
+        if last_tokens[b] is None:
+            continue
+        n, nxt = verify_chain(logits[b, : k + 1], draft, q, samplings[b], keys[b])
+        heads.append(mx.concatenate([mx.stack([n.astype(mx.uint32), nxt.astype(mx.uint32)]),
+                                     draft]))
+    flat = mx.concatenate(heads).tolist()  # the one host sync of the batch
+    results, drop, at = [], [], 0
+    for last, prop, k in zip(last_tokens, proposals, sizes):
+        if last is None:  # a row sitting this step out: everything it was fed goes
+            drop.append(width)
+            results.append(None)
+            continue
+        n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]
+        at += 2 + k
+        drop.append(width - 1 - n)
+        results.append(StepResult(drafted[:n] + [nxt], n, k, prop.source if k else ""))
+    for c in cache:
+        c.trim_rows(drop)
+    return results
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Mailbox:
+    """The token lists a row's batched steps commit, as the iterator `Engine._detokenize`
+    reads (it ends when the row has reached max_tokens)."""
+
+    def __init__(self, row: BatchRow):
+        self.row = row
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        row = self.row
+        if row.pending is not None:
+            tokens, row.pending = row.pending, None
+            return tokens
+        if row.exhausted:
+            raise StopIteration
+        raise MlxspecError("a batched row was read before its step ran")
+
+
+class BatchRow:
+    """One request in a `BatchSpeculator`; iterates `StepOutput`s like `Engine.stream_steps`
+    (the first `next` of a round runs one batched step for every row that is waiting)."""
+
+    def __init__(self, batch: BatchSpeculator, engine: Engine, pc: PromptCache, context,
+                 proposer, policy, sampling: SamplingParams, key: mx.array, stats: Stats,
+                 end: int, num_draft: int, stops: list[str]):
+        self.batch, self.engine, self.pc = batch, engine, pc
+        self.context, self.proposer, self.policy = context, proposer, policy
+        self.sampling, self.key, self.stats = sampling, key, stats
+        self.end, self.num_draft = end, num_draft
+        self.pending: list[int] | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.closed = False
+        self.detok = engine._detokenize(_Mailbox(self), stats, stops, time.perf_counter())
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.context) >= self.end
+
+    @property
+    def waiting(self) -> bool:
+        return (not self.closed and not self.finished and self.pending is None
+                and not self.exhausted and self.error is None)
+
+    def plan(self) -> tuple[str, int]:
+        cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
+        if self.proposer is None or cap <= 0:
+            return "", 0
+        return self.policy.plan(self.proposer.available(self.context, cap))
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        return self
+
+    def __next__(self) -> StepOutput:
+        if self.closed or self.finished:
+            raise StopIteration
+        if self.pending is None and not self.exhausted:
+            self.batch.step()
+        if self.error is not None:
+            raise self.error
+        out = next(self.detok)
+        if out.finish_reason:
+            self.finished = True
+        return out
+
+    def close(self) -> None:
+        """Leave the batch; the prompt cache gets the row's cache back (all tokens but the
+        last committed one), as `Engine.stream_steps` leaves it."""
+        if self.closed:
+            return
+        self.closed = True
+        self.detok.close()
+        self.batch._leave(self)
+
+
+class BatchSpeculator:
+    """The rows decoding together on one model; one `step()` = one target forward for all."""
+
+    def __init__(self, model):
+        self.model = model
+        self.rows: list[BatchRow] = []
+        self.cache: list[RaggedKVCache] | None = None
+        self.steps = 0  # batched forwards run
+        self.rows_stepped = 0  # row-steps run (steps * mean batch size)
+
+    @staticmethod
+    def accepts(engine: Engine, mode: str | None = None) -> bool:
+        """Whether a request of `engine` (in `mode`) can run here: plain attention, a chain
+        proposer on the target's ordinary cache, an unsharded target."""
+        if engine.kv != "fp" or engine.sync is not None:
+            return False
+        mode = mode or engine.mode
+        try:
+            proposer = engine.proposer if mode == engine.mode else engine.proposer_for(mode)
+        except MlxspecError:
+            return False  # the engine path reports it
+        if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
+            return False
+        return plain_attention(caches.make_cache(engine.model))
+
+    def open(self, engine: Engine, prompt, *, max_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = 0,
+             stop=None, prediction=None, num_draft: int | None = None,
+             prompt_cache: PromptCache | None = None, mode: str | None = None,
+             policy=None) -> BatchRow:
+        """`Engine.stream_steps`'s set-up (same checks, same prefill), then the request joins
+        the batch. Iterate the returned row for its outputs; close it to leave."""
+        sampling = SamplingParams(temperature, top_p, top_k, min_p)
+        try:
+            sampling.validate()
+        except ValueError as e:
+            raise MlxspecError(str(e)) from None
+        if max_tokens < 1:
+            raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
+        if num_draft is not None:
+            _check_num_draft(num_draft)
+        tokens = engine.encode(prompt)
+        if not tokens:
+            raise MlxspecError("the prompt is empty")
+        if engine.max_context and len(tokens) >= engine.max_context:
+            raise MlxspecError(
+                f"the prompt has {len(tokens)} tokens but the model's context is "
+                f"{engine.max_context} tokens")
+        if engine.max_context:
+            max_tokens = min(max_tokens, engine.max_context - len(tokens))
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        mode = mode or engine.mode
+        proposer = engine.proposer if mode == engine.mode else engine.proposer_for(mode)
+        engine.check_exact(mode, proposer)
+        if proposer is not None:
+            if isinstance(prediction, str):
+                prediction = engine.tokenizer.encode(prediction, add_special_tokens=False)
+            proposer.set_prediction(prediction)
+        policy = policy or engine.policy_for(proposer)
+        pc = prompt_cache if prompt_cache is not None else engine.prompt_cache
+        stats = Stats(mode=mode, prompt_tokens=len(tokens))
+        key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)
+        start = time.perf_counter()
+        stats.cached_tokens = engine.prefill(tokens, pc, proposer)
+        if proposer is not None:
+            proposer.reset(tokens, sampling)
+        stats.prefill_seconds = time.perf_counter() - start
+        if not plain_attention(pc.cache) or (proposer is not None and proposer.uses_trees):
+            raise MlxspecError("this request cannot run in the batched step")
+        row = BatchRow(self, engine, pc, list(tokens), proposer, policy, sampling, key, stats,
+                       len(tokens) + max_tokens, num_draft or MAX_NUM_DRAFT, stops)
+        self._join(row)
+        return row
+
+    # -- membership
+    def _join(self, row: BatchRow) -> None:
+        layers = row.pc.cache
+        if self.cache is None:
+            self.cache = [RaggedKVCache() for _ in layers]
+        if len(layers) != len(self.cache):
+            raise MlxspecError("a row of another model cannot join this batch")
+        for ragged, c in zip(self.cache, layers):
+            ragged.add_row(c)
+        mx.eval([c.state for c in self.cache])
+        row.pc.cache = None  # the batch holds it now; given back on leaving
+        self.rows.append(row)
+
+    def _leave(self, row: BatchRow) -> None:
+        if row not in self.rows:
+            return
+        b = self.rows.index(row)
+        self.rows.pop(b)
+        layers = [c.remove_row(b) for c in self.cache]
+        if row.error is None:
+            row.pc.cache = layers
+            row.pc.kind = "kv"
+            row.pc.tokens = row.context[:-1]
+            row.pc.checkpoint = None
+        else:  # state unknown after a failed step: not reused
+            row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+        if not self.rows:
+            self.cache = None
+
+    # -- the step
+    def step(self) -> None:
+        """One batched speculative step for every waiting row (a row whose previous output
+        was not read yet sits this one out, its cache untouched: a zero-length row)."""
+        rows = [r for r in self.rows if r.waiting]
+        if not rows:
+            return
+        start = time.perf_counter()
+        plans, proposals, verify_keys = [], [], []
+        try:
+            for r in rows:
+                r.key, propose_key, verify_key = mx.random.split(r.key, 3)
+                source, k = r.plan()
+                prop = r.proposer.propose(r.context, k, propose_key, source=source) if k else None
+                plans.append(k)
+                proposals.append(prop)
+                verify_keys.append(verify_key)
+            # A row whose previous output was not read yet sits this step out: it is fed
+            # padding that is trimmed again at once, its cache unchanged.
+            stepping = {id(r): i for i, r in enumerate(rows)}
+            order = [stepping.get(id(r)) for r in self.rows]
+            results = batch_decode_step(
+                self.model, self.cache,
+                [r.context[-1] if i is not None else None for r, i in zip(self.rows, order)],
+                [proposals[i] if i is not None else None for i in order],
+                [r.sampling for r in self.rows],
+                [verify_keys[i] if i is not None else None for i in order],
+                [plans[i] if i is not None else 0 for i in order])
+            results = [res for res in results if res is not None]
+        except Exception as e:
+            for r in self.rows:
+                r.error = e
+            return
+        seconds = time.perf_counter() - start
+        self.steps += 1
+        self.rows_stepped += len(rows)
+        for r, res in zip(rows, results):
+            r.context.extend(res.tokens)
+            if r.proposer is not None:
+                r.proposer.update(r.context, res.accepted)
+            if res.drafted:
+                r.policy.observe(res.source, res.drafted, res.accepted, seconds)
+            else:
+                r.policy.observe_plain(1, seconds)
+            r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
+            r.pending = res.tokens

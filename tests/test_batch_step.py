@@ -1,0 +1,271 @@
+"""The batched speculative step (`mlxspec/batch_step.py`): B requests with their own sources
+and k, one target forward, ragged acceptance; every request's output equals the request decoded
+alone (greedy: token-identical in float32; sampled: exact in distribution, and seeded output
+independent of the rest of the batch); requests join and leave between steps."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import build_model, make_engine
+
+from mlxspec import caches
+from mlxspec.batch_step import BatchSpeculator, RaggedKVCache, batch_decode_step
+from mlxspec.engine import PromptCache
+from mlxspec.proposers.base import Proposal
+from mlxspec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, _ = build_model("llama", seed=1, scale=4.0)
+    draft, _ = build_model("llama", seed=2, layers=1, scale=4.0)
+    return target, draft
+
+
+def greedy_path(model, prompt: list[int], n: int) -> list[int]:
+    """The target's greedy continuation, by uncached forwards."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+    return seq[len(prompt):]
+
+
+def prefilled(engine, tokens: list[int]) -> list:
+    """A single-request cache holding tokens[:-1]."""
+    pc = PromptCache()
+    engine.prefill(tokens, pc, None)
+    return pc.cache
+
+
+def drain(rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):
+    """Read every row round robin until all finish; close_at[i] = n closes row i after n
+    outputs (a client going away); join[r] = callable run before round r (a new request)."""
+    live = list(range(len(rows)))
+    counts = [0] * len(rows)
+    for rnd in range(rounds):
+        if join and rnd in join:
+            i = join[rnd]()
+            live.append(i)
+            counts.append(0)
+        if not live:
+            break
+        for i in list(live):
+            try:
+                out = next(rows[i])
+            except StopIteration:
+                live.remove(i)
+                continue
+            outs[i].extend(out.tokens)
+            counts[i] += 1
+            if out.finish_reason or (close_at and counts[i] == close_at.get(i)):
+                rows[i].close()
+                live.remove(i)
+
+
+def test_one_forward_verifies_every_row_with_ragged_acceptance(pair):
+    """Three rows in one step: the first two proposals are right for 2 of 4 and 0 of 3
+    tokens, the third entirely (plus a row proposing nothing); each row keeps exactly its own
+    accepted tokens and its cache equals a fresh prefill of what it committed."""
+    target, _ = pair
+    engine = make_engine(target)
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 50)), [9, 9, 8], [40, 41]]
+    paths = [greedy_path(target, p, 5) for p in prompts]
+    drafts = [paths[0][:2] + [(paths[0][2] + 1) % 256, 7],
+              [(paths[1][0] + 3) % 256, 1, 2],
+              paths[2][:4],
+              []]
+    cache = [RaggedKVCache() for _ in range(len(target.layers))]
+    for p in prompts:
+        for ragged, c in zip(cache, prefilled(engine, p)):
+            ragged.add_row(c)
+    proposals = [Proposal(mx.array(d, mx.uint32), source="test") if d else None for d in drafts]
+    results = batch_decode_step(target, cache, [p[-1] for p in prompts], proposals,
+                                [GREEDY] * 4, [None] * 4, [None] * 4)
+    assert [r.accepted for r in results] == [2, 0, 4, 0]
+    assert [r.drafted for r in results] == [4, 3, 4, 0]
+    for r, path in zip(results, paths):
+        assert r.tokens == path[: r.accepted + 1]
+    for b, (p, r) in enumerate(zip(prompts, results)):
+        committed = p + r.tokens
+        fresh = prefilled(engine, committed)
+        assert cache[0].lengths[b] == len(committed) - 1
+        for ragged, c in zip(cache, fresh):
+            n = c.offset
+            np.testing.assert_allclose(np.array(ragged.keys[b, :, :n]),
+                                       np.array(c.keys[0, :, :n]), atol=1e-5)
+            np.testing.assert_allclose(np.array(ragged.values[b, :, :n]),
+                                       np.array(c.values[0, :, :n]), atol=1e-5)
+    # max_accept caps a row (its budget), whatever the proposal
+    row = [RaggedKVCache() for _ in range(len(target.layers))]
+    for ragged, c in zip(row, prefilled(engine, prompts[2])):
+        ragged.add_row(c)
+    (r,) = batch_decode_step(target, row, [prompts[2][-1]], [proposals[2]], [GREEDY], [None],
+                             [1])
+    assert (r.accepted, r.drafted, r.tokens) == (1, 1, paths[2][:2])
+
+
+# (prompt, mode, max_tokens, extra): n-gram with a repetitive prompt, a predicted output, a
+# draft model, plain, auto, a small k
+REQUESTS = [
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], "ngram", 40, {}),
+    (list(range(10, 40)) * 2, "draft", 24, {}),
+    ([7, 8, 9], "none", 17, {}),
+    ([5] * 20, "auto", 33, {}),
+    ([30, 31, 32, 33], "ngram", 28, {"prediction": "this is predicted text, " * 3}),
+    (list(range(60, 75)), "ngram", 21, {"num_draft": 2}),
+    ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], "draft", 30, {"num_draft": 3}),
+    ([100, 101, 102] * 5, "auto", 26, {}),
+]
+
+
+def alone(base, requests):
+    return [base.clone().generate(p, max_tokens=n, mode=m, **kw).tokens
+            for p, m, n, kw in requests]
+
+
+def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
+    """8 requests of different lengths and sources; three join mid-generation, one leaves
+    early (a disconnect): every output equals the request decoded alone by the engine."""
+    target, draft = pair
+    base = make_engine(target, mode="ngram", draft_model=draft)
+    want = alone(base, REQUESTS)
+    batch = BatchSpeculator(target)
+    rows, outs = [], [[] for _ in REQUESTS]
+
+    def opener(i):
+        def go():
+            p, m, n, kw = REQUESTS[i]
+            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, **kw))
+            return i
+        return go
+
+    for i in range(5):
+        opener(i)()
+    drain(rows, outs, close_at={2: 3}, join={2: opener(5), 4: opener(6), 7: opener(7)})
+    assert outs[2] == want[2][: len(outs[2])] and 0 < len(outs[2]) < len(want[2])
+    for i in (0, 1, 3, 4, 5, 6, 7):
+        assert outs[i] == want[i], f"request {i} ({REQUESTS[i][1]})"
+    assert not batch.rows and batch.cache is None
+    # one forward served several rows, and speculation was accepted in the batch
+    assert batch.rows_stepped > 2 * batch.steps
+    assert sum(r.stats.accepted for r in rows) > 20
+    assert {r.stats.accepted for r in rows[:2]} != {0}  # ragged: rows accepted differently
+
+
+def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
+    """One row behaves as the engine does; closing it gives its cache back holding all but
+    the last token, and the next request reuses it as a prompt-cache prefix."""
+    target, _ = pair
+    base = make_engine(target, mode="ngram")
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
+    want = base.clone().generate(prompt, max_tokens=20).tokens
+    batch = BatchSpeculator(target)
+    engine = base.clone()
+    pc = PromptCache()
+    row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
+    assert pc.cache is None  # held by the batch
+    outs = [[]]
+    drain([row], outs)
+    assert outs[0] == want
+    assert pc.tokens == (prompt + want)[:-1] and caches.offset(pc.cache) == len(pc.tokens)
+    follow = prompt + want + [7, 8]
+    again = engine.generate(follow, max_tokens=10, prompt_cache=pc)
+    assert again.stats.cached_tokens == len(prompt) + len(want) - 1
+    assert again.tokens == base.clone().generate(follow, max_tokens=10).tokens
+
+
+def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(pair):
+    target, draft = pair
+    base = make_engine(target, mode="draft", draft_model=draft)
+    kw = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
+    prompt = list(range(10, 40)) * 2
+
+    def run(companions):
+        batch = BatchSpeculator(target)
+        rows = [batch.open(base.clone(), prompt, **kw)]
+        for p, m, n, extra in companions:
+            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, temperature=1.0,
+                                   seed=len(rows), **extra))
+        outs = [[] for _ in rows]
+        drain(rows, outs)
+        return outs[0]
+
+    first = run([])
+    assert len(first) == 24
+    assert run(REQUESTS[:3]) == first
+    assert run(REQUESTS[3:7]) == first
+
+
+def test_refuses_what_it_cannot_batch():
+    from families import build
+
+    from mlxspec.errors import MlxspecError
+
+    gemma = build("gemma3_text", seed=0, sliding_window=4)
+    assert not BatchSpeculator.accepts(make_engine(gemma, mode="ngram"))
+    llama, _ = build_model("llama", seed=3)
+    assert BatchSpeculator.accepts(make_engine(llama, mode="ngram"))
+    assert not BatchSpeculator.accepts(make_engine(llama, mode="lookahead"))
+    with pytest.raises(MlxspecError):
+        BatchSpeculator(gemma).open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7])
+
+
+# ----------------------------------------------------------------------------- T > 0
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["draft", "ngram"])
+def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, monkeypatch):
+    """Chi-square (the pattern of test_exact_sampling.py) for one row whose companions use
+    other sources and k; the same test rejects a deliberately wrong rule (a rejected draft
+    token is resampled from p, not from the residual)."""
+    import test_exact_sampling as ex
+
+    import mlxspec.batch_step as bs
+    from mlxspec.sampling import probs_from_logits, sample
+
+    target, _ = build_model("llama", seed=7, vocab=ex.VOCAB)
+    draft, _ = build_model("llama", seed=8, vocab=ex.VOCAB, layers=1)
+    exact = ex.exact_distribution(target, ex.PROMPT)
+    base = make_engine(target, mode=mode, draft_model=draft, vocab=ex.VOCAB, num_draft=4)
+    kwargs = {"prediction": [1, 2, 3, 0, 1, 2]} if mode == "ngram" else {}
+    companions = [([2, 1, 0, 3, 2, 1], "ngram", 7), ([3, 3, 3], "draft", 4)]
+    slots = [base.clone() for _ in range(3)]
+
+    def counts(runs: int) -> np.ndarray:
+        out = np.zeros((ex.VOCAB,) * ex.N)
+        for seed in range(runs):
+            batch = BatchSpeculator(target)
+            rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N, seed=seed, **ex.SAMPLING,
+                               **kwargs)]
+            for j, (p, m, n) in enumerate(companions[: 1 + seed % 2]):
+                rows.append(batch.open(slots[1 + j], p, max_tokens=n, mode=m, seed=10_000 + seed,
+                                       temperature=1.0))
+            outs = [[] for _ in rows]
+            drain(rows, outs)
+            out[tuple(outs[0])] += 1
+        return out
+
+    assert ex.min_pvalue(counts(ex.RUNS), exact) > 1e-3
+    if mode != "draft":  # the power check runs once, on the draft row, to keep the suite short
+        return
+
+    def wrong(logits, draft_tokens, q, sampling, key):
+        # accepts like the exact rule but resamples a rejection from p itself
+        k = draft_tokens.size
+        p = probs_from_logits(logits, sampling)
+        if k == 0:
+            return mx.array(0, mx.int32), sample(p[0], key)
+        a, s = mx.random.split(key)
+        p_x = mx.take_along_axis(p[:k], draft_tokens[:, None], axis=-1)[:, 0]
+        q_x = (mx.take_along_axis(q, draft_tokens[:, None], axis=-1)[:, 0]
+               if q is not None else mx.ones_like(p_x))
+        ok = mx.random.uniform(shape=(k,), key=a) < mx.minimum(1.0, p_x / q_x)
+        n = mx.cumprod(ok.astype(mx.int32)).sum()
+        return n, sample(p[n], s)
+
+    monkeypatch.setattr(bs, "verify_chain", wrong)
+    assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3
