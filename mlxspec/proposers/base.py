@@ -83,7 +83,10 @@ class Proposer:
         """Start a generation; the target has prefilled all prompt tokens but the last."""
 
     def available(self, context: list[int], cap: int) -> dict[str, int]:
-        """Per source, how many tokens it could propose now (at most `cap`)."""
+        """Per source, how many tokens it could propose now (at most `cap`). The keys are the
+        policy's arms, handed back to `propose` as `source`: a source may split its offers by
+        quality (`ngram:4` for a 4-gram match) so that each gets its own estimates. Called
+        after every token of a plain stretch too: keep it cheap (host lookups)."""
         return {self.name: cap}
 
     def propose(self, context: list[int], num_draft: int, key: mx.array | None,
@@ -97,7 +100,8 @@ class Proposer:
 
     def update(self, context: list[int], num_accepted: int) -> None:
         """After verification: `context` is the committed sequence, `num_accepted` of the
-        proposal's tokens were accepted. Roll back any private state past the accepted part."""
+        proposal's tokens were accepted. Roll back any private state past the accepted part.
+        Also called (num_accepted = 0, no proposal) after every token of a plain stretch."""
 
     def stats(self) -> dict:
         return {}
