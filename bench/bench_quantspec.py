@@ -88,6 +88,57 @@ def run_context(engine, ref, length, args, trained: bool, mlx_lm: bool) -> list[
     return out
 
 
+def calibration_tokens(engine, n: int = 8, length: int = 256) -> list[list[int]]:
+    """`n` sequences of `length` tokens of the bundled models' training text (not held out)."""
+    from mlxspec.recipe.heldout import read_source, training_files
+
+    tokens: list[int] = []
+    for path in training_files()[::7]:
+        tokens += engine.encode(read_source(path) or "")
+        if len(tokens) >= n * length:
+            break
+    return [tokens[i * length : (i + 1) * length] for i in range(n)]
+
+
+def compare_weights(engine, ref, contexts, args, G) -> None:
+    """Acceptance of the draft with round-to-nearest vs GPTQ 4-bit MLP weights."""
+    from mlxspec.proposers.quantspec import QuantSpecProposer
+    from mlxspec.quant.report import quality_report
+
+    calib = calibration_tokens(engine)
+    print(f"k = {args.num_draft}, G = {G}; GPTQ calibrated on {len(calib)} x {len(calib[0])} "
+          "training-text tokens\n")
+    print("| draft weights | context | acceptance | acceptance by draft position (%) | "
+          "tokens / target forward | draft greedy agreement | draft bits/token |")
+    print("|---|---:|---:|---|---:|---:|---:|")
+    text = "".join(heldout_eval_texts(max_bytes=16_000))
+    window = engine.encode(text)[:1024]
+    for method in ("rtn", "gptq"):
+        t0 = time.perf_counter()
+        prop = QuantSpecProposer(engine.model, group_size=G, weight_method=method,
+                                 calibration=calib if method == "gptq" else None)
+        made = time.perf_counter() - t0
+        q = quality_report(engine.model, prop.draft_model, window, G)
+        for length in contexts:
+            rs = []
+            for prompt in context_prompts(engine, length, args.prompts):
+                engine.proposer = prop
+                r = engine.generate(prompt, max_tokens=args.max_tokens, mode="quantspec",
+                                    prompt_cache=PromptCache())
+                want = ref.generate(prompt, max_tokens=args.max_tokens, prompt_cache=PromptCache())
+                assert r.tokens == want.tokens, "not lossless"
+                rs.append(r)
+            drafted = sum(r.stats.drafted for r in rs)
+            a = [sum(x) for x in zip(*(r.stats.accepted_by_position for r in rs))]
+            d = [sum(x) for x in zip(*(r.stats.drafted_by_position for r in rs))]
+            tpf = sum(r.stats.generated_tokens for r in rs) / sum(r.stats.target_forwards for r in rs)
+            print(f"| {method} (built in {made:.1f} s) | {length} | "
+                  f"{100 * sum(r.stats.accepted for r in rs) / drafted:.1f}% | "
+                  + " ".join(f"{100 * ai / di:.0f}" for ai, di in zip(a, d) if di)
+                  + f" | {tpf:.2f} | {q['greedy_agreement_draft_vs_fp']:.4f} | {q['draft']:.4f} |",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -101,6 +152,8 @@ def main() -> None:
     ap.add_argument("--num-draft", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's quantized caches")
+    ap.add_argument("--compare-weights", action="store_true",
+                    help="only compare round-to-nearest and GPTQ draft weights (acceptance)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",") if c]
     long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
@@ -118,6 +171,9 @@ def main() -> None:
     dtype = dtype.rsplit(".", 1)[-1]
     kv_dtype = getattr(mx, dtype)
 
+    if args.compare_weights:
+        compare_weights(engine, ref, contexts, args, G)
+        return
     print(f"k = {args.num_draft} (tokens per target forward are capped at {args.num_draft + 1}), "
           f"G = {G}, model weights and KV in {dtype} on this machine, "
           f"trained positions {trained_positions}.\n")

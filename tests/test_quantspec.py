@@ -380,3 +380,25 @@ def test_quantspec_refusals_say_why(family, words):
         msg = str(e.value)
         assert family in msg and all(w in msg for w in words), msg
         assert "Modes that are exact on it" in msg
+
+
+@pytest.mark.slow
+def test_gptq_draft_weights():
+    """method='gptq' (mlx-lm's GPTQ on calibration tokens): only the MLP layers are replaced,
+    the target is untouched, and on the calibration distribution the GPTQ layers reproduce the
+    full-precision layer outputs better than round-to-nearest."""
+    model = _model("llama", seed=41)
+    calib = [[(7 * i + 3 * j) % SHAPE["vocab"] for j in range(64)] for i in range(8)]
+    rtn, info_r = make_draft_model(model, method="rtn")
+    gptq, info_g = make_draft_model(model, method="gptq", calibration=calib)
+    assert info_g["method"] == "gptq" and info_r["method"] == "rtn"
+    assert info_g["quantized_layers"] == info_r["quantized_layers"] == 3 * len(model.layers)
+    assert isinstance(model.model.layers[0].mlp.up_proj, nn.Linear)  # target untouched
+    assert gptq.model.layers[0].self_attn is model.model.layers[0].self_attn
+    x = mx.array(calib)
+    errs = {}
+    for name, draft in (("rtn", rtn), ("gptq", gptq)):
+        errs[name] = mx.mean((draft(x) - model(x)) ** 2).item()
+    assert errs["gptq"] < errs["rtn"], errs
+    with pytest.raises(ValueError):
+        make_draft_model(model, method="gptq")

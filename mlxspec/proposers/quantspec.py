@@ -46,7 +46,8 @@ class QuantSpecProposer(Proposer):
 
     def __init__(self, model, group_size: int = 64, buffer_size: int | None = None,
                  weight_bits: int = 4, quantize: str = "mlp", weight_group_size: int = 64,
-                 value_group_size: int | None = None):
+                 value_group_size: int | None = None, weight_method: str = "rtn",
+                 calibration=None):
         if weight_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"weight_bits must be one of 2, 3, 4, 5, 6, 8; got {weight_bits}")
         self.model = model
@@ -57,7 +58,8 @@ class QuantSpecProposer(Proposer):
         check_hierarchical_support(model)
         HierarchicalKVCache(group_size, self.buffer_size, value_group_size)
         self.draft_model, self.weight_info = make_draft_model(
-            model, bits=weight_bits, group_size=weight_group_size, quantize=quantize)
+            model, bits=weight_bits, group_size=weight_group_size, quantize=quantize,
+            method=weight_method, calibration=calibration)
         # The engine reuses a prompt cache only when its kind matches; the id keeps a cache made
         # for another proposer instance (which this one cannot see) from being reused.
         self.cache_kind = f"hierarchical:{group_size}:{self.buffer_size}:{id(self)}"

@@ -21,6 +21,31 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 QUANTIZE_CHOICES = ("mlp", "all")
+WEIGHT_METHODS = ("rtn", "gptq")
+
+
+class _NotForGPTQ(nn.Linear):
+    """Marks a linear layer mlx-lm's GPTQ must leave alone (it selects by exact type)."""
+
+
+def _gptq_copies(model: nn.Module, paths: list[str], bits: int, group_size: int,
+                 calibration, batch_size: int = 4) -> dict[str, nn.Module]:
+    """GPTQ-quantized copies of the linear layers at `paths`, through mlx-lm's
+    `mlx_lm.quant.gptq.gptq_quantize` on a deep copy of the model (Hessians from a forward over
+    `calibration`, token ids of shape (n, length)); the model itself is untouched."""
+    from mlx_lm.quant.gptq import gptq_quantize
+
+    work = copy.deepcopy(model)
+    wanted = set(paths)
+    for p, m in work.named_modules():
+        if type(m) is nn.Linear and p not in wanted:
+            m.__class__ = _NotForGPTQ
+    data = mx.array(calibration, mx.uint32)
+    if data.ndim != 2:
+        raise ValueError("calibration must be token ids of shape (sequences, length)")
+    gptq_quantize(work, data, bits, group_size, bits, group_size, batch_size=batch_size)
+    mods = dict(work.named_modules())
+    return {p: mods[p] for p in paths if isinstance(mods.get(p), nn.QuantizedLinear)}
 
 
 _MLP_NAMES = ("mlp", "feed_forward", "ffn")
@@ -74,12 +99,21 @@ def _quantized_copy(layer: nn.Module, bits: int, group_size: int) -> nn.Module |
 
 
 def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
-                     quantize: str = "mlp") -> tuple[nn.Module, dict]:
+                     quantize: str = "mlp", method: str = "rtn",
+                     calibration=None) -> tuple[nn.Module, dict]:
     """(draft_model, info). info: reused (bool), extra_bytes, replaced_bytes, quantized_layers,
     skipped (paths left in full precision: input dim not a multiple of 32), weight_bits,
-    weight_group_size, quantize, note."""
+    weight_group_size, quantize, method, note.
+
+    method="rtn" (default): round-to-nearest affine codes (`mx.quantize`). method="gptq":
+    mlx-lm's GPTQ on `calibration` (token ids, (sequences, length)); layers it cannot do fall
+    back to round-to-nearest."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    if method not in WEIGHT_METHODS:
+        raise ValueError(f"method must be one of {WEIGHT_METHODS}, got {method!r}")
+    if method == "gptq" and calibration is None:
+        raise ValueError("method='gptq' needs calibration token ids")
     mlps = _mlp_prefixes(model)
     targets = [(p, m) for p, m in model.named_modules()
                if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and _selected(p, quantize, mlps)]
@@ -95,10 +129,15 @@ def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
 
     replacements: dict[str, nn.Module] = {}
     skipped = []
+    gptq = {}
+    if method == "gptq":
+        gptq = _gptq_copies(model, [p for p, m in targets if type(m) is nn.Linear
+                                    and m.weight.shape[-1] % group_size == 0],
+                            bits, group_size, calibration)
     for path, layer in targets:
         if isinstance(layer, nn.QuantizedLinear) and layer.bits <= bits:
             continue
-        q = _quantized_copy(layer, bits, group_size)
+        q = gptq.get(path) or _quantized_copy(layer, bits, group_size)
         if q is None:
             skipped.append(path)
         else:
@@ -110,7 +149,9 @@ def make_draft_model(model: nn.Module, bits: int = 4, group_size: int = 64,
     info = dict(reused=False, extra_bytes=extra, replaced_bytes=replaced,
                 quantized_layers=len(replacements), skipped=skipped, weight_bits=bits,
                 weight_group_size=group_size, quantize=quantize,
+                method="gptq" if gptq else "rtn",
                 note=(f"{len(replacements)} {quantize} linears copied at {bits} bits "
+                      f"({'GPTQ' if gptq else 'round-to-nearest'}) "
                       f"(+{extra / 2**20:.2f} MiB; they replace {replaced / 2**20:.2f} MiB "
                       "in the draft view only)"))
     return draft, info
