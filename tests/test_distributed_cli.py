@@ -149,7 +149,7 @@ def test_bench_distributed_counts_collectives_and_delays_them(tmp_path, model_di
     none0, none1 = rows["doc-qa@0ms"]["modes"]["none"], rows["doc-qa@1ms"]["modes"]["none"]
     # tensor parallel, 2 layers: 2 all-reduces per layer + rank 0's token + the step packet
     assert none0["collectives_per_token"] == pytest.approx(6.0, abs=0.5)
-    assert none0["collectives_per_forward"] == pytest.approx(6.0, abs=0.01)
+    assert none0["collectives_per_forward"] == pytest.approx(6.0, abs=0.5)  # + the closing packet
     assert none1["slept_per_collective_ms"] >= 1.0
     assert "Speedup over none" in o0 and o1 == ""
 
