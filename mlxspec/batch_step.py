@@ -68,6 +68,11 @@ class RaggedKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
         longest = max(self.lengths)
+        if self.keys is None:  # every row empty so far (one-token prompts)
+            b, h, _, d = keys.shape
+            cap = ((longest + n + self.step - 1) // self.step) * self.step
+            self.keys = mx.zeros((b, h, cap, d), keys.dtype)
+            self.values = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
         self._reserve(longest + n)
         if all(x == longest for x in self.lengths):
             self.keys[..., longest : longest + n, :] = keys
@@ -95,6 +100,8 @@ class RaggedKVCache:
 
     # -- rows
     def _reserve(self, size: int) -> None:
+        if self.keys is None:
+            return
         have = self.keys.shape[2]
         if size <= have:
             return
@@ -113,7 +120,19 @@ class RaggedKVCache:
     def add_row(self, c: KVCache) -> None:
         """Append a row holding what the single-request cache `c` holds."""
         n = c.offset
+        if c.keys is None or n == 0:  # nothing cached (a one-token prompt)
+            if self.keys is not None:
+                b, h, cap, d = self.keys.shape
+                self.keys = mx.concatenate([self.keys, mx.zeros((1, h, cap, d), self.keys.dtype)])
+                self.values = mx.concatenate(
+                    [self.values, mx.zeros((1, h, cap, self.values.shape[3]), self.values.dtype)])
+            self.lengths.append(0)
+            return
         k, v = c.keys[..., :n, :], c.values[..., :n, :]
+        if self.keys is None and self.lengths:  # the rows so far are all empty
+            cap = ((n + self.step - 1) // self.step + 1) * self.step
+            self.keys = mx.zeros((len(self.lengths), k.shape[1], cap, k.shape[3]), k.dtype)
+            self.values = mx.zeros((len(self.lengths), v.shape[1], cap, v.shape[3]), v.dtype)
         if self.keys is None:
             cap = ((n + self.step - 1) // self.step + 1) * self.step
             self.keys = mx.zeros((0, k.shape[1], cap, k.shape[3]), k.dtype)
@@ -133,11 +152,12 @@ class RaggedKVCache:
         """Take row b out of the batch; returns it as a single-request cache."""
         n = self.lengths[b]
         out = KVCache()
-        out.keys = self.keys[b : b + 1, :, :n, :]
-        out.values = self.values[b : b + 1, :, :n, :]
-        out.offset = n
+        if n:
+            out.keys = self.keys[b : b + 1, :, :n, :]
+            out.values = self.values[b : b + 1, :, :n, :]
+            out.offset = n
         rest = [i for i in range(len(self.lengths)) if i != b]
-        if rest:
+        if rest and self.keys is not None:
             idx = mx.array(rest, mx.int32)
             self.keys, self.values = self.keys[idx], self.values[idx]
         else:
@@ -398,13 +418,14 @@ class BatchSpeculator:
         if not rows:
             return
         start = time.perf_counter()
-        plans, proposals, verify_keys = [], [], []
+        plans, sources, proposals, verify_keys = [], [], [], []
         try:
             for r in rows:
                 r.key, propose_key, verify_key = mx.random.split(r.key, 3)
                 source, k = r.plan()
                 prop = r.proposer.propose(r.context, k, propose_key, source=source) if k else None
                 plans.append(k)
+                sources.append(source)
                 proposals.append(prop)
                 verify_keys.append(verify_key)
             # A row whose previous output was not read yet sits this step out: it is fed
@@ -426,12 +447,12 @@ class BatchSpeculator:
         seconds = time.perf_counter() - start
         self.steps += 1
         self.rows_stepped += len(rows)
-        for r, res in zip(rows, results):
+        for r, source, res in zip(rows, sources, results):
             r.context.extend(res.tokens)
             if r.proposer is not None:
                 r.proposer.update(r.context, res.accepted)
-            if res.drafted:
-                r.policy.observe(res.source, res.drafted, res.accepted, seconds)
+            if res.drafted:  # the policy's arm is the plan's source (`ngram:4`)
+                r.policy.observe(source, res.drafted, res.accepted, seconds)
             else:
                 r.policy.observe_plain(1, seconds)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))

@@ -178,6 +178,28 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     assert again.tokens == base.clone().generate(follow, max_tokens=10).tokens
 
 
+def test_one_token_prompts_have_nothing_cached(pair):
+    """A one-token prompt joins with an empty cache, first alone, then beside others."""
+    target, _ = pair
+    base = make_engine(target, mode="ngram")
+    reqs = [([5], "ngram", 12, {}), ([6], "none", 9, {}), (list(range(30, 60)), "ngram", 10, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows, outs = [], [[] for _ in reqs]
+
+    def opener(i):
+        def go():
+            p, m, n, kw = reqs[i]
+            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, **kw))
+            return i
+        return go
+
+    opener(0)()
+    opener(1)()
+    drain(rows, outs, join={2: opener(2)})
+    assert outs == want
+
+
 def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(pair):
     target, draft = pair
     base = make_engine(target, mode="draft", draft_model=draft)

@@ -7,7 +7,9 @@ Handlers submit a `Job` and read its events from the job's own queue. The worker
    `Engine.stream_steps`: speculative, exact, with the prompt cache. Above that, new jobs join
    a batch of plain decoding run by mlx-lm's `BatchGenerator` (continuous batching: one
    forward per step for all of them), since speculation loses at high concurrency.
-2. advances every engine job by one step (one target forward each, round robin);
+2. advances every engine job by one step: on plain-attention models one batched speculative
+   step for all of them (`batch_step.py`: each job proposes with its own source and k, one
+   target forward verifies every row); otherwise one target forward each, round robin;
 3. advances the batch by one step.
 
 A cancelled job (its client went away) is closed before its next step: the generator's
@@ -28,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import caches
+from ..batch_step import BatchSpeculator
 from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
@@ -189,7 +192,8 @@ class TextStream:
 class Worker(threading.Thread):
     def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
-                 prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None):
+                 prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
+                 batch_spec: bool = True):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         self.spec_max_concurrency = spec_max_concurrency
@@ -209,6 +213,11 @@ class Worker(threading.Thread):
         self.idle_slots: list[Engine] = []
         self.batch = None
         self.batch_stream = None
+        # Engine jobs on plain-attention models step together: one target forward verifies
+        # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
+        # trees, QuantSpec) keep one forward each, round robin.
+        self.batch_spec = batch_spec
+        self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
@@ -357,11 +366,18 @@ class Worker(threading.Thread):
 
     def _open_generation(self, job: Job) -> None:
         r = job.req
-        job.gen = job.slot.stream_steps(
-            r.prompt, max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
-            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
-            prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
-            mode=r.mode)
+        kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
+                      top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
+                      prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
+                      mode=r.mode)
+        if self.batch_spec and not r.warmup and BatchSpeculator.accepts(job.slot, r.mode):
+            # One batched speculative step for every such job: the first job read in a round
+            # runs the forward for all (batch_step.py), the others read their rows' outputs.
+            if self.spec_batch is None:
+                self.spec_batch = BatchSpeculator(self.engine.model)
+            job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
+            return
+        job.gen = job.slot.stream_steps(r.prompt, **kwargs)
 
     def _prefill_chunk(self, job: Job) -> bool:
         """Prefill a long prompt a chunk per worker round, so that other requests keep
