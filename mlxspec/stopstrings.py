@@ -1,8 +1,8 @@
 """Stop strings: where generated text ends (one matcher for every path that cuts text).
 
 The rule is the earliest match in the text: of all stop strings, the one whose first
-occurrence starts first ends the answer there (at equal starts, the first in the request's
-list is the one reported). Text that might be the start of a stop string is held back until
+occurrence starts first ends the answer there (at equal starts the shortest is the one
+reported: it is the one complete first, whatever the pieces the text arrives in). Text that might be the start of a stop string is held back until
 the next piece arrives, so a stop string split across tokens is found all the same.
 """
 
@@ -16,7 +16,8 @@ def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
         if not s:
             continue
         at = text.find(s, 0, len(text) if best is None else best[0] + len(s))
-        if at >= 0 and (best is None or at < best[0]):
+        if at >= 0 and (best is None or at < best[0]
+                        or (at == best[0] and len(s) < len(best[1]))):
             best = (at, s)
     return best
 

@@ -81,18 +81,37 @@ def parse_size(text: str) -> int:
               help="Log every request (method, path, status) to stderr; never headers or keys.")
 @click.option("--log-prompts", is_flag=True,
               help="With --log-requests, also log request bodies (prompts) and answers.")
+@click.option("--max-connections", type=int, default=512, show_default=True,
+              help="Open connections at most; more are answered 503 with Retry-After.")
+@click.option("--read-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a client may take to send a request (headers and body) or keep "
+                   "an idle connection open; then the connection is closed.")
+@click.option("--write-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a client may go without reading its answer (a stream); then it "
+                   "is dropped and its generation cancelled.")
+@click.option("--request-timeout", type=float, default=None,
+              help="Seconds from arrival after which a generation ends with its partial "
+                   "answer and finish_reason \"timeout\" (default: no limit).")
+@click.option("--shutdown-grace", type=float, default=10.0, show_default=True,
+              help="On SIGTERM or Ctrl-C, seconds running requests may take to finish before "
+                   "they are ended (finish_reason \"shutdown\"); a second Ctrl-C ends them now.")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
-          cors_origins, log_requests, log_prompts, distributed=None):
+          cors_origins, log_requests, log_prompts, max_connections, read_timeout,
+          write_timeout, request_timeout, shutdown_grace, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
 
     if spec_max_concurrency < 0 or max_batch < 1 or max_queue < 1:
         raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
+    if max_connections < 1 or read_timeout <= 0 or write_timeout <= 0 or shutdown_grace < 0 or (
+            request_timeout is not None and request_timeout <= 0):
+        raise MlxspecError("--max-connections must be >= 1, --read-timeout, --write-timeout and "
+                           "--request-timeout > 0, --shutdown-grace >= 0")
     logging.basicConfig(level=logging.INFO if log_requests or log_prompts else logging.WARNING,
                         format="%(asctime)s %(message)s")
     # --distributed: only rank 0 returns here and serves HTTP; the others follow its worker
@@ -111,7 +130,9 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             cors_origins=tuple(o for o in cors_origins if o), model_name=model_name,
             model_aliases=tuple(model_aliases), accept_any_model=accept_any_model,
             allowed_hosts=tuple(h for h in allowed_hosts if h), api_key=api_key or None,
-            log_prompts=log_prompts)
+            log_prompts=log_prompts, max_connections=max_connections,
+            read_timeout=read_timeout, write_timeout=write_timeout,
+            request_timeout=request_timeout)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if sharded:  # mlx-lm's batched decoding would run collectives the other ranks never see
@@ -142,8 +163,15 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        click.echo("shutting down", err=True)
-    finally:
-        server.server_close()
-        server.worker.stop()
-        server.worker.join(timeout=30)
+        pass
+    # Stop accepting; running requests get --shutdown-grace to finish, the rest end with
+    # their partial answers (finish_reason "shutdown"); exit 0.
+    click.echo(f"shutting down (up to {shutdown_grace:g} s for running requests)", err=True)
+    try:
+        finished = server.drain(shutdown_grace, stopping_server=False)
+    except KeyboardInterrupt:  # interrupted again while ending them: no more waiting
+        server.worker.end_all("shutdown")
+        finished = False
+    if not finished:
+        click.echo("requests still running at the end of the grace period were ended",
+                   err=True)

@@ -276,7 +276,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
             for s in late:
                 self.metrics.timed_out("read")
                 try:
-                    s.shutdown(socket.SHUT_RDWR)  # the handler's read returns at once
+                    s.shutdown(socket.SHUT_RD)  # the handler's read returns at once (408)
                 except OSError:
                     pass
 
@@ -371,7 +371,7 @@ class Handler(BaseHTTPRequestHandler):
     def log_request(self, code="-", size="-") -> None:
         """`--log-requests`: method, path (no query string), status. Headers (the API key,
         `Authorization`) are never logged; prompts only with `--log-prompts`."""
-        path = (self.path or "").split("?", 1)[0]
+        path = (getattr(self, "path", "") or "").split("?", 1)[0]
         log.info("%s %s %s %s", self.address_string(), self.command, path,
                  getattr(code, "value", code))
 
@@ -662,8 +662,19 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
+        try:  # a lone surrogate (\ud800) is valid JSON but no text a tokenizer can take
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the body contains a string that is not valid Unicode (a lone "
+                                "surrogate escape such as \\ud800)", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+        except ValueError:  # NaN or infinity are checked field by field
+            pass
         return body
 
     # -- answering
