@@ -8,8 +8,11 @@ For each configuration a real server runs in this process on a free loopback por
 threads each send R greedy `/v1/completions` requests one after another (closed loop).
 Configurations:
 
-- `spec`   every request speculative (`--spec-max-concurrency 1000`): the worker interleaves
-           the requests' speculative steps, one target forward each, round robin;
+- `spec`   every request speculative (`--spec-max-concurrency 1000`): one batched speculative
+           step for all active requests (`mlxspec/batch_step.py`: each proposes its own k, one
+           target forward verifies every row);
+- `spec-rr` every request speculative, the previous way: the worker interleaves the requests'
+           speculative steps, one target forward each, round robin;
 - `plain`  every request plain decoding, batched by mlx-lm's BatchGenerator
            (`--spec-max-concurrency 0`): one forward per step for all active requests;
 - `hybrid` the server's default policy (`--spec-max-concurrency 2`): speculative up to two
@@ -38,7 +41,9 @@ sys.path.insert(0, str(ROOT))
 import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
 from mlxspec.server.app import make_server  # noqa: E402
 
-CONFIGS = {"spec": 1000, "plain": 0, "hybrid": 2}
+# name: (--spec-max-concurrency, batched speculative step)
+CONFIGS = {"spec": (1000, True), "spec-rr": (1000, False), "plain": (0, True),
+           "hybrid": (2, True)}
 
 
 def workload(n: int, max_chars: int = 1200) -> list[str]:
@@ -94,10 +99,10 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
     return time.perf_counter() - start, data["usage"]
 
 
-def run_config(srv, spec_max: int, clients: int, requests: int, prompts: list[str],
+def run_config(srv, config: tuple[int, bool], clients: int, requests: int, prompts: list[str],
                max_tokens: int) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
-    srv.worker.spec_max_concurrency = spec_max
+    srv.worker.spec_max_concurrency, srv.worker.batch_spec = config
     one_request(srv.url, prompts[-1], 4)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--configs", default="spec,plain,hybrid")
+    ap.add_argument("--configs", default="spec,spec-rr,plain,hybrid")
     ap.add_argument("--repeat", type=int, default=1,
                     help="sweeps; cells are measured interleaved and pooled over sweeps")
     ap.add_argument("--json", default=None, help="also write the results here")

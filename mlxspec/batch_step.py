@@ -61,7 +61,10 @@ class RaggedKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise MlxspecError("a sliding-window layer cannot run in the batched step")
-        span = max(self.lengths) + N
+        longest = max(self.lengths)
+        if not return_array and all(x == longest for x in self.lengths):
+            return None if N == 1 else "causal"  # no stale slot is visible: as KVCache does
+        span = longest + N
         queries = self.offset[:, None] + mx.arange(N)[None]  # (B, N) positions
         return (mx.arange(span)[None, None] <= queries[:, :, None])[:, None]  # (B, 1, N, S)
 
