@@ -43,6 +43,7 @@ SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "auto")
 MAX_NODES = 256  # proposal packet capacity (chain tokens or tree nodes)
 SOURCE_BYTES = 32  # a source name ("ngram:4", "draft") in the plan packet
 DEFAULT_TIMEOUT = 120.0  # seconds without progress inside a generation
+STALL_CHECK = 2.0  # seconds without progress before the watchdog looks for a dead peer
 
 
 class DistributedFailure(MlxspecError):
@@ -111,7 +112,15 @@ class Coordinator:
         while True:
             time.sleep(min(1.0, max(self.timeout / 10, 0.05)))
             with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
+                now = time.monotonic()
+                late = self._deadline is not None and now > self._deadline
+                stalled = (self._deadline is not None
+                           and now > self._deadline - self.timeout + STALL_CHECK)
+            if stalled and not late and ring_peer_closed():
+                # The ring backend does not fail a collective whose peer died mid-way (it
+                # reports "Socket N was closed by the peer" and waits): stop now, not at the
+                # timeout.
+                fail(lost(self.rank, "its socket was closed by the peer"))
             if late:
                 fail(f"rank {self.rank}: no progress for {self.timeout:.0f} s during {self._what} "
                      "(another rank is stuck or unreachable); stopping "
@@ -161,7 +170,60 @@ class Coordinator:
         return json.loads(data.decode())
 
 
-def lost(rank: int, e: BaseException) -> str:
+def _ring_ports() -> set[int]:
+    """The ports of the ring backend's hostfile (MLX_HOSTFILE: a JSON list, per rank, of
+    "ip:port"); empty without one (another backend)."""
+    import re
+
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        text = open(path).read() if path else ""
+    except OSError:
+        return set()
+    return {int(p) for p in re.findall(r":(\d+)\"", text)}
+
+
+def ring_peer_closed() -> bool:
+    """Whether one of this process's ring sockets was closed by its peer (another rank died):
+    a non-blocking peek at every socket to or from a hostfile port reads end-of-file."""
+    import socket
+    import stat
+
+    ports = _ring_ports()
+    flags = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+    if not ports or not getattr(socket, "MSG_DONTWAIT", 0):
+        return False
+    try:
+        fds = [int(n) for n in os.listdir("/dev/fd")]
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                      socket.AF_INET6):
+                continue
+            if sock.getsockname()[1] not in ports and sock.getpeername()[1] not in ports:
+                continue
+            if sock.recv(1, flags) == b"":
+                return True
+        except (BlockingIOError, InterruptedError):
+            pass
+        except ConnectionResetError:
+            return True
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return False
+
+
+def lost(rank: int, e: BaseException | str) -> str:
     return (f"rank {rank}: lost another rank ({e}); every rank stops "
             "(see the other ranks' output for the cause)")
 
@@ -829,11 +891,8 @@ def leader_input(read):
             value = read()
         except MlxspecError as e:
             error = str(e)
-    coord.arm("reading the input")
-    try:
-        got = coord.bcast_obj({"value": value, "error": error} if coord.leader else None)
-    finally:
-        coord.disarm()
+    # No watchdog here: rank 0 may wait on a person typing; a rank that dies closes its sockets.
+    got = coord.bcast_obj({"value": value, "error": error} if coord.leader else None)
     if got["error"] is not None:
         if coord.leader:
             raise MlxspecError(got["error"])

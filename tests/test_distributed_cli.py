@@ -54,15 +54,6 @@ def wait_all(procs, timeout=TIMEOUT):
     return out
 
 
-def test_generate_reads_the_prompt_on_rank_0_only(tmp_path, model_dirs):
-    cmd = CLI + ["generate", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
-                 "--max-tokens", "40", "-p", "-", "--json"]
-    (r0, o0, e0), (r1, o1, e1) = wait_all(start(tmp_path, cmd, stdin0=PROMPT))
-    assert r0 == 0 and r1 == 0, e0 + e1  # rank 1's stdin is empty: it never read it
-    assert json.loads(o0)["tokens"] == reference(model_dirs["llama"])
-    assert o1 == ""
-
-
 def test_chat_reads_and_prints_on_rank_0_only(tmp_path, model_dirs):
     cmd = CLI + ["chat", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
                  "--max-tokens", "8"]
@@ -117,21 +108,22 @@ def test_serve_answers_from_rank_0(tmp_path, model_dirs):
                 p.wait()
 
 
-def test_a_signal_on_one_rank_stops_every_rank(tmp_path, model_dirs):
+def test_prompt_read_on_rank_0_and_a_signal_stops_every_rank(tmp_path, model_dirs):
     cmd = CLI + ["generate", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "none",
-                 "--max-tokens", "100000", "-p", PROMPT]
-    procs = start(tmp_path, cmd)
-    deadline = time.monotonic() + TIMEOUT
+                 "--max-tokens", "100000", "-p", "-"]
+    procs = start(tmp_path, cmd, stdin0=PROMPT)  # rank 1's stdin is empty: "the prompt is empty"
+    deadline = time.monotonic() + TIMEOUT       # if it read it
     line = ""
-    while "sharded:" not in line:  # rank 0 is loaded and about to generate
+    while "sharded:" not in line:  # rank 0 is loaded and generating
         assert time.monotonic() < deadline
         line = procs[0].stderr.readline()
         assert line or procs[0].poll() is None
     time.sleep(1.0)
-    procs[1].send_signal(signal.SIGTERM)  # the follower dies at once, rank 0 says so
-    (r0, _, e0), (r1, _, _) = wait_all(procs, timeout=30)
-    assert r1 == -signal.SIGTERM
-    assert r0 == 1 and "lost another rank" in e0
+    assert procs[1].poll() is None
+    procs[0].send_signal(signal.SIGINT)  # Ctrl-C on rank 0: it stops, and so does rank 1
+    (r0, _, e0), (r1, o1, e1) = wait_all(procs, timeout=30)
+    assert r0 == 130 and "Ctrl-C: stopping every rank" in e0
+    assert r1 == 1 and "lost another rank" in e1 and o1 == ""
 
 
 def test_bench_distributed_counts_collectives_and_delays_them(tmp_path, model_dirs):
