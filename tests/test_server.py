@@ -293,7 +293,13 @@ def test_predicted_outputs(server, client, ref):
     assert plain.choices[0].message.content == ref["chat"].text
     assert predicted.choices[0].message.content == ref["chat"].text  # lossless
     details = predicted.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0
+    if ref["enc"](ref["chat"].text) == ref["chat"].tokens:
+        assert details.accepted_prediction_tokens > 0
+    else:
+        # This random model's answer does not survive decode/encode (the tiny tokenizer merges
+        # its bytes differently), so no predicted token can match and the answer is unchanged.
+        # (Predictions that match are accepted: test_edit.py and the bundled-model tests.)
+        assert details.accepted_prediction_tokens == 0
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     # Every accepted predicted token is a target forward saved: fewer forwards than tokens,
     # where plain decoding takes one per token. (Against n-gram speculation without the
@@ -301,6 +307,7 @@ def test_predicted_outputs(server, client, ref):
     # model's byte soup does not, so that comparison is left to the benchmark.)
     forwards = predicted.usage.model_extra["speculative"]["target_forwards"]
     assert forwards <= predicted.usage.completion_tokens - details.accepted_prediction_tokens
+    # (n-gram speculation on the answer itself still saves forwards below)
     none = client.chat.completions.create(
         model=server.config.model_name, messages=CHAT, max_tokens=40, temperature=0,
         extra_body={"speculative": {"mode": "none"},
