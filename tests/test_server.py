@@ -318,7 +318,9 @@ def test_predicted_outputs(server, client, ref):
     parts = client.chat.completions.create(
         model=server.config.model_name, messages=CHAT, max_tokens=40, temperature=0,
         prediction={"type": "content", "content": [{"type": "text", "text": ref["chat"].text}]})
-    assert parts.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert parts.choices[0].message.content == ref["chat"].text
+    assert (parts.usage.completion_tokens_details.accepted_prediction_tokens
+            == details.accepted_prediction_tokens)  # the same prediction, the same count
     # An extension: predictions on /v1/completions too.
     r = client.completions.create(model="mlxspec", prompt=CODE, max_tokens=24, temperature=0,
                                   extra_body={"prediction": {"type": "content",
