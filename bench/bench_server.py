@@ -3,6 +3,7 @@ against the number of concurrent clients, speculative vs plain decoding.
 
     python bench/bench_server.py                       # the bundled model (else a random one)
     python bench/bench_server.py --model DIR --clients 1,2,4,8 --requests 3 --max-tokens 64
+    python bench/bench_server.py --burst 256 --soak 10   # load and abuse (bench_soak.py)
 
 For each configuration a real server runs in this process on a free loopback port, and N client
 threads each send R greedy `/v1/completions` requests one after another (closed loop).
@@ -163,7 +164,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="sweeps; cells are measured interleaved and pooled over sweeps")
     ap.add_argument("--json", default=None, help="also write the results here")
+    # Load and abuse (bench_soak.py): a burst of connections, a soak of mixed traffic.
+    ap.add_argument("--burst", type=int, default=0, help="N simultaneous connections")
+    ap.add_argument("--soak", type=float, default=0, help="minutes of mixed traffic")
+    ap.add_argument("--concurrency", type=int, default=16, help="soak clients")
+    ap.add_argument("--url", default=None, help="a running server (default: start one)")
+    ap.add_argument("--serve-args", default="", help="more `mlxspec serve` options")
     args = ap.parse_args(argv)
+    if args.burst or args.soak:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import bench_soak
+
+        return bench_soak.run(args)
 
     model = args.model
     label = model

@@ -551,6 +551,12 @@ def test_fuzzed_bodies_never_get_a_5xx(model_dirs):
                 err = json.loads(payload)["error"]
                 assert isinstance(err["message"], str) and "type" in err and "code" in err
         assert statuses.get(200, 0) > 20 and sum(statuses.values()) == n, statuses
+        for field in ("temperature", "top_p", "min_p", "t_max_predict_ms"):
+            for value in (math.nan, math.inf):
+                status, payload, _ = post(srv.url, "/v1/completions",
+                                          {"prompt": "x", field: value},
+                                          raw=json.dumps({"prompt": "x", field: value}).encode())
+                assert status == 400 and json.loads(payload)["error"]["param"] == field
         status, _, _ = post(srv.url, "/v1/completions", {"prompt": "def f(", "max_tokens": 2})
         assert status == 200
     finally:

@@ -316,6 +316,21 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+def mlx_memory() -> dict:
+    """MLX's allocator: arrays alive, and freed buffers it keeps for reuse (counted in the
+    process's resident memory, and not given back to the system by itself)."""
+    import mlx.core as mx
+
+    out = {}
+    for name, fn, help_ in (("active", "get_active_memory", "Bytes of live MLX arrays."),
+                            ("cache", "get_cache_memory",
+                             "Bytes of freed buffers MLX's allocator keeps for reuse."),
+                            ("peak", "get_peak_memory", "Peak bytes of live MLX arrays.")):
+        if hasattr(mx, fn):
+            out[f"mlxspec_mlx_{name}_memory_bytes"] = (help_, getattr(mx, fn)())
+    return out
+
+
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8080,
                 **options) -> MlxspecHTTPServer:
     return MlxspecHTTPServer((host, port), engine, **options)
@@ -532,6 +547,7 @@ class Handler(BaseHTTPRequestHandler):
                 "mlxspec_prompt_cache_entries": ("Prompt caches kept.", len(w.cache.entries)),
                 "mlxspec_prompt_cache_bytes": ("Bytes held by kept prompt caches.",
                                                w.cache.nbytes()),
+                **mlx_memory(),
             }).encode()
             self._headers(200, "text/plain; version=0.0.4; charset=utf-8", len(text))
             self.wfile.write(text)

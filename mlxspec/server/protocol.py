@@ -7,6 +7,7 @@ worker, so bad input is answered without ever queueing behind generation.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -182,6 +183,8 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
         value = int(value)
     else:
         value = float(value)
+        if not math.isfinite(value):  # NaN passes every comparison below
+            raise bad(f"'{name}' must be a finite number, got {value}", name)
     if lo is not None and value < lo:
         raise bad(f"'{name}' must be >= {lo}, got {value}", name)
     if hi is not None and value > hi:
