@@ -78,9 +78,10 @@ def model_options(fn):
                           "its draft)."),
         click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
                      help="Speculation mode."),
-        click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4,
-                     show_default=True, callback=in_range(1, MAX_NUM_DRAFT),
-                     help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT})."),
+        click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
+                     callback=in_range(1, MAX_NUM_DRAFT),
+                     help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default 4). `auto` "
+                          "adapts k up to this cap (default 8)."),
     )
 
 

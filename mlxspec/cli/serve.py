@@ -31,8 +31,9 @@ def parse_size(text: str) -> int:
 @click.option("--draft-model", default=None, help="Draft model for --mode draft.")
 @click.option("--mode", type=click.Choice(MODES), default=DEFAULT_MODE, show_default=True,
               help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
-@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
-              help="Tokens proposed per step (1-64).")
+@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
+              help="Tokens proposed per step (1-64; default 4). `auto` adapts k up to this cap "
+                   "(default 8).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Loopback by default; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=int, default=8080, show_default=True)
