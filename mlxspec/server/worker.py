@@ -178,6 +178,11 @@ class TextStream:
         text, hit = self._emit(self.detok.last_segment)
         return text if hit else text + self.matcher.flush()
 
+    def cut_short(self) -> str:
+        """The rest of the text when the answer is cut short (timeout, shutdown): what was
+        held back for a possible stop string, not a character still incomplete."""
+        return self.matcher.flush()
+
     def _emit(self, segment: str) -> tuple[str, bool]:
         was = self.matcher.stopped
         text, hit = self.matcher.feed(segment)
@@ -193,7 +198,7 @@ class Worker(threading.Thread):
     def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
-                 batch_spec: bool = True):
+                 batch_spec: bool = False):  # opt-in: see docs/HOW_IT_WORKS.md
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         self.spec_max_concurrency = spec_max_concurrency
@@ -551,7 +556,7 @@ class Worker(threading.Thread):
             self.batch.remove([uid for uid, _, _ in ended])
             for uid, job, reason in ended:  # the partial answer
                 del self.batch_jobs[uid]
-                text = job.text.finish()
+                text = job.text.cut_short()
                 if text:
                     job.text_so_far += text
                     job.events.put(Delta(text, 0))
