@@ -5,6 +5,8 @@ independent of the rest of the batch); requests join and leave between steps."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -291,3 +293,34 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, monkeypatch):
 
     monkeypatch.setattr(bs, "verify_chain", wrong)
     assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3
+
+
+def test_serve_batch_spec_answers_equal_single_requests():
+    """`serve --batch-spec`: concurrent greedy requests share batched forwards and each answer
+    equals the same request served alone."""
+    import threading
+
+    from test_server_load import PROMPTS, post, start, stop
+
+    import mlxspec
+
+    engine = mlxspec.load(None, mode="ngram")
+    alone = {p: engine.generate(p, max_tokens=24).text for p in PROMPTS[:4]}
+    srv = start(engine.clone(), batch_spec=True)
+    try:
+        answers = {}
+
+        def ask(prompt):
+            status, payload, _ = post(srv.url, "/v1/completions",
+                                      {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            answers[prompt] = (status, json.loads(payload)["choices"][0]["text"])
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS[:4]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert {p: a for p, (s, a) in answers.items() if s == 200} == alone
+        assert srv.worker.spec_batch is not None  # the batched step really ran
+    finally:
+        stop(srv)

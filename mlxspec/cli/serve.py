@@ -96,13 +96,17 @@ def parse_size(text: str) -> int:
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True,
               help="On SIGTERM or Ctrl-C, seconds running requests may take to finish before "
                    "they are ended (finish_reason \"shutdown\"); a second Ctrl-C ends them now.")
+@click.option("--batch-spec", is_flag=True,
+              help="Experimental: step concurrent speculative requests (plain-attention models) "
+                   "in one batched forward. Exact; its speed was not established on a CPU, and "
+                   "a seeded sampled request may draw differently than when run alone.")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
-          write_timeout, request_timeout, shutdown_grace, distributed=None):
+          write_timeout, request_timeout, shutdown_grace, batch_spec=False, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -124,6 +128,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     try:
         server = make_server(
             engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
+            batch_spec=batch_spec,
             max_queue=max_queue, cache_bytes=parse_size(prompt_cache_size),
             cache_entries=prompt_cache_entries, prefill_chunk=max(1, prefill_chunk),
             max_body_bytes=parse_size(max_body_bytes),

@@ -157,7 +157,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  accept_any_model: bool = False, api_key: str | None = None,
                  log_prompts: bool = False, max_connections: int = 512,
                  read_timeout: float = 30.0, write_timeout: float = 30.0,
-                 request_timeout: float | None = None, send_buffer_bytes: int | None = None):
+                 request_timeout: float | None = None, send_buffer_bytes: int | None = None,
+                 batch_spec: bool = False):
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -199,7 +200,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.worker = Worker(engine, spec_max_concurrency=spec_max_concurrency,
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
-                             metrics=self.metrics, request_timeout=request_timeout)
+                             metrics=self.metrics, request_timeout=request_timeout,
+                             batch_spec=batch_spec)
         self.worker.start()
         threading.Thread(target=self._reap, name="mlxspec-reaper", daemon=True).start()
 
