@@ -205,7 +205,8 @@ def test_slowloris_does_not_delay_others_and_is_dropped(engine, ref):
                                   {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0},
                                   timeout=10)
         assert status == 200 and json.loads(payload)["choices"][0]["text"] == ref["short"][PROMPTS[0]]
-        assert time.monotonic() - start_t < 1.0
+        # answered while 16 slow clients hold connections (each would hold one for ~25 s)
+        assert time.monotonic() - start_t < 3.0
         data = sock.recv(4096)
         assert data.startswith(b"HTTP/1.1 408"), data[:100]
         sock.close()
@@ -257,7 +258,7 @@ def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref)
 @pytest.mark.parametrize("spec", [2, 0], ids=["engine", "batched"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
-    srv = start(engine, request_timeout=0.4, spec_max_concurrency=spec)
+    srv = start(engine, request_timeout=0.6, spec_max_concurrency=spec)
     worker = srv.worker
     slowed = "_step_engine" if spec else "_step_batch"
     orig = getattr(worker, slowed)
