@@ -318,6 +318,8 @@ def test_drain_lets_short_requests_finish_and_ends_long_streams_cleanly(engine, 
     threads[0].start()
     wait_for(lambda: srv.worker.active() == 1, 10, "the stream running")
     time.sleep(0.2)
+    health = socket.create_connection(srv.server_address[:2], timeout=10)  # kept open
+    wait_for(lambda: srv.open_connections() == 2, 5, "both connections accepted")
     finished = srv.drain(grace=0.3)
     threads[0].join(timeout=15)
     assert not finished and not threads[0].is_alive()
@@ -327,6 +329,9 @@ def test_drain_lets_short_requests_finish_and_ends_long_streams_cleanly(engine, 
     assert events[-2]["choices"][0]["finish_reason"] == "shutdown"
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert text and ref["long_text"].startswith(text)
+    health.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert health.recv(4096).startswith(b"HTTP/1.1 503")  # for load balancers
+    health.close()
     with pytest.raises(OSError):  # no longer accepting
         socket.create_connection(srv.server_address[:2], timeout=2)
     srv.server_close()

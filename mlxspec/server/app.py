@@ -529,6 +529,11 @@ class Handler(BaseHTTPRequestHandler):
                          "n_ctx_train": srv.engine.max_context,
                          "fim": srv.parser.fim.style if srv.parser.fim else None}}]}
             self._send_json(200, body)
+        elif path in ("/health", "/v1/health") and srv.worker.draining:
+            self._send_json(503, {"status": "shutting_down", "model": srv.config.model_name},
+                            retry_after=5)
+            self.server.metrics.request(path, 503)
+            return
         elif path in ("/health", "/v1/health"):
             self._send_json(200, {"status": "ok", "model": srv.config.model_name,
                                   "mode": srv.engine.mode, "active": srv.worker.active(),
