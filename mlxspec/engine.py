@@ -37,6 +37,7 @@ from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step
+from .stopstrings import find_stop
 
 DEFAULT_NUM_DRAFT = 4
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -486,10 +487,9 @@ class Engine:
                 stats.generated_tokens -= len(new_tokens) - len(emitted)
                 detok.finalize()
             text = held + detok.last_segment
-            for s in stops:
-                cut = text.find(s)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
+            hit = find_stop(text, stops)  # the earliest match, as every server path cuts
+            if hit is not None:
+                text, finish = text[: hit[0]], "stop"
             if finish is None and hold:
                 cut = max(0, len(text) - hold)
                 held, text = text[cut:], text[:cut]

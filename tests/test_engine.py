@@ -302,3 +302,15 @@ def test_stretches_hand_back_to_ngram_and_stay_exact(arch, mode, monkeypatch):
                 handed_back += 1
                 accepted += after[2]
     assert handed_back > 0 and accepted > 0
+
+
+def test_overlapping_stop_strings_cut_at_the_earliest_match():
+    """The engine cuts where the server's paths cut (mlxspec/stopstrings.py): at the earliest
+    match in the text, whatever the order of the `stop` list."""
+    target, _ = build_model("llama", seed=3, scale=4.0)
+    engine = make_engine(target, "none")
+    full = engine.generate([5, 6, 7], max_tokens=12).text
+    a, b = full[2:4], full[3:5]  # two stop strings that overlap in the text
+    for stops in ([b, a], [a, b]):
+        out = engine.generate([5, 6, 7], max_tokens=12, stop=stops)
+        assert out.text == full[: full.find(a)] and out.finish_reason == "stop"
