@@ -45,11 +45,15 @@ def exact_distribution(model, prompt: list[int]) -> np.ndarray:
     return out
 
 
-def sample_counts(engine, runs: int, **kwargs) -> np.ndarray:
+def sample_counts(engine, runs: int, drafted: list | None = None, **kwargs) -> np.ndarray:
+    """Counts of the generated N-token sequences over `runs` seeds; `drafted` (if given)
+    receives the draft positions verified in each run."""
     counts = np.zeros((VOCAB,) * N)
     for seed in range(runs):
-        t = engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING, **kwargs).tokens
-        counts[tuple(t)] += 1
+        out = engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING, **kwargs)
+        counts[tuple(out.tokens)] += 1
+        if drafted is not None:
+            drafted.append(out.stats.drafted)
     return counts
 
 
@@ -150,7 +154,7 @@ def test_sampling_is_exact_for_trees_and_auto(mode):
     engine = make_engine(target, "ngram" if mode == "ngram-tree" else mode, draft_model=draft,
                          vocab=VOCAB, num_draft=4, **options)
     kwargs = {} if mode == "lookahead" else {"prediction": [1, 2, 3, 0, 1, 2]}
-    counts = sample_counts(engine, RUNS, **kwargs)
+    drafted: list[int] = []
+    counts = sample_counts(engine, RUNS, drafted, **kwargs)
     assert min_pvalue(counts, exact) > 1e-4
-    stats = engine.generate(PROMPT, max_tokens=N, seed=3, **SAMPLING, **kwargs).stats
-    assert stats.drafted > 0
+    assert sum(drafted) > 0  # speculation happened (auto decides per run, from timing)

@@ -293,13 +293,12 @@ def test_predicted_outputs(server, client, ref):
     assert plain.choices[0].message.content == ref["chat"].text
     assert predicted.choices[0].message.content == ref["chat"].text  # lossless
     details = predicted.usage.completion_tokens_details
+    # This random model's answer may not survive decode/encode (the tiny tokenizer merges its
+    # bytes differently), so only a round-tripping answer must have predicted tokens accepted;
+    # otherwise at most chance matches. (Predictions that match are accepted: test_edit.py and
+    # the bundled-model tests.)
     if ref["enc"](ref["chat"].text) == ref["chat"].tokens:
         assert details.accepted_prediction_tokens > 0
-    else:
-        # This random model's answer does not survive decode/encode (the tiny tokenizer merges
-        # its bytes differently), so no predicted token can match and the answer is unchanged.
-        # (Predictions that match are accepted: test_edit.py and the bundled-model tests.)
-        assert details.accepted_prediction_tokens == 0
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     # Every accepted predicted token is a target forward saved: fewer forwards than tokens,
     # where plain decoding takes one per token. (Against n-gram speculation without the
