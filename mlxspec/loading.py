@@ -169,8 +169,12 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
     check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
     net, tokenizer, config, name = load_model(model)
+    # Engine settings (the KV-cache kind) go to the engine, the rest to the mode's proposer.
+    engine_options = {k: mode_options.pop(k) for k in ("kv", "kv_group_size", "kv_buffer_size",
+                                                      "prefill_step_size") if k in mode_options}
     engine = Engine(net, tokenizer, mode="none", num_draft=num_draft, config=config, name=name,
-                    max_context=max_context, adaptive=adaptive, draft_source=draft_path)
+                    max_context=max_context, adaptive=adaptive, draft_source=draft_path,
+                    **engine_options)
     if draft is not None:  # an explicit draft is loaded (and checked) now
         engine.draft_model = load_draft(draft_path, engine)
     engine.set_mode(mode, **mode_options)

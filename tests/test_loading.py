@@ -29,3 +29,13 @@ def test_a_half_built_pair_folder_is_explained(tmp_path):
     with pytest.raises(MlxspecError) as e:
         mlxspec.load(str(tmp_path))
     assert "draft" in str(e.value)
+
+
+def test_engine_settings_reach_the_engine():
+    """kv='hierarchical' selects QuantSpec's reference cache for `none` (it was dropped)."""
+    engine = mlxspec.load(None, mode="none", kv="hierarchical", kv_group_size=32)
+    assert engine.kv == "hierarchical" and engine.kv_group_size == 32
+    out = engine.generate("def f(x):", max_tokens=4)
+    from mlxspec.quant.hierarchical_cache import HierarchicalKVCache
+
+    assert isinstance(engine.prompt_cache.cache[0], HierarchicalKVCache) and out.tokens
