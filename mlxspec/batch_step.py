@@ -35,7 +35,6 @@ from mlx_lm.models.cache import KVCache
 from . import caches
 from .engine import MAX_NUM_DRAFT, Engine, PromptCache, StepOutput
 from .errors import MlxspecError
-from .loading import _check_num_draft
 from .proposers.base import Proposal
 from .sampling import SamplingParams
 from .stats import Stats
@@ -342,45 +341,17 @@ class BatchSpeculator:
              policy=None) -> BatchRow:
         """`Engine.stream_steps`'s set-up (same checks, same prefill), then the request joins
         the batch. Iterate the returned row for its outputs; close it to leave."""
-        sampling = SamplingParams(temperature, top_p, top_k, min_p)
-        try:
-            sampling.validate()
-        except ValueError as e:
-            raise MlxspecError(str(e)) from None
-        if max_tokens < 1:
-            raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
-        if num_draft is not None:
-            _check_num_draft(num_draft)
-        tokens = engine.encode(prompt)
-        if not tokens:
-            raise MlxspecError("the prompt is empty")
-        if engine.max_context and len(tokens) >= engine.max_context:
-            raise MlxspecError(
-                f"the prompt has {len(tokens)} tokens but the model's context is "
-                f"{engine.max_context} tokens")
-        if engine.max_context:
-            max_tokens = min(max_tokens, engine.max_context - len(tokens))
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        mode = mode or engine.mode
-        proposer = engine.proposer if mode == engine.mode else engine.proposer_for(mode)
-        engine.check_exact(mode, proposer)
-        if proposer is not None:
-            if isinstance(prediction, str):
-                prediction = engine.tokenizer.encode(prediction, add_special_tokens=False)
-            proposer.set_prediction(prediction)
-        policy = policy or engine.policy_for(proposer)
-        pc = prompt_cache if prompt_cache is not None else engine.prompt_cache
-        stats = Stats(mode=mode, prompt_tokens=len(tokens))
-        key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)
-        start = time.perf_counter()
-        stats.cached_tokens = engine.prefill(tokens, pc, proposer)
-        if proposer is not None:
-            proposer.reset(tokens, sampling)
-        stats.prefill_seconds = time.perf_counter() - start
+        req = engine.prepare(prompt, max_tokens=max_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                             prediction=prediction, num_draft=num_draft,
+                             prompt_cache=prompt_cache, mode=mode, policy=policy)
+        engine.begin(req)
+        pc, proposer, tokens = req.pc, req.proposer, req.tokens
         if not plain_attention(pc.cache) or (proposer is not None and proposer.uses_trees):
             raise MlxspecError("this request cannot run in the batched step")
-        row = BatchRow(self, engine, pc, list(tokens), proposer, policy, sampling, key, stats,
-                       len(tokens) + max_tokens, num_draft or MAX_NUM_DRAFT, stops)
+        row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
+                       req.key, req.stats, len(tokens) + req.max_tokens,
+                       num_draft or MAX_NUM_DRAFT, req.stops)
         self._join(row)
         return row
 

@@ -181,6 +181,23 @@ class StepOutput:
 
 
 @dataclass
+class Request:
+    """A checked request, resolved against the engine (`Engine.prepare`)."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # already cut to what the context leaves
+    stops: list[str]
+    mode: str
+    proposer: Proposer | None
+    policy: object
+    pc: PromptCache
+    stats: Stats
+    key: mx.array
+    num_draft: int | None
+
+
+@dataclass
 class PromptCache:
     """A target cache and the tokens it holds; reused when a prompt shares a prefix with them.
 
@@ -358,6 +375,46 @@ class Engine:
         `mode` overrides the engine's mode for this call; `num_draft` caps k for this call;
         `policy` replaces the mode's policy (`FixedK`, `AdaptiveK`) for this call;
         `progress(done, total)` is called during prefill."""
+        req = self.prepare(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, min_p=min_p, seed=seed, stop=stop, prediction=prediction,
+                           num_draft=num_draft, prompt_cache=prompt_cache, mode=mode,
+                           policy=policy)
+        sampling, max_tokens, stats, pc = req.sampling, req.max_tokens, req.stats, req.pc
+        proposer, policy, key, stops = req.proposer, req.policy, req.key, req.stops
+        tokens = req.tokens
+
+        with wired_limit(self.model):
+            backend.reset_peak_memory()
+            self.begin(req, progress)
+            context = list(tokens)
+            if proposer is None:
+                steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key,
+                                     stats, sync=self.sync)
+            else:
+                steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
+                                           sampling, max_tokens, key, stats,
+                                           num_draft=num_draft or MAX_NUM_DRAFT,
+                                           sync=self.sync)
+            start = time.perf_counter()
+            try:
+                yield from self._detokenize(steps, stats, stops, start)
+            finally:
+                steps.close()
+                pc.tokens = context[:-1]
+                # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
+                # the cache holding other tokens than `context`: then it must not be reused.
+                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
+                       for c in caches.leaves(pc.cache)):
+                    pc.cache, pc.tokens, pc.checkpoint = None, [], None
+
+    def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
+                prediction: str | list[int] | None = None, num_draft: int | None = None,
+                prompt_cache: PromptCache | None = None, mode: str | None = None,
+                policy=None) -> Request:
+        """Check a request (clear errors before any work) and resolve its mode, proposer,
+        policy, prompt cache and key: what `stream_steps` and the batched step share."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()
@@ -384,38 +441,21 @@ class Engine:
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
-        policy = policy or self.policy_for(proposer)
-        pc = prompt_cache if prompt_cache is not None else self.prompt_cache
-        stats = Stats(mode=mode, prompt_tokens=len(tokens))
-        key = mx.random.key(seed if seed is not None else time.time_ns() % 2**31)
+        return Request(
+            tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops, mode=mode,
+            proposer=proposer, policy=policy or self.policy_for(proposer),
+            pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
+            stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
+            key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
-        with wired_limit(self.model):
-            backend.reset_peak_memory()
-            start = time.perf_counter()
-            stats.cached_tokens = self.prefill(tokens, pc, proposer, progress=progress)
-            if proposer is not None:
-                proposer.reset(tokens, sampling)  # a draft model prefills here: prefill time
-            stats.prefill_seconds = time.perf_counter() - start
-            context = list(tokens)
-            if proposer is None:
-                steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key,
-                                     stats, sync=self.sync)
-            else:
-                steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
-                                           sampling, max_tokens, key, stats,
-                                           num_draft=num_draft or MAX_NUM_DRAFT,
-                                           sync=self.sync)
-            start = time.perf_counter()
-            try:
-                yield from self._detokenize(steps, stats, stops, start)
-            finally:
-                steps.close()
-                pc.tokens = context[:-1]
-                # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
-                # the cache holding other tokens than `context`: then it must not be reused.
-                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
-                       for c in caches.leaves(pc.cache)):
-                    pc.cache, pc.tokens, pc.checkpoint = None, [], None
+    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None) -> None:
+        """Prefill a prepared request and start its proposer (timed as prefill)."""
+        start = time.perf_counter()
+        req.stats.cached_tokens = self.prefill(req.tokens, req.pc, req.proposer,
+                                               progress=progress)
+        if req.proposer is not None:  # a draft model prefills here: prefill time
+            req.proposer.reset(req.tokens, req.sampling)
+        req.stats.prefill_seconds = time.perf_counter() - start
 
     def cache_kind(self, proposer: Proposer | None) -> str:
         if proposer is not None and proposer.cache_kind != "kv":
