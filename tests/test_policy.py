@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import mlx.core as mx
@@ -16,7 +15,7 @@ import mlxspec.engine as engine_module
 from mlxspec.engine import speculative_decode
 from mlxspec.policy import AdaptiveK, FixedK
 from mlxspec.proposers.base import Proposal, Proposer
-from mlxspec.sampling import SamplingParams, probs_from_logits
+from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
 
 
@@ -169,28 +168,9 @@ def test_the_engine_reprobes_a_switched_off_source():
 
 # ----------------------------------------------------------------------------- exactness at T > 0
 
-VOCAB, N = 4, 5
-SAMPLING = dict(temperature=1.0, top_k=3, top_p=0.95)
+from test_exact_sampling import SAMPLING, VOCAB, N, exact_distribution  # noqa: E402
+
 PROMPT = [1, 2, 3, 0, 1, 2]
-
-
-def exact_distribution(model, prompt):
-    """P(t_1..t_N), shape (VOCAB,) * N, from uncached forwards over every prefix."""
-    sp = SamplingParams(**SAMPLING)
-    prefixes, probs = [()], {(): 1.0}
-    for _ in range(N):
-        rows = mx.array([prompt + list(p) for p in prefixes])
-        p_next = np.array(probs_from_logits(model(rows)[:, -1], sp), dtype=np.float64)
-        grown = []
-        for p, dist in zip(prefixes, p_next):
-            for t in range(VOCAB):
-                probs[p + (t,)] = probs[p] * dist[t]
-                grown.append(p + (t,))
-        prefixes = grown
-    out = np.zeros((VOCAB,) * N)
-    for seq in itertools.product(range(VOCAB), repeat=N):
-        out[seq] = probs[seq]
-    return out
 
 
 def min_pvalue(counts, exact) -> float:
