@@ -40,6 +40,11 @@ def launch(tmp_path, argv: list[str], env_extra: dict | None = None, timeout: in
                    MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20", **(env_extra or {}))
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=REPO))
+    return wait_all(procs, timeout)
+
+
+def wait_all(procs, timeout: int = TIMEOUT) -> list[tuple[int, str, str]]:
+    """Wait for every rank (killing all on a timeout, so a hang fails fast)."""
     out = []
     try:
         for p in procs:

@@ -13,7 +13,15 @@ import urllib.request
 
 import pytest
 from conftest import REPO
-from test_distributed import PROMPT, TIMEOUT, free_ports, launch, rank_script, reference
+from test_distributed import (
+    PROMPT,
+    TIMEOUT,
+    free_ports,
+    launch,
+    rank_script,
+    reference,
+    wait_all,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,20 +46,6 @@ def start(tmp_path, argv, stdin0=None):
         p.stdin.close()
         p.stdin = None  # communicate() must not touch it
     return procs
-
-
-def wait_all(procs, timeout=TIMEOUT):
-    out = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=timeout)
-            out.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
 
 
 def test_chat_reads_and_prints_on_rank_0_only(tmp_path, model_dirs):
