@@ -305,7 +305,10 @@ class Engine:
         _check_mode(mode)
         key = (mode, tuple(sorted(mode_options.items())))
         if key not in self._proposers:
-            if mode == "draft" and self.draft_model is None and self.draft_source is not None:
+            # The pair's draft (bundled, or a folder's draft/) is loaded when a mode first
+            # uses it: `draft`, and `auto`, whose sources include it.
+            if (mode in ("draft", "auto") and self.draft_model is None
+                    and self.draft_source is not None):
                 self.draft_model = load_draft(self.draft_source, self)
             try:
                 proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)

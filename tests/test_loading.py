@@ -19,6 +19,15 @@ def test_pair_folder_and_draft_loaded_on_demand():
     assert out.stats.drafted > 0
 
 
+def test_auto_loads_the_pairs_draft_as_one_of_its_sources():
+    """`auto` (every command's default) proposes from the draft too, so it loads the pair's."""
+    engine = mlxspec.load(None)
+    assert engine.mode == "none" and engine.draft_model is None
+    engine.set_mode("auto")
+    assert engine.draft_model is not None and engine.proposer.draft is not None
+    assert "draft" in engine.proposer.available([1, 2, 3], 4)
+
+
 def test_adaptive_without_a_speculative_mode_is_refused():
     with pytest.raises(MlxspecError, match="mode='auto'"):
         mlxspec.load(None, adaptive=True)
