@@ -1,27 +1,30 @@
-"""Where speculation stops paying in `mlxspec serve`: mean latency and aggregate tokens/s
-against the number of concurrent clients, speculative vs plain decoding.
+"""Where speculation stops paying in `mlxspec serve`: aggregate tokens/s and mean latency
+against the number of concurrent clients, each configuration against plain batched decoding.
 
-    python bench/bench_server.py                       # the bundled model (else a random one)
-    python bench/bench_server.py --model DIR --clients 1,2,4,8 --requests 3 --max-tokens 64
+    python bench/bench_server.py                       # the bundled pair (else a random model)
+    python bench/bench_server.py --clients 1,2,4,8,16,32 --modes ngram,draft \
+        --workloads grounded,free --configs default,spec,plain --repeat 2
     python bench/bench_server.py --burst 256 --soak 10   # load and abuse (bench_soak.py)
 
 For each configuration a real server runs in this process on a free loopback port, and N client
-threads each send R greedy `/v1/completions` requests one after another (closed loop).
-Configurations:
+threads each send R `/v1/completions` requests one after another (closed loop), each asking
+for the speculation mode under test (`"speculative": {"mode": ...}`). Configurations:
 
-- `spec`   every request speculative (`--spec-max-concurrency 1000`): one batched speculative
-           step for all active requests (`mlxspec/batch_step.py`: each proposes its own k, one
-           target forward verifies every row);
-- `spec-rr` every request speculative, the previous way: the worker interleaves the requests'
-           speculative steps, one target forward each, round robin;
-- `plain`  every request plain decoding, batched by mlx-lm's BatchGenerator
-           (`--spec-max-concurrency 0`): one forward per step for all active requests;
-- `hybrid` the server's default policy (`--spec-max-concurrency 2`): speculative up to two
-           active requests, batched plain decoding above.
+- `spec`    every request speculative (`--spec-max-concurrency 1000 --batch-spec`): one batched
+            speculative step for all active requests (`mlxspec/batch_step.py`: each proposes its
+            own k, one target forward verifies every row);
+- `spec-rr` every request speculative, one target forward each, round robin;
+- `plain`   every request plain decoding, batched by mlx-lm's BatchGenerator
+            (`--spec-max-concurrency 0`): one forward per step for all active requests;
+- `hybrid`  speculative up to two active requests, batched plain decoding above;
+- `default` the server's defaults (whatever `mlxspec serve` does without options).
 
-The workload is input-grounded (what editors send): each prompt is a held-out standard-library
-function followed by its first lines again, so the answer continues text found in the prompt.
-Prints a Markdown table (and JSON with --json).
+Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
+by its first lines again, so the answer continues text found in the prompt) and `free`
+(`mlxspec bench`'s free-text starts, sampled at temperature 1, seeded per request).
+Prints, per workload and mode, a Markdown table of tok/s and mean latency per configuration
+and each one's ratio to `plain` (tok/s up, latency down: > 1 means it beats plain batching);
+JSON with --json.
 """
 
 from __future__ import annotations
@@ -42,9 +45,19 @@ sys.path.insert(0, str(ROOT))
 import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
 from mlxspec.server.app import make_server  # noqa: E402
 
+
+def _server_defaults() -> tuple[int, bool]:
+    import inspect
+
+    from mlxspec.server.worker import Worker
+
+    params = inspect.signature(Worker.__init__).parameters
+    return params["spec_max_concurrency"].default, params["batch_spec"].default
+
+
 # name: (--spec-max-concurrency, batched speculative step)
 CONFIGS = {"spec": (1000, True), "spec-rr": (1000, False), "plain": (0, True),
-           "hybrid": (2, True)}
+           "hybrid": (2, True), "default": _server_defaults()}
 
 
 def workload(n: int, max_chars: int = 1200) -> list[str]:
@@ -73,6 +86,13 @@ def workload(n: int, max_chars: int = 1200) -> list[str]:
     return prompts
 
 
+def free_workload(n: int) -> list[str]:
+    """`mlxspec bench`'s free-text starts (sampled at temperature 1)."""
+    from mlxspec.bench.workloads import build_workload
+
+    return [item.prompt for item in build_workload("free", n)]
+
+
 def random_model_dir() -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_model, save_model_dir, train_tiny_tokenizer
@@ -86,9 +106,14 @@ def random_model_dir() -> Path:
     return d
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
+def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
+                temperature: float = 0.0, seed: int = 0) -> tuple[float, dict]:
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+               "seed": seed}
+    if mode:
+        request["speculative"] = {"mode": mode}
+    body = json.dumps(request)
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -101,19 +126,20 @@ def one_request(url: str, prompt: str, max_tokens: int) -> tuple[float, dict]:
 
 
 def run_config(srv, config: tuple[int, bool], clients: int, requests: int, prompts: list[str],
-               max_tokens: int) -> dict:
+               max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
     srv.worker.spec_max_concurrency, srv.worker.batch_spec = config
-    one_request(srv.url, prompts[-1], 4)  # warm-up (compiles, allocates)
+    one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []
     lock = threading.Lock()
 
     def client(c: int) -> None:
         for r in range(requests):
-            prompt = prompts[(c * requests + r) % len(prompts)]
+            i = c * requests + r
             try:
-                t, u = one_request(srv.url, prompt, max_tokens)
+                t, u = one_request(srv.url, prompts[i % len(prompts)], max_tokens, mode,
+                                   temperature, seed=i)
             except Exception as e:  # reported, not hidden
                 with lock:
                     errors.append(str(e))
@@ -156,11 +182,12 @@ def merge(runs: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: bundled, else random)")
-    ap.add_argument("--mode", default="ngram", help="speculation mode of the spec runs")
+    ap.add_argument("--modes", default="ngram", help="speculation modes of the requests")
+    ap.add_argument("--workloads", default="grounded", help="grounded, free (comma-separated)")
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--configs", default="spec,spec-rr,plain,hybrid")
+    ap.add_argument("--configs", default="default,spec,plain")
     ap.add_argument("--repeat", type=int, default=1,
                     help="sweeps; cells are measured interleaved and pooled over sweeps")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -184,45 +211,73 @@ def main(argv=None) -> int:
             from mlxspec.models import bundled_model_path
 
             model = str(bundled_model_path("target"))
-            label = f"bundled ({model})"
+            label = f"bundled pair ({Path(model).parent})"
+            model = str(Path(model).parent)  # the pair folder: its draft too
         except Exception:
             model = str(random_model_dir())
             label = f"random-weight qwen2 (d=256, 4 layers, vocab 1024) at {model}"
-    engine = mlxspec.load(model, mode=args.mode)
+    modes = [m for m in args.modes.split(",") if m]
+    engine = mlxspec.load(model, mode=modes[0])
+    for mode in modes:  # load what each mode needs (a draft) before the clock starts
+        engine.proposer_for(mode)
     clients = [int(c) for c in args.clients.split(",")]
     configs = [c for c in args.configs.split(",") if c]
-    prompts = workload(max(clients) * args.requests + 1)
-    print(f"model: {label}; mode {args.mode}, k={engine.num_draft}; {args.requests} requests of "
-          f"{args.max_tokens} tokens per client, {args.repeat} sweep(s); greedy", file=sys.stderr)
+    n_prompts = max(clients) * args.requests + 1
+    workloads = {"grounded": (workload(n_prompts), 0.0), "free": (free_workload(n_prompts), 1.0)}
+    chosen = [w for w in args.workloads.split(",") if w]
+    for w in chosen:
+        if w not in workloads:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(workloads)}")
+    print(f"model: {label}; modes {', '.join(modes)}; {args.requests} requests of "
+          f"{args.max_tokens} tokens per client, {args.repeat} sweep(s); server defaults: "
+          f"--spec-max-concurrency {CONFIGS['default'][0]}, batched speculation "
+          f"{'on' if CONFIGS['default'][1] else 'off'}", file=sys.stderr)
     srv = make_server(engine, "127.0.0.1", 0, max_batch=max(8, max(clients)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    for cfg in configs:  # warm-up: every configuration once, not counted
-        run_config(srv, CONFIGS[cfg], 1, 1, prompts, args.max_tokens)
-    raw: dict[str, dict[int, list[dict]]] = {c: {n: [] for n in clients} for c in configs}
+    cells = [(w, m) for w in chosen for m in modes]
+    for w, m in cells:  # warm-up: every configuration once, not counted
+        for cfg in configs:
+            run_config(srv, CONFIGS[cfg], 1, 1, workloads[w][0], args.max_tokens, m,
+                       workloads[w][1])
+    raw = {(w, m, c, n): [] for w, m in cells for c in configs for n in clients}
     for _ in range(args.repeat):
         for n in clients:  # configurations interleaved, so that drift hits all alike
-            for cfg in configs:
-                r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts, args.max_tokens)
-                raw[cfg][n].append(r)
-                print(f"{cfg:6s} clients={n}: {r['tokens'] / r['wall_s']:.1f} tok/s, "
-                      f"mean latency {statistics.mean(r['latencies']):.2f}s, "
-                      f"batched {r['batched']}, errors {len(r['errors'])}", file=sys.stderr)
-    results = {c: [merge(raw[c][n]) for n in clients] for c in configs}
-
+            for w, m in cells:
+                prompts, temperature = workloads[w]
+                for cfg in configs:
+                    r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts,
+                                   args.max_tokens, m, temperature)
+                    raw[(w, m, cfg, n)].append(r)
+                    print(f"{w} {m} {cfg:7s} clients={n}: {r['tokens'] / r['wall_s']:.1f} "
+                          f"tok/s, mean latency {statistics.mean(r['latencies']):.2f}s, "
+                          f"batched {r['batched']}, errors {len(r['errors'])}", file=sys.stderr)
     srv.shutdown()
     srv.server_close()
-    head = "| clients |" + "".join(f" {c} latency (s) | {c} tok/s |" for c in configs)
-    print(head)
-    print("|---:|" + "---:|---:|" * len(configs))
-    for i, n in enumerate(clients):
-        row = f"| {n} |"
-        for c in configs:
-            r = results[c][i]
-            row += f" {r['mean_latency_s']:.2f} | {r['tokens_per_s']:.1f} |"
-        print(row)
-    if "spec" in results:
-        acc = ", ".join(f"{r['acceptance']:.2f}" for r in results["spec"])
-        print(f"\nn-gram acceptance in the spec runs (by clients): {acc}")
+    results = {f"{w}/{m}/{c}": [merge(raw[(w, m, c, n)]) for n in clients]
+               for w, m in cells for c in configs}
+    for w, m in cells:
+        print(f"\n### {w} ({'greedy' if workloads[w][1] == 0 else 'T=1'}), mode {m}\n")
+        others = [c for c in configs if c != "plain"]
+        head = "| clients |" + "".join(f" {c} tok/s | {c} latency (s) |" for c in configs)
+        if "plain" in configs:
+            head += "".join(f" {c} vs plain: tok/s, latency |" for c in others)
+        print(head)
+        print("|---:|" + "---:|---:|" * len(configs) + "---:|" * (len(others) if "plain" in configs else 0))
+        for i, n in enumerate(clients):
+            row = f"| {n} |"
+            for c in configs:
+                r = results[f"{w}/{m}/{c}"][i]
+                row += f" {r['tokens_per_s']:.1f} | {r['mean_latency_s']:.2f} |"
+            if "plain" in configs:
+                p = results[f"{w}/{m}/plain"][i]
+                for c in others:
+                    r = results[f"{w}/{m}/{c}"][i]
+                    row += (f" {r['tokens_per_s'] / p['tokens_per_s']:.2f}×, "
+                            f"{p['mean_latency_s'] / r['mean_latency_s']:.2f}× |")
+            print(row)
+        if "spec" in configs:
+            acc = ", ".join(f"{r['acceptance']:.2f}" for r in results[f"{w}/{m}/spec"])
+            print(f"\nacceptance in the `spec` runs (by clients): {acc}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": label, "args": vars(args),
                                                "results": results}, indent=2))
