@@ -178,6 +178,7 @@ class StepOutput:
     tokens: list[int]  # tokens emitted by this step
     stats: Stats
     finish_reason: str | None = None  # set on the last output
+    stop_string: str = ""  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -516,6 +517,7 @@ class Engine:
         detok = self.tokenizer.detokenizer
         detok.reset()
         held = ""  # text withheld because it may be the start of a stop string
+        stop_string = ""
         hold = max((len(s) for s in stops), default=1) - 1
         for new_tokens in steps:
             finish = None
@@ -533,6 +535,7 @@ class Engine:
             hit = find_stop(text, stops)  # the earliest match, as every server path cuts
             if hit is not None:
                 text, finish = text[: hit[0]], "stop"
+                stop_string = hit[1]
             if finish is None and hold:
                 cut = max(0, len(text) - hold)
                 held, text = text[cut:], text[:cut]
@@ -541,7 +544,7 @@ class Engine:
             stats.decode_seconds = time.perf_counter() - start
             stats.peak_memory_gb = backend.peak_memory_gb()
             if finish:
-                yield StepOutput(text, emitted, stats, finish)
+                yield StepOutput(text, emitted, stats, finish, stop_string)
                 return
             yield StepOutput(text, emitted, stats)
         detok.finalize()

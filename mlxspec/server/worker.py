@@ -457,7 +457,7 @@ class Worker(threading.Thread):
         if cut:  # n_indent: llama.cpp reports it as a limit
             self._finish_engine(job, "length", out.stats)
         elif out.finish_reason:
-            self._finish_engine(job, out.finish_reason, out.stats)
+            self._finish_engine(job, out.finish_reason, out.stats, stop_string=out.stop_string)
         elif self._over_time(job):
             self._finish_engine(job, "length", out.stats)
 
@@ -482,7 +482,7 @@ class Worker(threading.Thread):
             job.slot = None
 
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
-                       drop_output: bool = False) -> None:
+                       drop_output: bool = False, stop_string: str = "") -> None:
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
@@ -494,7 +494,7 @@ class Worker(threading.Thread):
         usage.prefill_seconds += job.prefill_seconds
         if drop_output:
             usage.completion_tokens = 0
-        self._done(job, Done(finish, usage))
+        self._done(job, Done(finish, usage, stopping_word=stop_string))
 
     def _fail(self, job: Job, error: ApiError) -> None:
         if job in self.spec_jobs:
