@@ -17,6 +17,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from server_helpers import post, sse_events  # noqa: E402
+
 import mlxspec  # noqa: E402
 from mlxspec.server.app import make_server  # noqa: E402
 from mlxspec.server.protocol import FimTokens, build_fim_prompt, detect_fim  # noqa: E402
@@ -75,26 +77,6 @@ def continue_fim_body(model, prefix, suffix):
     return {"model": model, "prompt": prefix, "suffix": suffix, "max_tokens": 24,
             "temperature": 0, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0,
             "stop": ["\n\n\n", "\n\n\n\n\n"], "stream": True}
-
-
-def post(url, path, body, raw: bytes | None = None, headers=None, timeout=60):
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    return resp.status, payload
-
-
-def sse_events(payload: bytes) -> list:
-    out = []
-    for line in payload.decode().splitlines():
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -332,7 +314,7 @@ def test_predicted_outputs(server, client, ref):
 
 
 def test_continue_fim_completion_with_suffix(server, ref):
-    status, payload = post(server.url, "/v1/completions",
+    status, payload, _ = post(server.url, "/v1/completions",
                            continue_fim_body(server.config.model_name, CONTINUE_PREFIX,
                                              CONTINUE_SUFFIX))
     assert status == 200
@@ -344,7 +326,7 @@ def test_continue_fim_completion_with_suffix(server, ref):
     # Continue's generic OpenAI `_streamFim`: POST {apiBase}/fim/completions, reads
     # choices[0].delta.content.
     body = continue_fim_body(server.config.model_name, CONTINUE_PREFIX, CONTINUE_SUFFIX)
-    status, payload = post(server.url, "/v1/fim/completions", body,
+    status, payload, _ = post(server.url, "/v1/fim/completions", body,
                            headers={"Accept": "application/json", "x-api-key": "",
                                     "Authorization": "Bearer undefined"})
     assert status == 200 and server.worker.last_prompt == ref["continue_ids"]
@@ -357,7 +339,7 @@ def test_tabby_raw_fim_prompt(server, ref):
     """Tabby's `openai/completion` backend formats `prompt_template` itself: the FIM tokens
     arrive as text and must become the special tokens."""
     prompt = f"<|fim_prefix|>{CONTINUE_PREFIX}<|fim_suffix|>{CONTINUE_SUFFIX}<|fim_middle|>"
-    status, payload = post(server.url, "/v1/completions",
+    status, payload, _ = post(server.url, "/v1/completions",
                            {"model": "mlxspec", "prompt": prompt, "max_tokens": 24,
                             "temperature": 0.0, "stream": False, "presence_penalty": 0.0})
     assert status == 200 and server.worker.last_prompt == ref["continue_ids"]
@@ -369,7 +351,7 @@ def test_continue_llama_cpp_provider(server, ref):
     body = {"prompt": CODE, "stream": True, "n_predict": 24, "min_p": 0.0, "stop": [],
             "top_k": 1, "top_p": 1.0, "temperature": 0, "frequency_penalty": 0,
             "presence_penalty": 0}
-    status, payload = post(server.url, "/completion", body)
+    status, payload, _ = post(server.url, "/completion", body)
     assert status == 200
     events = sse_events(payload)
     assert "".join(e["content"] for e in events) == ref["code"].text
@@ -377,9 +359,9 @@ def test_continue_llama_cpp_provider(server, ref):
 
 
 def test_llama_vim_infill(server, ref):
-    status, payload = post(server.url, "/infill", llama_vim_warmup_body(VIM_EXTRA))
+    status, payload, _ = post(server.url, "/infill", llama_vim_warmup_body(VIM_EXTRA))
     assert status == 200 and json.loads(payload) == {}  # response_fields [""]
-    status, payload = post(server.url, "/infill",
+    status, payload, _ = post(server.url, "/infill",
                            llama_vim_body(VIM_PREFIX, VIM_MIDDLE, VIM_SUFFIX, VIM_EXTRA))
     assert status == 200
     assert server.worker.last_prompt == ref["vim_ids"]
@@ -396,14 +378,14 @@ def test_llama_vim_infill(server, ref):
     # Without response_fields: llama.cpp's whole object, with the draft counts.
     req = llama_vim_body(VIM_PREFIX, VIM_MIDDLE, VIM_SUFFIX, VIM_EXTRA)
     del req["response_fields"]
-    status, payload = post(server.url, "/infill", req)
+    status, payload, _ = post(server.url, "/infill", req)
     full = json.loads(payload)
     assert full["content"] == ref["vim"].text and full["stop"] is True
     assert full["tokens_predicted"] == len(ref["vim"].tokens)
     assert {"draft_n", "draft_n_accepted", "prompt_n", "predicted_n"} <= set(full["timings"])
     # Streaming /infill (llama.vscode can stream): llama.cpp's data lines, last one stop=true.
     req["stream"] = True
-    status, payload = post(server.url, "/infill", req)
+    status, payload, _ = post(server.url, "/infill", req)
     events = sse_events(payload)
     assert events[-1]["stop"] is True
     assert "".join(e["content"] for e in events) == ref["vim"].text
@@ -538,7 +520,7 @@ BAD = [
 def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, ref):
     for path, body, status in BAD:
         raw = body if isinstance(body, bytes) else None
-        got, payload = post(server.url, path, body, raw=raw)
+        got, payload, _ = post(server.url, path, body, raw=raw)
         assert got == status, (path, body if raw is None else raw[:40], payload[:200])
         err = json.loads(payload)["error"]
         assert err["message"] and err["type"]
@@ -561,7 +543,7 @@ def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, re
 
 def test_full_queue_gets_503(server, client, monkeypatch):
     monkeypatch.setattr(server.worker, "max_queue", 0)
-    status, payload = post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    status, payload, _ = post(server.url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 503 and json.loads(payload)["error"]["type"] == "server_busy"
     monkeypatch.undo()
     assert client.completions.create(model="mlxspec", prompt="x", max_tokens=2).usage
@@ -590,12 +572,12 @@ def test_model_without_fim_tokens_and_api_key(llama_pair):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     auth = {"Authorization": "Bearer sekret"}
     try:
-        status, payload = post(srv.url, "/v1/completions",
+        status, payload, _ = post(srv.url, "/v1/completions",
                                {"prompt": "def f(", "suffix": "):\n", "max_tokens": 4}, headers=auth)
         assert status == 400 and "fill-in-the-middle" in json.loads(payload)["error"]["message"]
-        status, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []), headers=auth)
+        status, _, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []), headers=auth)
         assert status == 400
-        status, _ = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
+        status, _, _ = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
         assert status == 401
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
         assert c.completions.create(model="mlxspec", prompt="abc", max_tokens=4).usage.completion_tokens == 4
@@ -626,7 +608,7 @@ def test_cli_serve_starts_on_loopback(model_dirs):
                 break
         assert f"listening on http://127.0.0.1:{port} (loopback only" in "".join(lines)
         assert "warning: --cors-origin '*'" in "".join(lines)
-        status, payload = post(f"http://127.0.0.1:{port}", "/v1/completions",
+        status, payload, _ = post(f"http://127.0.0.1:{port}", "/v1/completions",
                                {"prompt": "def", "max_tokens": 3, "temperature": 0})
         assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] == 3
     finally:

@@ -17,42 +17,15 @@ import threading
 import time
 
 import pytest
+from server_helpers import post, sse_events, start, stop
 
 import mlxspec
-from mlxspec.server.app import make_server
 from mlxspec.stopstrings import StopMatcher, find_stop
 
 PROMPTS = [f"def step_{i}(self, tokens):\n    return {i} + " for i in range(8)]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def post(url, path, body, raw: bytes | None = None, headers=None, timeout=60):
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    return resp.status, payload, resp
-
-
-def sse_events(payload: bytes) -> list:
-    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-            for line in payload.decode().splitlines() if line.startswith("data: ")]
-
-
-def start(engine, **options):
-    srv = make_server(engine, "127.0.0.1", 0, **options)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
-
-
-def stop(srv):
-    srv.shutdown()
-    srv.server_close()
 
 
 def wait_for(cond, timeout: float, what: str):
@@ -391,7 +364,9 @@ def test_sigterm_mid_stream_drains_and_exits_0(model_dirs):
         payload = first + resp.read()
         events = sse_events(payload)
         assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] in ("shutdown", "length")
+        # A clean end: cut by the drain, or (on a slow machine, within the grace) the random
+        # model's own end-of-sequence token.
+        assert events[-2]["choices"][0]["finish_reason"] in ("shutdown", "length", "stop")
         assert proc.wait(timeout=30) == 0
         assert "shutting down" in proc.stderr.read()
     finally:

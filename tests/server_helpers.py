@@ -1,0 +1,39 @@
+"""HTTP helpers the server tests share: a POST, server-sent events, a server in a thread."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+from mlxspec.server.app import make_server
+
+
+def post(url: str, path: str, body, raw: bytes | None = None, headers=None, timeout=60):
+    """(status, payload bytes, response) of one POST to a server at `url`."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, payload, resp
+
+
+def sse_events(payload: bytes) -> list:
+    """The `data:` events of a streamed answer (JSON, or the "[DONE]" string)."""
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+            for line in payload.decode().splitlines() if line.startswith("data: ")]
+
+
+def start(engine, **options):
+    """`make_server` on a free loopback port, serving from a daemon thread."""
+    srv = make_server(engine, "127.0.0.1", 0, **options)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def stop(srv) -> None:
+    srv.shutdown()
+    srv.server_close()
