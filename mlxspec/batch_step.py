@@ -33,8 +33,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import caches
+from .batch_draft import BatchDraft, draft_proposer
+from .batch_policy import BatchPolicy, RowOffer, survival
 from .engine import MAX_NUM_DRAFT, Engine, PromptCache, StepOutput
 from .errors import MlxspecError
+from .policy import AdaptiveK
 from .proposers.base import Proposal
 from .sampling import SamplingParams
 from .stats import Stats
@@ -263,6 +266,10 @@ class BatchRow:
         self.context, self.proposer, self.policy = context, proposer, policy
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
+        # a FixedK row's acceptance, measured for the batch's policy (AdaptiveK has its own)
+        self.shadow = None if isinstance(policy, AdaptiveK) else AdaptiveK(
+            max_k=max(policy.max_k, 1), dither=False)
+        self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -278,11 +285,53 @@ class BatchRow:
         return (not self.closed and not self.finished and self.pending is None
                 and not self.exhausted and self.error is None)
 
-    def plan(self) -> tuple[str, int]:
+    def _available(self) -> dict[str, int]:
+        # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
         cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
-            return "", 0
-        return self.policy.plan(self.proposer.available(self.context, cap))
+            return {}
+        return self.proposer.available(self.context, cap)
+
+    def plan(self) -> tuple[str, int]:
+        """What the row's own policy proposes, as if it were alone."""
+        available = self._available()
+        return self.policy.plan(available) if available else ("", 0)
+
+    def offer(self) -> tuple[str, RowOffer]:
+        """The source this row would propose from and what it offers the batch's policy
+        (`batch_policy.py`). The row's own policy chooses the source; the batch chooses k.
+
+        - `AdaptiveK`: the source of its plan, capped by what the source offers (the width
+          may be paid by other rows); a probe of a switched-off arm is forced, so probes keep
+          their own schedule whatever the batch; when it plans nothing (an arm off, t_plain
+          being measured), its best offer by expected tokens, which the batch takes only
+          where the width is there anyway.
+        - any other policy (`FixedK`): its k, with acceptance measured on this row (a shadow
+          `AdaptiveK`, starting at its neutral prior). At temperature > 0 that k is pinned:
+          a seeded sampled output depends on k, and a fixed-k request's output must not
+          depend on the rest of the batch (at temperature 0 it never does, whatever k).
+        """
+        available = self._available()
+        if not available:
+            return "", RowOffer([])
+        policy = self.policy
+        source, k = policy.plan(available)
+        if isinstance(policy, AdaptiveK):
+            if k and policy.choose(source, available[source]) == 0:  # a probe
+                return source, RowOffer(survival(policy.accept_probs(source), k),
+                                        source == "draft", forced=k)
+            if not k:
+                offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
+                if not offered:
+                    return "", RowOffer([])
+                source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
+            n = min(available[source], policy.max_k)
+            return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
+        if not k:
+            return "", RowOffer([])
+        pinned = k if not self.sampling.greedy else 0
+        return source, RowOffer(survival(self.shadow.accept_probs(source), k),
+                                source == "draft", forced=pinned)
 
     def __iter__(self) -> Iterator[StepOutput]:
         return self
@@ -312,12 +361,18 @@ class BatchRow:
 class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
-    def __init__(self, model):
+    def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False):
+        """`policy`: the batch's policy choosing every row's k (default a fresh
+        `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
+        plans, as if alone."""
         self.model = model
+        self.policy = None if row_plans else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
         self.cache: list[RaggedKVCache] | None = None
+        self.drafts: dict[int, BatchDraft] = {}  # id(draft model) -> its rows' draft caches
         self.steps = 0  # batched forwards run
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
+        self.plain_steps = 0  # batched forwards in which no row proposed
 
     @staticmethod
     def accepts(engine: Engine, mode: str | None = None) -> bool:
@@ -367,12 +422,24 @@ class BatchSpeculator:
         mx.eval([c.state for c in self.cache])
         row.pc.cache = None  # the batch holds it now; given back on leaving
         self.rows.append(row)
+        draft = draft_proposer(row.proposer)
+        if draft is not None and BatchDraft.joins(draft) and not any(
+                r.draft is draft for r in self.rows):
+            batch = self.drafts.setdefault(id(draft.model), BatchDraft(draft.model))
+            batch.join(draft)
+            row.draft = draft
 
     def _leave(self, row: BatchRow) -> None:
         if row not in self.rows:
             return
         b = self.rows.index(row)
         self.rows.pop(b)
+        if row.draft is not None:
+            batch = self.drafts[id(row.draft.model)]
+            batch.leave(row.draft, failed=row.error is not None)
+            if not batch.members:
+                del self.drafts[id(row.draft.model)]
+            row.draft = None
         layers = [c.remove_row(b) for c in self.cache]
         if row.error is None:
             row.pc.cache = layers
@@ -392,16 +459,19 @@ class BatchSpeculator:
         if not rows:
             return
         start = time.perf_counter()
-        plans, sources, proposals, verify_keys = [], [], [], []
+        verify_keys, propose_keys = [], []
         try:
             for r in rows:
                 r.key, propose_key, verify_key = mx.random.split(r.key, 3)
-                source, k = r.plan()
-                prop = r.proposer.propose(r.context, k, propose_key, source=source) if k else None
-                plans.append(k)
-                sources.append(source)
-                proposals.append(prop)
+                propose_keys.append(propose_key)
                 verify_keys.append(verify_key)
+            if self.policy is None:
+                plans = [r.plan() for r in rows]
+            else:
+                offers = [r.offer() for r in rows]
+                ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
+                plans = [(source, k) for (source, _), k in zip(offers, ks)]
+            proposals, draft_forwards = self._propose(rows, plans, propose_keys)
             # A row whose previous output was not read yet sits this step out: it is fed
             # padding that is trimmed again at once, its cache unchanged.
             stepping = {id(r): i for i, r in enumerate(rows)}
@@ -412,7 +482,7 @@ class BatchSpeculator:
                 [proposals[i] if i is not None else None for i in order],
                 [r.sampling for r in self.rows],
                 [verify_keys[i] if i is not None else None for i in order],
-                [plans[i] if i is not None else 0 for i in order])
+                [plans[i][1] if i is not None else 0 for i in order])
             results = [res for res in results if res is not None]
         except Exception as e:
             for r in self.rows:
@@ -421,13 +491,49 @@ class BatchSpeculator:
         seconds = time.perf_counter() - start
         self.steps += 1
         self.rows_stepped += len(rows)
-        for r, source, res in zip(rows, sources, results):
+        drafted = [res.drafted for res in results]
+        if not any(drafted):
+            self.plain_steps += 1
+        if self.policy is not None:
+            self.policy.observe(len(self.rows), 1 + max(drafted), sum(drafted),
+                                draft_forwards, seconds)
+        for r, (source, _), res in zip(rows, plans, results):
             r.context.extend(res.tokens)
+            if r.draft is not None and res.source == "draft":
+                self.drafts[id(r.draft.model)].update(r.draft, r.context, res.accepted)
             if r.proposer is not None:
                 r.proposer.update(r.context, res.accepted)
             if res.drafted:  # the policy's arm is the plan's source (`ngram:4`)
                 r.policy.observe(source, res.drafted, res.accepted, seconds)
+                if r.shadow is not None:
+                    r.shadow.observe(source, res.drafted, res.accepted, seconds)
             else:
                 r.policy.observe_plain(1, seconds)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
             r.pending = res.tokens
+
+    def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
+                 keys: list[mx.array]) -> tuple[list[Proposal | None], int]:
+        """Every row's proposal; the rows drafting with a batched draft model draft together
+        (`batch_draft.py`). Also the sequential draft forwards this took (the cost model's
+        D)."""
+        proposals: list[Proposal | None] = [None] * len(rows)
+        by_draft: dict[int, list[int]] = {}
+        draft_forwards = 0
+        for i, (r, (source, k), key) in enumerate(zip(rows, plans, keys)):
+            if not k:
+                continue
+            if source == "draft" and r.draft is not None:
+                by_draft.setdefault(id(r.draft.model), []).append(i)
+                continue
+            proposals[i] = r.proposer.propose(r.context, k, key, source=source)
+            if source == "draft":  # a draft that cannot batch: k forwards of its own
+                draft_forwards += k
+        widest = 0
+        for model_id, members in by_draft.items():
+            made = self.drafts[model_id].propose(
+                [(rows[i].draft, rows[i].context, plans[i][1], keys[i]) for i in members])
+            for i, prop in zip(members, made):
+                proposals[i] = prop
+            widest = max(widest, max(plans[i][1] for i in members))
+        return proposals, draft_forwards + widest

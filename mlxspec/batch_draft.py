@@ -1,0 +1,179 @@
+"""The draft model for several rows at once: k draft forwards over the batch instead of k per row.
+
+Every row drafting with a draft model (`mode draft`, or `auto` choosing `draft`) keeps its
+`DraftModelProposer` (its sampling, its `cached` token list, its keys), but while it is in the
+batch its draft cache lives here, as one row of a `RaggedKVCache` per draft layer (the
+proposer's own `cache` is None meanwhile and comes back on leaving). A step does what
+`DraftModelProposer.propose` does, for all drafting rows together:
+
+1. feed each row what its draft has not seen (usually the target's last token, and the last
+   drafted one when all were accepted), padded to a common width: one forward;
+2. k_max - 1 one-token forwards, row b sampling its i-th token from its own logits with its
+   own i-th key (`mx.random.split(key, k_b)`, as the single path), a row done drafting (or
+   not drafting this step) sitting the forward out (fed padding, trimmed at once);
+3. after verification (`update`), each row's drafted tokens beyond the accepted ones are
+   trimmed, exactly as `DraftModelProposer.update` rolls back.
+
+So each row's draft tokens and probabilities are what the row alone would draft (up to a
+batched matmul's rounding), and its draft cache holds the same tokens afterwards. Only drafts
+whose every layer is a plain `KVCache` join (`joins`); others draft one row at a time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from . import caches
+from .proposers.base import Proposal
+from .proposers.draft import DraftModelProposer
+
+if TYPE_CHECKING:
+    from .batch_step import RaggedKVCache
+
+# pending tokens fed per forward (a row that `auto` kept off the draft for a long stretch)
+FEED_CHUNK = 512
+
+
+def draft_proposer(proposer) -> DraftModelProposer | None:
+    """The draft-model proposer behind a row's proposer (`draft` itself, or `auto`'s)."""
+    if isinstance(proposer, DraftModelProposer):
+        return proposer
+    inner = getattr(proposer, "draft", None)
+    return inner if isinstance(inner, DraftModelProposer) else None
+
+
+class BatchDraft:
+    """The draft caches of the rows that draft with one draft model."""
+
+    def __init__(self, model):
+        self.model = model
+        self.members: list[DraftModelProposer] = []
+        self.cache: list[RaggedKVCache] | None = None
+        self.forwards = 0  # batched draft forwards run
+
+    @staticmethod
+    def joins(proposer: DraftModelProposer) -> bool:
+        from .batch_step import plain_attention  # (batch_step imports this module)
+
+        return (proposer.cache is not None and plain_attention(proposer.cache)
+                and not proposer._fed_drafts)
+
+    def join(self, proposer: DraftModelProposer) -> None:
+        from .batch_step import RaggedKVCache
+
+        if self.cache is None:
+            self.cache = [RaggedKVCache() for _ in proposer.cache]
+        for ragged, c in zip(self.cache, proposer.cache):
+            ragged.add_row(c)
+        mx.eval([c.state for c in self.cache])
+        proposer.cache = None  # held here; given back by `leave`
+        self.members.append(proposer)
+
+    def leave(self, proposer: DraftModelProposer, failed: bool = False) -> None:
+        """Give the row's draft cache back (a fresh one after a failed step: state unknown)."""
+        if proposer not in self.members:
+            return
+        b = self.members.index(proposer)
+        self.members.pop(b)
+        layers = [c.remove_row(b) for c in self.cache]
+        proposer._fed_drafts, proposer._checkpoint = 0, None
+        if failed:
+            proposer.cache, proposer.cached = caches.make_cache(self.model), []
+        else:
+            proposer.cache = layers
+        if not self.members:
+            self.cache = None
+
+    def _forward(self, tokens: list[list[int] | mx.array | None]) -> mx.array:
+        """One forward over every member: row b is fed tokens[b] (None: sits out); returns
+        the logits (B, width, vocab). Padding is trimmed again at once."""
+        width = max(len(t) if isinstance(t, list) else 1 for t in tokens if t is not None)
+        rows = []
+        for t in tokens:
+            if t is None:
+                rows.append(mx.zeros((width,), mx.uint32))
+            elif isinstance(t, list):
+                rows.append(mx.array(t + [0] * (width - len(t)), mx.uint32))
+            else:  # a lazy drafted token
+                rows.append(mx.concatenate([t.reshape(1).astype(mx.uint32),
+                                            mx.zeros((width - 1,), mx.uint32)]))
+        logits = self.model(mx.stack(rows), cache=self.cache)
+        drop = [width if t is None else width - (len(t) if isinstance(t, list) else 1)
+                for t in tokens]
+        for c in self.cache:
+            c.trim_rows(drop)
+        self.forwards += 1
+        return logits
+
+    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, mx.array | None]],
+                ) -> list[Proposal]:
+        """requests: (member, context, k >= 1, key) per drafting row; each row's proposal, as
+        its `DraftModelProposer.propose(context, k, key)` would make it."""
+        at = {id(p): i for i, p in enumerate(self.members)}
+        rows = [at[id(p)] for p, _, _, _ in requests]
+        # 1. what each row's draft has not seen yet; the logits after its last one
+        pending = {}
+        for (p, context, _, _), b in zip(requests, rows):
+            if len(p.cached) >= len(context):  # need at least one token to get logits from
+                drop = len(p.cached) - len(context) + 1
+                for c in self.cache:
+                    c.trim_rows([drop if i == b else 0 for i in range(len(self.members))])
+                del p.cached[len(p.cached) - drop :]
+            pending[b] = context[len(p.cached) :]
+        logits = {}
+        longest = max(len(t) for t in pending.values())
+        for start in range(0, longest, FEED_CHUNK):
+            chunk = [pending[b][start : start + FEED_CHUNK] if b in pending else None
+                     for b in range(len(self.members))]
+            chunk = [t if t else None for t in chunk]
+            out = self._forward(chunk)
+            for b, t in enumerate(chunk):
+                if t is not None and start + len(t) == len(pending[b]):
+                    logits[b] = out[b, len(t) - 1]
+            if start + FEED_CHUNK < longest:
+                mx.eval([c.state for c in self.cache])
+        for (p, _, _, _), b in zip(requests, rows):
+            p.cached += pending[b]
+        # 2. the drafted tokens, k_max - 1 more forwards
+        keys = [mx.random.split(key, k) if key is not None else [None] * k
+                for _, _, k, key in requests]
+        tokens = [[] for _ in requests]
+        probs = [[] for _ in requests]
+        for i in range(max(k for _, _, k, _ in requests)):
+            feed = [None] * len(self.members)
+            for j, ((p, _, k, _), b) in enumerate(zip(requests, rows)):
+                if i >= k:
+                    continue
+                token, q = p._next(logits[b], keys[j][i])  # the row's own sampling rule
+                tokens[j].append(token)
+                probs[j].append(q)
+                if i + 1 < k:
+                    feed[b] = token
+            if any(t is not None for t in feed):
+                out = self._forward(feed)
+                for b, t in enumerate(feed):
+                    if t is not None:
+                        logits[b] = out[b, 0]
+            mx.async_eval([t[-1] for t in tokens if len(t) > i])
+        proposals = []
+        for (p, _, k, _), toks, qs in zip(requests, tokens, probs):
+            # the draft cache now also holds toks[:-1]; their fate is known after verify
+            p._fed_drafts = k - 1
+            q = None if p.sampling.greedy else mx.stack(qs)
+            proposals.append(Proposal(tokens=mx.stack(toks), draft_probs=q, source="draft"))
+        return proposals
+
+    def update(self, proposer: DraftModelProposer, context: list[int], num_accepted: int) -> None:
+        """After verification: keep the accepted drafted tokens (DraftModelProposer.update)."""
+        if not proposer._fed_drafts:
+            return
+        b = self.members.index(proposer)
+        kept = min(num_accepted, proposer._fed_drafts)
+        drop = proposer._fed_drafts - kept
+        for c in self.cache:
+            c.trim_rows([drop if i == b else 0 for i in range(len(self.members))])
+        start = len(proposer.cached)
+        proposer.cached += context[start : start + kept]
+        proposer._fed_drafts = 0

@@ -1,0 +1,171 @@
+"""The batch's policy: in one batched speculative step (`batch_step.py`), how many tokens each
+row proposes. Every row's own policy (`policy.py`) still chooses its *source* and keeps
+learning its acceptance; this module chooses the widths, because what a proposal costs in a
+batch is not what it costs alone: the forward runs over B rows padded to one width
+W = 1 + max k, so a row proposing inside the width the batch pays for anyway costs almost
+nothing, and one row widening the batch makes every row pay.
+
+The step time is a decayed least-squares fit over the measured batched steps,
+
+    T(B, W, K, D) = a + b*B + c*B*(W-1) + e*K + d*D
+
+B rows, W the padded width, K = sum of the rows' k (verification, proposal bookkeeping),
+D the sequential draft-model forwards of the step (the batched draft runs max k forwards over
+its rows, `batch_draft.py`). Priors (relative to the intercept, rescaled to the measured times)
+start it and hold it where the data cannot separate two terms (a ridge towards the prior).
+
+Row b's expected tokens at k are E_b(k) = 1 + sum_{i<=k} s_b,i, s_b,i = P(positions 1..i
+accepted), from its own policy's estimates (`AdaptiveK.accept_probs`; a `FixedK` row: a shadow
+estimate of its measured acceptance, starting at AdaptiveK's neutral prior). Each step picks
+the width W in 1..1 + max cap, and whether the draft rows draft at all, maximising
+
+    R = sum_b E_b(k_b) / T(B, W, sum k_b, D),   k_b = min(cap_b, W-1, n_b)
+
+n_b the leading positions whose s_b,i beats their marginal cost e*R (R of the last step).
+W = 1 is the all-plain batch step; a row whose proposal does not pay at the chosen width (a
+draft row when the draft's forwards do not pay, a position below the per-token cost) proposes
+nothing. Rows with `forced` tokens (a probe of a switched-off arm on its own schedule, or a
+pinned k, see `batch_step.BatchRow.offer`) propose them whatever the rest: the width grows to
+fit them, and the other rows fill it for free.
+
+Exactness does not depend on any of this: the policy chooses k only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# prior coefficients of (1, B, B*(W-1), K, D), relative to the intercept: an extra row in the
+# forward ~8 %, an extra padded position ~6 %, a proposed token's own work ~1 %, a draft
+# forward ~25 % of a one-row target forward (DESIGN.md's CPU figures)
+PRIOR = (1.0, 0.08, 0.06, 0.01, 0.25)
+# the feature values at which the prior counts as `prior_weight` observations
+PRIOR_AT = (1.0, 4.0, 8.0, 4.0, 2.0)
+
+
+def features(rows: int, width: int, proposed: int, draft_forwards: int) -> np.ndarray:
+    return np.array([1.0, rows, rows * (width - 1), proposed, draft_forwards])
+
+
+@dataclass
+class BatchCost:
+    """Decayed least squares for T = coef . features, ridged towards the prior."""
+
+    prior: tuple = PRIOR
+    prior_weight: float = 2.0
+    decay: float = 0.99  # per step: ~100 steps of memory
+    outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
+    xt: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    seconds: float = 0.0  # decayed sum of measured times
+    prior_seconds: float = 0.0  # decayed sum of the prior's unit-scale predictions for them
+    _coef: np.ndarray | None = None
+
+    def scale(self) -> float:
+        """Seconds per unit of the prior (1.0 before any step: only ratios matter then)."""
+        return self.seconds / self.prior_seconds if self.prior_seconds else 1.0
+
+    def coef(self) -> np.ndarray:
+        if self._coef is None:
+            prior = self.scale() * np.array(self.prior)
+            ridge = self.prior_weight * np.square(PRIOR_AT)
+            coef = np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior)
+            self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
+            self._coef[0] = max(self._coef[0], 0.1 * prior[0])
+        return self._coef
+
+    def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0) -> float:
+        return float(self.coef() @ features(rows, width, proposed, draft_forwards))
+
+    def add(self, rows: int, width: int, proposed: int, draft_forwards: int,
+            seconds: float) -> None:
+        x = features(rows, width, proposed, draft_forwards)
+        if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
+            seconds = min(seconds, self.outlier * float(self.coef() @ x))
+        d = self.decay
+        self.xx = self.xx * d + np.outer(x, x)
+        self.xt = self.xt * d + x * seconds
+        self.seconds = self.seconds * d + seconds
+        self.prior_seconds = self.prior_seconds * d + float(np.dot(self.prior, x))
+        self._coef = None
+
+
+@dataclass
+class RowOffer:
+    """What one row could propose this step."""
+
+    survive: list[float]  # s_i = P(positions 1..i all accepted), i = 1..cap
+    draft: bool = False  # drafted by the draft model (shares the batch's draft forwards)
+    forced: int = 0  # propose at least this many (a probe, a pinned k), capped by cap
+
+    @property
+    def cap(self) -> int:
+        return len(self.survive)
+
+
+def survival(accept_probs: list[float], cap: int) -> list[float]:
+    """P(positions 1..i accepted) for i = 1..cap from per-position acceptance estimates."""
+    out, s = [], 1.0
+    for a in accept_probs[:cap]:
+        s *= a
+        out.append(s)
+    return out
+
+
+@dataclass
+class BatchPolicy:
+    """Chooses every row's k for a batched step (see module docstring); told each step's
+    shape and time after it (`observe`)."""
+
+    cost: BatchCost = field(default_factory=BatchCost)
+    margin: float = 0.0  # a wider step must beat the narrower best by this fraction
+    rate: float = 0.0  # tokens per second the last decision expected
+
+    def decide(self, offers: list[RowOffer], rows: int | None = None) -> list[int]:
+        """Each row's k (0: propose nothing); `rows` the forward's batch size when rows that
+        sit the step out are fed too (default: the offers)."""
+        ks, self.rate = choose_ks(self.cost, offers, self.rate, self.margin, rows)
+        return ks
+
+    def observe(self, rows: int, width: int, proposed: int, draft_forwards: int,
+                seconds: float) -> None:
+        self.cost.add(rows, width, proposed, draft_forwards, seconds)
+
+
+def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
+              margin: float = 0.0, rows: int | None = None) -> tuple[list[int], float]:
+    """The per-row k maximising expected tokens per second of the batched step, and that
+    rate. Candidates: every width W from the forced minimum to 1 + the largest cap, with the
+    draft rows drafting or not."""
+    if not offers:
+        return [], 0.0
+    rows = max(rows or 0, len(offers))
+    coef = cost.coef()
+    threshold = coef[3] * last_rate  # a position pays when it beats its own marginal cost
+    # n_b: the leading positions worth their marginal cost (s is non-increasing)
+    worth = [sum(1 for s in o.survive if s > threshold) for o in offers]
+    # E_b(k) = 1 + s_1 + ... + s_k
+    expected = [np.concatenate([[1.0], 1.0 + np.cumsum(o.survive)]) for o in offers]
+    forced = [min(o.forced, o.cap) for o in offers]
+    widest = 1 + max(o.cap for o in offers)
+    narrowest = 1 + max(forced)
+    has_draft = any(o.draft and o.cap for o in offers)
+    best_ks, best_rate, seen = None, 0.0, set()
+    for width in range(narrowest, widest + 1):
+        for drafting in ((False, True) if has_draft else (False,)):
+            ks = []
+            for o, n, f in zip(offers, worth, forced):
+                k = min(o.cap, width - 1, n) if drafting or not o.draft else 0
+                ks.append(max(k, f))
+            shape = tuple(ks)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
+            t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards)
+            rate = sum(e[k] for e, k in zip(expected, ks)) / max(t, 1e-12)
+            if best_ks is None or rate > best_rate * (1.0 + margin) * 1.0001:
+                best_ks, best_rate = ks, rate
+    return best_ks, best_rate
