@@ -43,6 +43,7 @@ SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "auto")
 MAX_NODES = 256  # proposal packet capacity (chain tokens or tree nodes)
 SOURCE_BYTES = 32  # a source name ("ngram:4", "draft") in the plan packet
 DEFAULT_TIMEOUT = 120.0  # seconds without progress inside a generation
+LOST_GRACE = 1.5  # seconds a server has to answer its requests with the error before it exits
 STALL_CHECK = 2.0  # seconds without progress before the watchdog looks for a dead peer
 
 
@@ -85,6 +86,11 @@ class Coordinator:
         self._deadline: float | None = None
         self._what = ""
         self._lock = threading.Lock()
+        # Set once another rank is lost: no collective may run after that (it could hang).
+        self.broken: str | None = None
+        # `on_lost(message)`: a server's way to answer its requests with the error before the
+        # process ends (`abandon`); None: the process ends at once.
+        self.on_lost = None
         self._watch = threading.Thread(target=self._watchdog, name="mlxspec-watchdog",
                                        daemon=True)
         self._watch.start()
@@ -108,6 +114,25 @@ class Coordinator:
         with self._lock:
             self._deadline = None
 
+    def abandon(self, message: str) -> None:
+        """Another rank is lost: end this process with `message` (exit 1). With `on_lost` set
+        (serve), it runs first and the process ends `LOST_GRACE` seconds later, so that the
+        requests in flight get the error as their answer instead of a dropped connection."""
+        with self._lock:
+            first, self.broken = self.broken is None, self.broken or message
+            hook = self.on_lost
+        if hook is None:
+            fail(message)
+        if not first:
+            return
+        try:
+            hook(message)
+        except Exception:
+            pass
+        timer = threading.Timer(LOST_GRACE, fail, (message,))
+        timer.daemon = True
+        timer.start()
+
     def _watchdog(self) -> None:
         while True:
             time.sleep(min(1.0, max(self.timeout / 10, 0.05)))
@@ -120,9 +145,9 @@ class Coordinator:
                 # The ring backend does not fail a collective whose peer died mid-way (it
                 # reports "Socket N was closed by the peer" and waits): stop now, not at the
                 # timeout.
-                fail(lost(self.rank, "its socket was closed by the peer"))
-            if late:
-                fail(f"rank {self.rank}: no progress for {self.timeout:.0f} s during {self._what} "
+                self.abandon(lost(self.rank, "its socket was closed by the peer"))
+            elif late:
+                self.abandon(f"rank {self.rank}: no progress for {self.timeout:.0f} s during {self._what} "
                      "(another rank is stuck or unreachable); stopping "
                      "(MLXSPEC_DIST_TIMEOUT sets the limit)")
 
@@ -568,6 +593,9 @@ class Mirrored:
     def __next__(self):
         if self.done:
             raise StopIteration
+        if self.coord.broken:  # a server between a lost rank and its exit
+            self.done = True
+            raise DistributedFailure(self.coord.broken)
         try:
             if self.inner is None:
                 self.coord.arm("a generation")
@@ -594,14 +622,17 @@ class Mirrored:
             self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
 
-    @staticmethod
-    def _lost(message: str) -> None:
-        """A lost rank on a thread other than the main one (the server's worker): nothing there
-        can report it to the user and every later request would fail too; end the process."""
+    def _lost(self, message: str) -> None:
+        """A lost rank on a thread other than the main one (the server's worker): every later
+        request would fail too; end the process (`Coordinator.abandon`: a server first answers
+        the requests in flight with the error). On the main thread the caller raises it."""
+        self.done = True
         if threading.current_thread() is not threading.main_thread():
-            fail(message)
+            self.coord.abandon(message)
 
     def close(self) -> None:
+        if self.coord.broken:  # no collective after a lost rank: it could hang
+            self.done = True
         if self.inner is not None and not self.done:
             self.done = True
             try:

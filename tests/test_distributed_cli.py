@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "mlxspec.cli.main"]
 
 
-def start(tmp_path, argv, stdin0=None):
+def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None):
     """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
     is empty: only rank 0 may read it."""
     hostfile = tmp_path / "hosts.json"
@@ -36,7 +36,7 @@ def start(tmp_path, argv, stdin0=None):
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
-                   MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20")
+                   MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20", **(env_extra or {}))
         procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       cwd=REPO))
@@ -65,22 +65,31 @@ def _post(url, body):
         return json.loads(r.read())
 
 
-def test_serve_answers_from_rank_0(tmp_path, model_dirs):
+def start_server(tmp_path, model_dir, mode="ngram"):
+    """Two ranks of `serve --distributed`, rank 0 answering /health: (procs, base url)."""
     (port,) = free_ports(1)
-    cmd = CLI + ["serve", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "ngram",
+    cmd = CLI + ["serve", "--distributed", "-m", str(model_dir), "--mode", mode,
                  "--port", str(port), "--temp", "0"]
     procs = start(tmp_path, cmd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2).read()
+            return procs, base
+        except OSError:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                raise AssertionError(procs[0].stderr.read() if procs[0].poll() is not None
+                                     else "no answer") from None
+            time.sleep(0.3)
+
+
+def test_serve_answers_from_rank_0(tmp_path, model_dirs):
+    procs, base = start_server(tmp_path, model_dirs["llama"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                    procs[0].stderr.read() if procs[0].poll() is not None else "no answer"
-                time.sleep(0.3)
         got = _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
                                                "temperature": 0})
         ref = reference(model_dirs["llama"])
@@ -150,3 +159,38 @@ def test_qwen3_tensor_parallel_matches_plain_decoding(tmp_path, model_dirs):
     assert [x["mode"] for x in lines] == modes
     assert all(x["strategy"] == "tensor" and x["tokens"] == ref for x in lines)
     assert [json.loads(x)["tokens"] for x in o1.splitlines()] == [ref] * len(modes)
+
+
+
+def test_a_killed_follower_ends_generate_with_an_error(tmp_path, model_dirs):
+    cmd = CLI + ["generate", "--distributed", "-m", str(model_dirs["llama"]), "--mode", "none",
+                 "--max-tokens", "100000", "-p", PROMPT]
+    procs = start(tmp_path, cmd, env_extra={"PYTHONUNBUFFERED": "1"})
+    assert procs[0].stdout.read(1)  # rank 0 is streaming its answer
+    procs[1].kill()  # rank 1 dies mid-generation (SIGKILL: no goodbye)
+    (r0, _, e0), _ = wait_all(procs, timeout=30)  # never a hang
+    assert r0 == 1 and "error: rank 0: lost another rank" in e0, e0
+    assert "Traceback" not in e0
+
+
+def test_a_killed_follower_fails_the_request_and_ends_serve(tmp_path, model_dirs):
+    procs, base = start_server(tmp_path, model_dirs["llama"], mode="none")
+    try:
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps({
+            "prompt": PROMPT, "max_tokens": 100000, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.readline().startswith(b"data: ")  # the answer is streaming
+            procs[1].kill()  # rank 1 dies mid-generation
+            events = [x for x in r.read().decode().splitlines() if x.startswith("data: ")]
+        # the request ends with an error event that says why, and rank 0 exits: it cannot
+        # answer anything without the other rank
+        error = json.loads(events[-1][6:])["error"]
+        assert "lost another rank" in error["message"], events[-3:]
+        (r0, _, e0), _ = wait_all(procs, timeout=30)
+        assert r0 == 1 and "error: rank 0: lost another rank" in e0, e0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -202,6 +202,9 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
                              metrics=self.metrics, request_timeout=request_timeout,
                              batch_spec=batch_spec)
+        coord = getattr(engine, "coord", None)
+        if coord is not None:  # --distributed: a lost rank fails the requests, then we exit
+            coord.on_lost = self.worker.fail_all
         self.worker.start()
         threading.Thread(target=self._reap, name="mlxspec-reaper", daemon=True).start()
 

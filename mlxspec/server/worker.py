@@ -261,6 +261,24 @@ class Worker(threading.Thread):
         self.ending = reason
         self.inbox.put(_WAKE)
 
+    def fail_all(self, message: str) -> None:
+        """--distributed, another rank lost (`Coordinator.on_lost`, from any thread): every
+        request, running or queued, ends with `message` (503) and new ones are refused; the
+        process exits moments later. The worker thread may be stuck in a collective: nothing
+        here waits for it."""
+        self.draining = True
+        error = ApiError(503, message, code="rank_lost")
+        jobs = list(self.spec_jobs) + list(self.batch_jobs.values())
+        while True:
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job) and job is not _WAKE:
+                jobs.append(job)
+        for job in jobs:
+            job.events.put(Failed(error))
+
     def _end_reason(self, job: Job) -> str | None:
         """Why this job must end now (its time is up, or the server is stopping), or None."""
         if self.ending is not None:
@@ -437,6 +455,10 @@ class Worker(threading.Thread):
             self._finish_engine(job, "length", None)
             return
         except MlxspecError as e:
+            if getattr(e, "fatal", False):  # --distributed: a rank was lost; the process ends
+                job.cache = None
+                self._fail(job, ApiError(503, str(e), code="rank_lost"))
+                return
             self._fail(job, ApiError(400, str(e)))
             return
         except Exception as e:
