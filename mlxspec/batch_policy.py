@@ -143,29 +143,34 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
         return [], 0.0
     rows = max(rows or 0, len(offers))
     coef = cost.coef()
-    threshold = coef[3] * last_rate  # a position pays when it beats its own marginal cost
-    # n_b: the leading positions worth their marginal cost (s is non-increasing)
-    worth = [sum(1 for s in o.survive if s > threshold) for o in offers]
     # E_b(k) = 1 + s_1 + ... + s_k
     expected = [np.concatenate([[1.0], 1.0 + np.cumsum(o.survive)]) for o in offers]
     forced = [min(o.forced, o.cap) for o in offers]
     widest = 1 + max(o.cap for o in offers)
     narrowest = 1 + max(forced)
     has_draft = any(o.draft and o.cap for o in offers)
-    best_ks, best_rate, seen = None, 0.0, set()
-    for width in range(narrowest, widest + 1):
-        for drafting in ((False, True) if has_draft else (False,)):
-            ks = []
-            for o, n, f in zip(offers, worth, forced):
-                k = min(o.cap, width - 1, n) if drafting or not o.draft else 0
-                ks.append(max(k, f))
-            shape = tuple(ks)
-            if shape in seen:
-                continue
-            seen.add(shape)
-            draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
-            t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards)
-            rate = sum(e[k] for e, k in zip(expected, ks)) / max(t, 1e-12)
-            if best_ks is None or rate > best_rate * (1.0 + margin) * 1.0001:
-                best_ks, best_rate = ks, rate
+    best_ks, best_rate = None, last_rate
+    # A position pays when its survival beats its own marginal cost e * R (R the best rate:
+    # Dinkelbach's iteration for a ratio, started from the last step's rate; two rounds).
+    for _ in range(2 if coef[3] > 0 else 1):
+        threshold = coef[3] * best_rate
+        worth = [sum(1 for s in o.survive if s > threshold) for o in offers]  # s non-increasing
+        round_ks, round_rate, seen = None, 0.0, set()
+        for width in range(narrowest, widest + 1):
+            for drafting in ((False, True) if has_draft else (False,)):
+                ks = []
+                for o, n, f in zip(offers, worth, forced):
+                    k = min(o.cap, width - 1, n) if drafting or not o.draft else 0
+                    ks.append(max(k, f))
+                shape = tuple(ks)
+                if shape in seen:
+                    continue
+                seen.add(shape)
+                draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
+                t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards)
+                rate = sum(e[k] for e, k in zip(expected, ks)) / max(t, 1e-12)
+                if round_ks is None or rate > round_rate * (1.0 + margin) * 1.0001:
+                    round_ks, round_rate = ks, rate
+        if best_ks is None or round_rate >= best_rate:
+            best_ks, best_rate = round_ks, round_rate
     return best_ks, best_rate

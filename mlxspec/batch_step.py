@@ -302,36 +302,39 @@ class BatchRow:
         (`batch_policy.py`). The row's own policy chooses the source; the batch chooses k.
 
         - `AdaptiveK`: the source of its plan, capped by what the source offers (the width
-          may be paid by other rows); a probe of a switched-off arm is forced, so probes keep
-          their own schedule whatever the batch; when it plans nothing (an arm off, t_plain
-          being measured), its best offer by expected tokens, which the batch takes only
-          where the width is there anyway.
-        - any other policy (`FixedK`): its k, with acceptance measured on this row (a shadow
-          `AdaptiveK`, starting at its neutral prior). At temperature > 0 that k is pinned:
-          a seeded sampled output depends on k, and a fixed-k request's output must not
-          depend on the rest of the batch (at temperature 0 it never does, whatever k).
+          may be paid by other rows). A probe of a switched-off arm is forced, so probes keep
+          their own schedule whatever the batch. When it plans nothing (its arms off, or
+          t_plain being measured), its best offer by expected tokens, which the batch takes
+          only where it pays at the batch's cost.
+        - any other policy (`FixedK`): its source and k, with acceptance measured on this row
+          by a shadow `AdaptiveK` (neutral prior at first) that also schedules its probes as
+          above. At temperature > 0 that k is pinned: a seeded sampled output depends on k,
+          and a fixed-k request's output must not depend on the rest of the batch (at
+          temperature 0 it never does, whatever k).
         """
         available = self._available()
         if not available:
             return "", RowOffer([])
         policy = self.policy
-        source, k = policy.plan(available)
-        if isinstance(policy, AdaptiveK):
-            if k and policy.choose(source, available[source]) == 0:  # a probe
-                return source, RowOffer(survival(policy.accept_probs(source), k),
-                                        source == "draft", forced=k)
+        if self.shadow is not None:
+            source, k = policy.plan(available)
             if not k:
-                offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
-                if not offered:
-                    return "", RowOffer([])
-                source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
-            n = min(available[source], policy.max_k)
-            return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
+                return "", RowOffer([])
+            if not self.sampling.greedy:
+                return source, RowOffer(survival(self.shadow.accept_probs(source), k),
+                                        source == "draft", forced=k)
+            policy, available = self.shadow, {source: k}
+        source, k = policy.plan(available)
+        if k and policy.choose(source, available[source]) == 0:  # a probe
+            return source, RowOffer(survival(policy.accept_probs(source), k),
+                                    source == "draft", forced=k)
         if not k:
-            return "", RowOffer([])
-        pinned = k if not self.sampling.greedy else 0
-        return source, RowOffer(survival(self.shadow.accept_probs(source), k),
-                                source == "draft", forced=pinned)
+            offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
+            if not offered:
+                return "", RowOffer([])
+            source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
+        n = min(available[source], policy.max_k)
+        return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
 
     def __iter__(self) -> Iterator[StepOutput]:
         return self
@@ -373,6 +376,7 @@ class BatchSpeculator:
         self.steps = 0  # batched forwards run
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
         self.plain_steps = 0  # batched forwards in which no row proposed
+        self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
 
     @staticmethod
     def accepts(engine: Engine, mode: str | None = None) -> bool:
@@ -509,6 +513,8 @@ class BatchSpeculator:
                     r.shadow.observe(source, res.drafted, res.accepted, seconds)
             else:
                 r.policy.observe_plain(1, seconds)
+                if r.shadow is not None:
+                    r.shadow.observe_plain(1, seconds)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
             r.pending = res.tokens
 
@@ -535,5 +541,6 @@ class BatchSpeculator:
                 [(rows[i].draft, rows[i].context, plans[i][1], keys[i]) for i in members])
             for i, prop in zip(members, made):
                 proposals[i] = prop
+            self.batched_drafts += len(members)
             widest = max(widest, max(plans[i][1] for i in members))
         return proposals, draft_forwards + widest

@@ -13,6 +13,7 @@ import pytest
 from conftest import build_model, make_engine
 
 from mlxspec import caches
+from mlxspec.batch_policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
 from mlxspec.batch_step import BatchSpeculator, RaggedKVCache, batch_decode_step
 from mlxspec.engine import PromptCache
 from mlxspec.proposers.base import Proposal
@@ -236,6 +237,140 @@ def test_refuses_what_it_cannot_batch():
     assert not BatchSpeculator.accepts(make_engine(llama, mode="lookahead"))
     with pytest.raises(MlxspecError):
         BatchSpeculator(gemma).open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7])
+
+
+# ----------------------------------------------------------------------------- the batch's policy
+
+
+def offers(accept: float, rows: int, cap: int = 4, **kw) -> list[RowOffer]:
+    return [RowOffer(survival([accept] * cap, cap), **kw) for _ in range(rows)]
+
+
+def test_batch_policy_steps_plainly_when_proposals_do_not_pay_and_wide_when_they_do():
+    """Injected costs and acceptance, no timing: the prior cost (a padded position ~6 % of a
+    one-row forward) makes 5 % acceptance a plain batch (W = 1), 60 % a middle width and 90 %
+    the full width; a cost measured expensive in the width turns the 60 % batch plain."""
+    cost = BatchCost()
+    ks, _ = choose_ks(cost, offers(0.05, 4))
+    assert ks == [0, 0, 0, 0]
+    ks, rate = choose_ks(cost, offers(0.9, 4))
+    assert ks == [4, 4, 4, 4]
+    assert rate > 4 / cost.time(4, 1)  # beats the all-plain step it was compared with
+    assert choose_ks(cost, offers(0.6, 4))[0] == [2, 2, 2, 2]  # in between: a middle width
+    # measured: every padded position costs as much as a row (t = 1 + B + B * (W - 1))
+    learned = BatchPolicy()
+    for b in (2, 4, 6):
+        for w in (1, 2, 3, 5):
+            for _ in range(20):
+                learned.observe(b, w, b * (w - 1), 0, 0.01 * (1 + b + b * (w - 1)))
+    assert learned.cost.time(4, 3, 8) == pytest.approx(0.01 * 13, rel=0.05)
+    assert learned.decide(offers(0.6, 4)) == [0, 0, 0, 0]
+    assert min(learned.decide(offers(0.99, 4, cap=8))) >= 6  # near-certain tokens still pay
+
+
+def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_speculates():
+    cost = BatchCost()
+    # a draft row at 10 %: its draft forwards do not pay; the n-gram row at 90 % does
+    good, bad = offers(0.9, 1)[0], offers(0.1, 1, draft=True)[0]
+    assert choose_ks(cost, [good, bad])[0] == [4, 0]
+    # draft rows at 90 % draft beside it (the shared draft forwards now pay)
+    assert choose_ks(cost, [good] + offers(0.9, 2, draft=True))[0] == [4, 4, 4]
+    # a position below its marginal cost (e * rate) is not proposed even inside the width
+    assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
+    assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
+    pricey = BatchPolicy(BatchCost(prior=(1.0, 0.08, 0.06, 0.2, 0.25)))  # 20 % per token
+    assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
+    # a probe (forced) widens a batch that would step plainly; the others fill the width
+    ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
+    assert ks[3] == 2 and max(ks) == 2
+    # caps hold: a row never proposes more than it offered
+    assert choose_ks(cost, [RowOffer([0.9]), good])[0] == [1, 4]
+
+
+class FrozenPolicy(BatchPolicy):
+    """The default policy that does not learn costs: decisions independent of timing."""
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_a_policy_choosing_k_keeps_every_request_exact(pair):
+    """The 8 mixed requests under the default batch policy (its prior costs, frozen: no
+    timing): a random-weight draft is cut while the n-gram rows speculate where it pays, and
+    the batch steps plainly where nothing does; every output equals the request alone."""
+    target, draft = pair
+    base = make_engine(target, mode="ngram", draft_model=draft)
+    want = alone(base, REQUESTS)
+    batch = BatchSpeculator(target, policy=FrozenPolicy())
+    rows = [batch.open(base.clone(), p, max_tokens=n, mode=m, **kw) for p, m, n, kw in REQUESTS]
+    outs = [[] for _ in REQUESTS]
+    drain(rows, outs)
+    assert outs == want
+    drafted = {i: rows[i].stats.drafted for i in range(len(rows))}
+    assert drafted[1] + drafted[6] < 10  # the draft rows (0 % accepted alone) were cut
+    assert rows[0].stats.accepted > 5  # while the repetitive n-gram row speculated
+    assert 0 < batch.plain_steps < batch.steps  # some steps all plain (W = 1), some wide
+
+
+# ----------------------------------------------------------------------------- batched draft
+
+DRAFT_REQUESTS = [
+    (list(range(10, 40)) * 2, "draft", 24, {}),
+    ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], "draft", 30, {"num_draft": 3}),
+    ([7, 8, 9], "draft", 17, {}),
+    ([5] * 20, "auto", 33, {}),
+    ([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], "ngram", 20, {}),
+    ([9], "draft", 12, {"num_draft": 2}),
+]
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["random-draft", "target-as-draft"])
+def test_batched_draft_rows_equal_each_request_alone(pair, same):
+    """Draft rows of different lengths draft together (one draft forward per position for
+    all), joining and leaving mid-generation, each row's plan its own (row_plans): every
+    output, and every row's drafted and accepted counts, equal the request alone (the draft
+    tokens are the same: with the target as its own draft, all are accepted); each row's
+    draft cache, given back on leaving, holds exactly its `cached` tokens."""
+    target, draft = pair
+    base = make_engine(target, mode="ngram", draft_model=target if same else draft)
+    slots = [base.clone() for _ in DRAFT_REQUESTS]
+    single = [base.clone().generate(p, max_tokens=n, mode=m, **kw)
+              for p, m, n, kw in DRAFT_REQUESTS]
+    batch = BatchSpeculator(target, row_plans=True)
+    rows, outs = [], [[] for _ in DRAFT_REQUESTS]
+
+    def opener(i):
+        def go():
+            p, m, n, kw = DRAFT_REQUESTS[i]
+            rows.append(batch.open(slots[i], p, max_tokens=n, mode=m, **kw))
+            return i
+        return go
+
+    for i in range(3):
+        opener(i)()
+    drain(rows, outs, join={1: opener(3), 3: opener(4), 5: opener(5)})
+    for i, (one, out, row) in enumerate(zip(single, outs, rows)):
+        assert out == one.tokens, f"request {i}"
+        if DRAFT_REQUESTS[i][1] == "draft":
+            assert (row.stats.drafted, row.stats.accepted) == (
+                one.stats.drafted, one.stats.accepted), f"request {i}"
+            if same:
+                assert row.stats.accepted == row.stats.drafted > 0
+    assert batch.batched_drafts > 20 and not batch.drafts
+    engine = make_engine(base.draft_model)
+    for i, slot in enumerate(slots):
+        proposer = slot.proposer_for(DRAFT_REQUESTS[i][1])
+        d = getattr(proposer, "draft", proposer)
+        if d is None or not hasattr(d, "cached"):
+            continue
+        p, _, n, _ = DRAFT_REQUESTS[i]
+        assert d.cached == (p + outs[i])[: len(d.cached)] and d._fed_drafts == 0
+        assert caches.offset(d.cache) == len(d.cached)
+        if len(d.cached) > 1:
+            fresh = prefilled(engine, d.cached + [0])
+            np.testing.assert_allclose(np.array(d.cache[0].keys[..., : len(d.cached), :]),
+                                       np.array(fresh[0].keys[..., : len(d.cached), :]),
+                                       atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- T > 0
