@@ -548,6 +548,9 @@ def _request(engine, prompt, kwargs) -> dict:
             "num_draft": engine.num_draft if engine.num_draft_set else None,
             "policy": None if policy is None else _policy_spec(policy),
             "cache": kwargs.get("prompt_cache") is not None, "slot": engine.slot_id,
+            # Rank 0's end-of-sequence set: chat, edit and the server add the chat template's
+            # turn-end tokens on rank 0 only, and every rank must stop at the same token.
+            "eos": sorted(getattr(engine.tokenizer, "eos_token_ids", None) or []),
             "delay": meter.delay if (meter := getattr(engine.coord, "meter", None)) else None}
 
 
@@ -668,6 +671,8 @@ def follow(engine, on_step=None) -> None:
                 if req["mode"] != slot.mode or req["mode_options"] != slot.mode_options or (
                         req["num_draft"] is not None and req["num_draft"] != slot.num_draft):
                     slot.set_mode(req["mode"], num_draft=req["num_draft"], **req["mode_options"])
+                if req.get("eos") is not None and hasattr(slot.tokenizer, "eos_token_ids"):
+                    slot.tokenizer.eos_token_ids = req["eos"]
                 kwargs = dict(req["kwargs"])
                 if req["policy"] is not None:
                     kwargs["policy"] = _policy_from(req["policy"])

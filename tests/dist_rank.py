@@ -22,6 +22,9 @@ def main() -> None:
         for gid in sorted(seen):
             print(json.dumps({"rank": 1, "tokens": seen[gid]}), flush=True)
         os._exit(0)
+    extra_eos = os.environ.get("DIST_TEST_EOS")  # rank 0 only, as chat's turn-end tokens
+    if extra_eos:
+        engine.tokenizer.eos_token_ids = set(engine.tokenizer.eos_token_ids) | {int(extra_eos)}
     for mode in modes:
         if os.environ.get("DIST_TEST_DIE") == mode:  # the failure test: rank 0 dies here
             os._exit(7)

@@ -115,6 +115,20 @@ def test_a_dead_rank_ends_the_other_with_an_error(tmp_path, model_dirs):
     assert r1 == 1 and "error: rank 1: lost another rank" in e1
 
 
+def test_every_rank_stops_at_rank_0s_end_tokens(tmp_path, model_dirs):
+    # chat, edit and serve add the chat template's turn-end tokens on rank 0 only: the
+    # followers must stop where rank 0 stops, not run a forward more (a hang)
+    ref = reference(model_dirs["llama"])
+    stop = next(t for t in ref[5:] if t not in ref[:5])
+    cut = ref[:ref.index(stop)]
+    (r0, o0, e0), (r1, o1, e1) = launch(
+        tmp_path, rank_script(model_dirs["llama"], None, "auto", 0.0, ["none", "ngram"]),
+        env_extra={"DIST_TEST_EOS": str(stop)})
+    assert r0 == 0 and r1 == 0, e0 + e1
+    assert [json.loads(x)["tokens"] for x in o0.splitlines()] == [cut, cut]
+    assert [json.loads(x)["tokens"] for x in o1.splitlines()] == [cut, cut]
+
+
 def test_bad_configurations_are_refused_before_loading(tmp_path, model_dirs):
     from mlxspec.distributed import check_mode, choose_strategy
     from mlxspec.errors import MlxspecError

@@ -28,9 +28,9 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "mlxspec.cli.main"]
 
 
-def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None):
+def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None, cwds=None):
     """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
-    is empty: only rank 0 may read it."""
+    is empty: only rank 0 may read it. `cwds`: each rank's working directory."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
@@ -39,7 +39,7 @@ def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None):
                    MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20", **(env_extra or {}))
         procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=REPO))
+                                      cwd=cwds[rank] if cwds else REPO))
     for rank, p in enumerate(procs):
         if rank == 0 and stdin0:
             p.stdin.write(stdin0)
@@ -194,3 +194,27 @@ def test_a_killed_follower_fails_the_request_and_ends_serve(tmp_path, model_dirs
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_edit_reads_and_writes_on_rank_0_only(tmp_path, model_dirs):
+    from mlxspec import load
+    from mlxspec.editing import edit_text
+
+    original = "import os\n"  # the random model ends this edit (eos) within 200 tokens
+    instruction = "Rename x to y"
+    ref = edit_text(load(str(model_dirs["llama"]), mode="ngram"), original, instruction,
+                    max_tokens=200)
+    assert ref.complete and ref.changed
+    dirs = [tmp_path / "rank0", tmp_path / "rank1"]  # rank 1's folder has no file to read
+    for d in dirs:
+        d.mkdir()
+    (dirs[0] / "code.py").write_text(original)
+    cmd = CLI + ["edit", "code.py", "--distributed", "-i", instruction, "-m",
+                 str(model_dirs["llama"]), "--mode", "ngram", "--max-tokens", "200", "--write"]
+    (r0, o0, e0), (r1, o1, e1) = wait_all(start(tmp_path, cmd, cwds=dirs))
+    assert r0 == 0 and r1 == 0, e0 + e1
+    assert (dirs[0] / "code.py").read_text() == ref.edited  # as one process edits it
+    assert (dirs[0] / "code.py.orig").read_text() == original  # the original kept
+    assert sorted(os.listdir(dirs[0])) == ["code.py", "code.py.orig"]
+    assert os.listdir(dirs[1]) == [] and o1 == ""  # rank 1 wrote and printed nothing
+    assert "wrote code.py" in e0

@@ -22,7 +22,7 @@ from ..editing import (
     write_atomic,
 )
 from ..errors import MlxspecError
-from .common import exits_cleanly, in_range, load_engine, model_options
+from .common import distributed_option, exits_cleanly, in_range, load_engine, model_options
 from .statsline import dim, stats_dict, stats_line
 
 
@@ -86,15 +86,18 @@ class Progress:
 @click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
               help="0 disables top-k.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@distributed_option
 @exits_cleanly
 def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
-         model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed):
+         model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
+         distributed=None):
     """Edit FILE as --instruction says, with the original text as the predicted output.
 
     Prints a unified diff (nothing written) unless --write; see docs/COMMANDS.md."""
     try:
         _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
-              model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed)
+              model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
+              distributed)
     except MlxspecError as e:
         if as_json:  # a refusal is still one JSON object on stdout
             click.echo(json.dumps({"path": file, "error": str(e), "written": False,
@@ -111,13 +114,29 @@ def backup_note(backup, suffix: str) -> str:
 
 
 def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
-          model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed):
-    src = read_source(file)
-    parse_lines(line_range, len(split_lines(src.text)))  # a bad --lines before the model loads
-    if not instruction.strip():
-        raise MlxspecError("the instruction (--instruction/-i) is empty")
+          model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
+          distributed=None):
+    src = None
+
+    def read():
+        nonlocal src
+        src = read_source(file)
+        parse_lines(line_range, len(split_lines(src.text)))  # a bad --lines before loading
+        if not instruction.strip():
+            raise MlxspecError("the instruction (--instruction/-i) is empty")
+
+    if distributed:
+        # Only rank 0 reads the file (the others need not have it); an error there stops
+        # every rank before loading. The others then follow rank 0's generation inside
+        # load_engine and never return: nothing below runs on them.
+        from ..distributed import leader_input
+
+        leader_input(read)
+    else:
+        read()
     try:
-        engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json)
+        engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
+                             distributed=distributed)
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
