@@ -373,6 +373,78 @@ def test_batched_draft_rows_equal_each_request_alone(pair, same):
                                        atol=1e-5)
 
 
+def test_batched_draft_proposes_what_each_row_would_alone(pair):
+    """BatchDraft against DraftModelProposer.propose/update, row by row, at T > 0 over three
+    rounds (rows of different lengths and k, a row sitting a round out): the same draft
+    tokens and probabilities from the same keys, and the same `cached` tokens after."""
+    from mlxspec.batch_draft import BatchDraft
+    from mlxspec.proposers.draft import DraftModelProposer
+
+    _, draft = pair
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    prompts = [list(range(10, 40)), [3, 1, 4, 1, 5], [9]]
+    alone_, batched = [], []
+    for p in prompts:
+        for group in (alone_, batched):
+            d = DraftModelProposer(draft)
+            d.reset(p, sampling)
+            group.append(d)
+    batch = BatchDraft(draft)
+    for d in batched:
+        batch.join(d)
+    contexts = [list(p) for p in prompts]
+    plans = [[4, 2, 3], [3, 0, 1], [2, 4, 4]]  # k per row per round (0: sits out)
+    accepted = [[1, 0, 3], [3, 0, 0], [0, 2, 4]]
+    for rnd in range(3):
+        keys = [mx.random.key(100 * rnd + b) for b in range(3)]
+        want = [d.propose(c, plans[rnd][b], keys[b]) if plans[rnd][b] else None
+                for b, (d, c) in enumerate(zip(alone_, contexts))]
+        who = [b for b in range(3) if plans[rnd][b]]
+        got = batch.propose([(batched[b], contexts[b], plans[rnd][b], keys[b]) for b in who])
+        for b, g in zip(who, got):
+            np.testing.assert_array_equal(np.array(g.tokens), np.array(want[b].tokens))
+            np.testing.assert_allclose(np.array(g.draft_probs), np.array(want[b].draft_probs),
+                                       atol=1e-5)
+            n = accepted[rnd][b]
+            contexts[b] += np.array(want[b].tokens).tolist()[:n] + [7 + b]
+            alone_[b].update(contexts[b], n)
+            batch.update(batched[b], contexts[b], n)
+            assert batched[b].cached == alone_[b].cached
+    for d, one in zip(batched, alone_):
+        batch.leave(d)
+        assert caches.offset(d.cache) == caches.offset(one.cache) == len(d.cached)
+    assert batch.cache is None
+
+
+def test_fixed_k_rows_are_pinned_at_temperature_above_zero_and_probes_are_forced(pair):
+    """What rows offer the batch's policy: a fixed-k draft row forces its k at T > 0 (its
+    seeded output must not depend on the batch) and not at T = 0; an adaptive row whose
+    draft arm is switched off forces a probe when one is due, else offers without forcing."""
+    from mlxspec.policy import AdaptiveK
+
+    target, draft = pair
+    base = make_engine(target, mode="draft", draft_model=draft)
+    batch = BatchSpeculator(target)
+    prompt = list(range(10, 40))
+    hot = batch.open(base.clone(), prompt, max_tokens=20, temperature=0.8)
+    cold = batch.open(base.clone(), prompt, max_tokens=20)
+    assert hot.offer()[0] == "draft" and hot.offer()[1].forced == 4
+    assert cold.offer()[0] == "draft" and cold.offer()[1].forced == 0
+    policy = AdaptiveK(max_k=4, dither=False)
+    policy.observe_plain(4, 0.04)
+    for _ in range(20):  # the draft rejected at once, every time: the arm goes off
+        policy.observe("draft", 4, 0, 0.02)
+    auto = batch.open(base.clone(), prompt, max_tokens=20, mode="auto", policy=policy)
+    assert policy.choose("draft") == 0
+    policy.clock = policy.probes["draft"].due  # a probe is due
+    source, offer = auto.offer()
+    assert (source, offer.forced) == ("draft", policy.probe_k) and offer.draft
+    policy.clock = policy.probes["draft"].due - 1  # not yet
+    assert auto.offer()[1].forced == 0
+    for row in (hot, cold, auto):
+        row.close()
+
+
 # ----------------------------------------------------------------------------- T > 0
 
 @pytest.mark.slow
