@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -91,6 +92,10 @@ class Coordinator:
         # `on_lost(message)`: a server's way to answer its requests with the error before the
         # process ends (`abandon`); None: the process ends at once.
         self.on_lost = None
+        # Rank 0: the prompt caches it has handed to mirrored generations, by id (weakly: an
+        # id whose cache rank 0 dropped is dropped by the followers at the next request).
+        self.cache_refs: dict[int, weakref.ref] = {}
+        self.next_cache_id = 1
         self._watch = threading.Thread(target=self._watchdog, name="mlxspec-watchdog",
                                        daemon=True)
         self._watch.start()
@@ -179,6 +184,32 @@ class Coordinator:
             return self.sync(data).tolist()
         except RuntimeError as e:
             raise DistributedFailure(lost(self.rank, e)) from None
+
+    def agree_min(self, value: int) -> tuple[int, int]:
+        """(min, max) of `value` over the ranks; blocking."""
+        self.tick()
+        self.collectives += 1
+        try:
+            lo, neg_hi = mx.distributed.all_min(mx.array([value, -value], mx.int32),
+                                                group=self.group).tolist()
+        except RuntimeError as e:
+            raise DistributedFailure(lost(self.rank, e)) from None
+        return lo, -neg_hi
+
+    def cache_id(self, pc) -> int:
+        """Rank 0: the id under which the followers hold their shard of prompt cache `pc`."""
+        cid = getattr(pc, "dist_id", None)
+        if cid is None:
+            cid = pc.dist_id = self.next_cache_id
+            self.next_cache_id += 1
+            self.cache_refs[cid] = weakref.ref(pc)
+        return cid
+
+    def live_cache_ids(self) -> list[int]:
+        """Rank 0: the ids of the prompt caches it still holds (the followers drop the rest)."""
+        for cid in [c for c, ref in self.cache_refs.items() if ref() is None]:
+            del self.cache_refs[cid]
+        return sorted(self.cache_refs)
 
     def bcast_obj(self, obj=None):
         """A JSON-able object from rank 0 (two collectives: length, then the bytes)."""
@@ -507,11 +538,30 @@ def _engine_class():
             if policy is not None:
                 proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
                 kwargs["policy"] = self.wrap_policy(policy, proposer)
-            if kwargs.get("prompt_cache") is not None:
-                # The server's prompt-cache store lives on rank 0 only: every rank starts
-                # from a fresh cache (prefix reuse across server requests is not mirrored).
-                kwargs["prompt_cache"] = PromptCache()
+            pc = kwargs.get("prompt_cache")
+            if pc is None:
+                pc = kwargs["prompt_cache"] = self.prompt_cache
+            proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+            self.agree_prefix(pc, self.encode(prompt), self.cache_kind(proposer))
             return Engine.stream_steps(self, prompt, **kwargs)
+
+        def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
+            """Make every rank's `pc` hold the same prefix of the prompt, the longest that
+            every rank can reuse, so that the prefill that follows runs the same forwards (and
+            collectives) everywhere: rank 0's cache is the server's, the followers' their own
+            mirror of it, and a follower may hold less (a cache it never saw, another eviction).
+            Returns the agreed length: the engine's prefill then reuses exactly that."""
+            target = tokens[:-1]  # what the prefill brings the cache to (Engine.prefill)
+            limit = len(target)
+            while True:
+                keep = pc.reuse_prefix(target[:limit], kind) if limit else 0
+                lo, hi = self.coord.agree_min(keep)
+                if lo == hi:
+                    break
+                limit = lo  # the ranks that hold more trim to the shortest and ask again
+            if keep == 0:  # nothing reused anywhere: no rank may find a prefix later either
+                pc.cache, pc.tokens, pc.checkpoint = None, [], None
+            return keep
 
     return DistributedEngine
 
@@ -534,6 +584,7 @@ _gen_ids = iter(range(1, 1 << 30))
 
 def _request(engine, prompt, kwargs) -> dict:
     """What a follower needs to run the same generation: JSON-able."""
+    coord = engine.coord
     kw = dict(kwargs)
     kw.pop("progress", None)
     policy = kw.pop("policy", None)
@@ -547,7 +598,10 @@ def _request(engine, prompt, kwargs) -> dict:
             "mode_options": engine.mode_options,
             "num_draft": engine.num_draft if engine.num_draft_set else None,
             "policy": None if policy is None else _policy_spec(policy),
-            "cache": kwargs.get("prompt_cache") is not None, "slot": engine.slot_id,
+            # The prompt cache: None for the engine's own (generate, chat), else the id of the
+            # server's cache; and the ids rank 0 still holds.
+            "cache": None if (pc := kwargs.get("prompt_cache")) is None else coord.cache_id(pc),
+            "live": coord.live_cache_ids(), "slot": engine.slot_id,
             # Rank 0's end-of-sequence set: chat, edit and the server add the chat template's
             # turn-end tokens on rank 0 only, and every rank must stop at the same token.
             "eos": sorted(getattr(engine.tokenizer, "eos_token_ids", None) or []),
@@ -651,9 +705,11 @@ class Mirrored:
 def follow(engine, on_step=None) -> None:
     """A follower rank's whole life: run rank 0's generations in step until it says stop.
     `on_step(gid, output)` sees each step's output (tests: the tokens every rank commits)."""
+    from .engine import PromptCache
     coord = engine.coord
     gens: dict[int, Iterator] = {}
     slots = {0: engine}
+    held: dict[int, object] = {}  # this rank's shard of each of rank 0's server prompt caches
     while True:
         try:
             op, gid = coord.bcast_ints(None, 2)
@@ -676,8 +732,10 @@ def follow(engine, on_step=None) -> None:
                 kwargs = dict(req["kwargs"])
                 if req["policy"] is not None:
                     kwargs["policy"] = _policy_from(req["policy"])
-                if req["cache"]:
-                    kwargs["prompt_cache"] = True  # replaced by a fresh cache in run_local
+                for cid in set(held) - set(req["live"]):
+                    del held[cid]
+                if req["cache"] is not None:
+                    kwargs["prompt_cache"] = held.setdefault(req["cache"], PromptCache())
                 gens[gid] = slot.run_local(req["prompt"], kwargs)
             elif op == STEP:
                 gen = gens.get(gid)

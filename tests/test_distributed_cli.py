@@ -96,10 +96,31 @@ def test_serve_answers_from_rank_0(tmp_path, model_dirs):
         from mlxspec import load
 
         assert got["choices"][0]["text"] == load(str(model_dirs["llama"])).tokenizer.decode(ref)
-        chat = _post(base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+        again = _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
+                                                 "temperature": 0})
+        assert again["choices"][0]["text"] == got["choices"][0]["text"]
+        # the prompt was prefilled once: every rank reused its cache for the repeat
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # a prompt sharing a short prefix: rank 0 copies it from its cache, the follower has
+        # no such copy, so they agree on reusing nothing (and the answer is still exact)
+        other = PROMPT[:12] + " x = 7 y = 8 z = 9 w = 10 q = 11 x = 7 y = 8 z = 9 w = 10"
+        third = _post(base + "/v1/completions", {"prompt": other, "max_tokens": 12,
+                                                 "temperature": 0})
+        assert third["choices"][0]["text"] == load(str(model_dirs["llama"])).generate(
+            other, max_tokens=12).text
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        turn = [{"role": "user", "content": "hello"}]
+        chat = _post(base + "/v1/chat/completions", {"messages": turn, "max_tokens": 8})
         assert chat["choices"][0]["message"]["role"] == "assistant"
         assert chat["usage"]["completion_tokens"] > 0
+        turn += [chat["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        follow_up = _post(base + "/v1/chat/completions", {"messages": turn, "max_tokens": 8})
+        assert follow_up["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        alone = load(str(model_dirs["llama"]))  # the same turn, one process, nothing cached
+        text = alone.tokenizer.apply_chat_template(turn, add_generation_prompt=True,
+                                                   tokenize=False)
+        assert follow_up["choices"][0]["message"]["content"] == alone.generate(
+            text, max_tokens=8).text
         procs[0].send_signal(signal.SIGTERM)  # a clean shutdown ends the other rank too
         (r0, _, e0), (r1, o1, e1) = wait_all(procs, timeout=30)
         assert r0 == 0 and r1 == 0, e0 + e1
