@@ -265,16 +265,20 @@ class AdaptiveK:
             est.reached[i] += 1.0
             if i < accepted:
                 est.accepted[i] += 1.0
+        # What this step lost against plain decoding, in tokens, before the outlier clip: a
+        # probe of a draft model also pays its catch-up on the tokens it skipped.
+        lost = seconds / self._plain() - (accepted + 1)
         cost = self.costs.setdefault(cost_group(source), CostEstimate())
         if cost.w:
             seconds = min(seconds, self.outlier * self.step_time(source, drafted))
         cost.add(drafted, seconds, d)
         self._memo.clear()
-        self._schedule_probe(source, was_off and accepted < drafted)
+        self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
 
-    def _schedule_probe(self, source: str, failed_probe: bool) -> None:
+    def _schedule_probe(self, source: str, failed_probe: bool, lost: float = 0.0) -> None:
         """After a step from `source`: when it is (still) off, when to try it again (twice as
-        late after a probe that was rejected; soon after one that was all accepted)."""
+        late after a probe that was rejected; soon after one that was all accepted). `lost`:
+        what the probe just made cost, in tokens (the next one is expected to cost as much)."""
         if self.choose(source) > 0:
             self.probes.pop(source, None)
             return
@@ -286,5 +290,6 @@ class AdaptiveK:
             # A probe costs its time beyond plain decoding; keep that under probe_budget.
             k = self.probe_k
             loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
+            loss = max(loss, lost)
             interval = max(interval, min(loss / self.probe_budget, 4 * self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)

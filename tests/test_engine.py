@@ -314,3 +314,25 @@ def test_overlapping_stop_strings_cut_at_the_earliest_match():
     for stops in ([b, a], [a, b]):
         out = engine.generate([5, 6, 7], max_tokens=12, stop=stops)
         assert out.text == full[: full.find(a)] and out.finish_reason == "stop"
+
+
+def test_a_lazy_draft_catches_up_at_its_first_proposal(arch):
+    """`auto`'s draft is not prefilled per prompt (most requests never probe it): its first
+    proposal feeds the whole context and drafts what an eagerly prefilled draft drafts, at
+    temperature 0 and, with the same key, at temperature 1."""
+    from mlxspec.proposers.draft import DraftModelProposer
+
+    _, _, draft = arch
+    prompt = prompts(2, seed=3)[1] + [7, 9, 11]
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0)):
+        eager, lazy = DraftModelProposer(draft), DraftModelProposer(draft, prefill_at_reset=False)
+        out = []
+        for proposer in (eager, lazy):
+            proposer.reset(prompt, sampling)
+            out.append((len(proposer.cached), proposer.propose(prompt, 4, mx.random.key(5))))
+        (eager_held, a), (lazy_held, b) = out
+        assert eager_held == len(prompt) - 1 and lazy_held == 0  # nothing fed at reset
+        assert a.tokens.tolist() == b.tokens.tolist()
+        if a.draft_probs is not None:
+            assert mx.allclose(a.draft_probs, b.draft_probs, atol=1e-5).item()
+        assert eager.cached == lazy.cached == prompt

@@ -112,6 +112,21 @@ def test_plan_is_idempotent_and_probes_a_switched_off_source():
     assert policy.probes["draft"].due - policy.clock <= policy.probe_every < due
 
 
+def test_a_probe_that_cost_more_than_modelled_spaces_the_next_one_out():
+    """A draft probe also pays its catch-up on the skipped tokens (invisible to the clipped
+    cost line): the measured loss sets the next probe's distance, within the budget."""
+    def next_gap(probe_seconds: float) -> float:
+        policy = AdaptiveK(max_k=8, probe_every=4)
+        simulate(policy, accept=0.0, plain=0.01, slope=0.005, steps=300)
+        policy.probes.pop("draft", None)
+        policy.observe("draft", 2, 0, probe_seconds)
+        return policy.probes["draft"].due - policy.clock
+
+    modelled, slow = next_gap(0.02), next_gap(0.2)  # 20 plain tokens' time: 19 lost
+    assert slow > 2 * modelled
+    assert slow == pytest.approx(min(19 / 0.005, 4 * AdaptiveK.probe_max))
+
+
 def test_plan_picks_the_better_source_within_what_is_offered():
     policy = AdaptiveK(max_k=8)
     policy.observe_plain(4, 0.04)

@@ -22,7 +22,11 @@ class AutoProposer(Proposer):
 
     def __init__(self, model, draft_model=None, min_ngram: int = 1, max_ngram: int = 4):
         self.ngram = NgramProposer(min_ngram=min_ngram, max_ngram=max_ngram)
-        self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
+        # The draft is not prefilled with each prompt: most requests may never probe it, and a
+        # prefill left lazy would be computed, with every other one chained to it, at the next
+        # probe. Its first proposal in a request catches up on the context instead.
+        self.draft = (DraftModelProposer(draft_model, prefill_at_reset=False)
+                      if draft_model is not None else None)
 
     def set_prediction(self, tokens: list[int] | None) -> None:
         self.ngram.set_prediction(tokens)

@@ -28,9 +28,13 @@ class DraftModelProposer(Proposer):
     name = "draft"
     cheap = False
 
-    def __init__(self, draft_model: nn.Module, prefill_step_size: int = 512):
+    def __init__(self, draft_model: nn.Module, prefill_step_size: int = 512,
+                 prefill_at_reset: bool = True):
         self.model = draft_model
         self.prefill_step_size = prefill_step_size
+        # True: the prompt is prefilled (and evaluated) in `reset`, as prefill time. False
+        # (auto, which may not use the draft in a request): the first `propose` catches up.
+        self.prefill_at_reset = prefill_at_reset
         self.cache = caches.make_cache(draft_model)
         self.cached: list[int] = []
         self.sampling = SamplingParams()
@@ -44,7 +48,9 @@ class DraftModelProposer(Proposer):
             self._fed_drafts, self._checkpoint = 0, None
         keep = common_prefix_len(self.cached, prompt[:-1])
         self._trim(len(self.cached) - keep)
-        self._feed(prompt[len(self.cached) : -1])  # the prompt, as the target's prefill did
+        if self.prefill_at_reset:  # the prompt, as the target's prefill did
+            self._feed(prompt[len(self.cached) : -1])
+            mx.eval([c.state for c in self.cache])
 
     def _feed(self, tokens: list[int]) -> mx.array | None:
         """Append `tokens` to the draft cache in chunks; the logits after the last one."""
