@@ -538,12 +538,19 @@ def _engine_class():
             if policy is not None:
                 proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
                 kwargs["policy"] = self.wrap_policy(policy, proposer)
+            return self._agreed_steps(prompt, mode, kwargs)
+
+        def _agreed_steps(self, prompt, mode: str, kwargs):
+            # A generator: the agreement and any error (a bad mode, a bad prompt) come at the
+            # first step, at the same point on every rank (rank 0's STEP packet, then this).
             pc = kwargs.get("prompt_cache")
             if pc is None:
                 pc = kwargs["prompt_cache"] = self.prompt_cache
-            proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
-            self.agree_prefix(pc, self.encode(prompt), self.cache_kind(proposer))
-            return Engine.stream_steps(self, prompt, **kwargs)
+            tokens = self.encode(prompt)
+            if tokens:  # an empty prompt is refused by the engine, the cache left as it is
+                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+                self.agree_prefix(pc, tokens, self.cache_kind(proposer))
+            yield from Engine.stream_steps(self, prompt, **kwargs)
 
         def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
             """Make every rank's `pc` hold the same prefix of the prompt, the longest that

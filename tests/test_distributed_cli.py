@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -96,6 +97,12 @@ def test_serve_answers_from_rank_0(tmp_path, model_dirs):
         from mlxspec import load
 
         assert got["choices"][0]["text"] == load(str(model_dirs["llama"])).tokenizer.decode(ref)
+        # a mode that cannot run sharded: refused on every rank at the same step, and the
+        # ranks stay in step (the next requests are answered)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4,
+                                             "speculative": {"mode": "quantspec"}})
+        assert refused.value.code == 400 and b"quantspec" in refused.value.read()
         again = _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 40,
                                                  "temperature": 0})
         assert again["choices"][0]["text"] == got["choices"][0]["text"]
