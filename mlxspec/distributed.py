@@ -92,6 +92,8 @@ class Coordinator:
         # `on_lost(message)`: a server's way to answer its requests with the error before the
         # process ends (`abandon`); None: the process ends at once.
         self.on_lost = None
+        self.watch_idle = False  # serve (rank 0): look for a dead rank between requests too
+        self._idle_checked = 0.0
         # Rank 0: the prompt caches it has handed to mirrored generations, by id (weakly: an
         # id whose cache rank 0 dropped is dropped by the followers at the next request).
         self.cache_refs: dict[int, weakref.ref] = {}
@@ -146,15 +148,23 @@ class Coordinator:
                 late = self._deadline is not None and now > self._deadline
                 stalled = (self._deadline is not None
                            and now > self._deadline - self.timeout + STALL_CHECK)
-            if stalled and not late and ring_peer_closed():
+                # An idle server (no collective pending) looks for a dead rank too, so that
+                # it exits now rather than at its next request; not once it is stopping (the
+                # others then exit on purpose).
+                idle = (self.watch_idle and self._deadline is None
+                        and not getattr(self, "finished", False)
+                        and now - self._idle_checked > STALL_CHECK)
+                if idle:
+                    self._idle_checked = now
+            if (stalled and not late or idle) and ring_peer_closed():
                 # The ring backend does not fail a collective whose peer died mid-way (it
                 # reports "Socket N was closed by the peer" and waits): stop now, not at the
                 # timeout.
                 self.abandon(lost(self.rank, "its socket was closed by the peer"))
             elif late:
-                self.abandon(f"rank {self.rank}: no progress for {self.timeout:.0f} s during {self._what} "
-                     "(another rank is stuck or unreachable); stopping "
-                     "(MLXSPEC_DIST_TIMEOUT sets the limit)")
+                self.abandon(f"rank {self.rank}: no progress for {self.timeout:.0f} s during "
+                             f"{self._what} (another rank is stuck or unreachable); stopping "
+                             "(MLXSPEC_DIST_TIMEOUT sets the limit)")
 
     # -- collectives
     def sync(self, x: mx.array) -> mx.array:

@@ -246,3 +246,16 @@ def test_edit_reads_and_writes_on_rank_0_only(tmp_path, model_dirs):
     assert sorted(os.listdir(dirs[0])) == ["code.py", "code.py.orig"]
     assert os.listdir(dirs[1]) == [] and o1 == ""  # rank 1 wrote and printed nothing
     assert "wrote code.py" in e0
+
+
+def test_an_idle_server_exits_when_a_follower_dies(tmp_path, model_dirs):
+    procs, base = start_server(tmp_path, model_dirs["llama"], mode="none")
+    try:
+        procs[1].kill()  # no request in flight: the server notices between requests
+        (r0, _, e0), _ = wait_all(procs, timeout=20)
+        assert r0 == 1 and "error: rank 0: lost another rank" in e0, e0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

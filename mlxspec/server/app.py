@@ -205,6 +205,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         coord = getattr(engine, "coord", None)
         if coord is not None:  # --distributed: a lost rank fails the requests, then we exit
             coord.on_lost = self.worker.fail_all
+            coord.watch_idle = True
         self.worker.start()
         threading.Thread(target=self._reap, name="mlxspec-reaper", daemon=True).start()
 
