@@ -17,9 +17,15 @@ with identical shapes. Rank 0 decides everything else and the others follow:
   server's worker) sends each request, step and close to the other ranks, which run `follow`
   instead of the command; only rank 0 reads input, prints, writes files and serves HTTP.
 
-Failures: a rank that dies closes its sockets and the ring backend raises on the others
-(`DistributedFailure`, a clear error, exit 1); a rank stuck inside a generation trips the
-watchdog (`MLXSPEC_DIST_TIMEOUT`, default 120 s without progress) and the process exits 1.
+- prompt caches: before each prefill every rank agrees (one all_min) on the prefix it keeps,
+  so the prefill runs the same forwards everywhere; the followers hold their shard of each of
+  the server's caches under an id rank 0 gives it (`Coordinator.cache_id`).
+
+Failures: a rank that dies closes its sockets and the ring backend raises on the others, or
+the watchdog finds the closed socket (`ring_peer_closed`); a command then exits 1 with a clear
+error (`DistributedFailure`), a server first answers its requests in flight with it
+(`Coordinator.abandon`, `on_lost`). A rank stuck inside a generation trips the watchdog
+(`MLXSPEC_DIST_TIMEOUT`, default 120 s without progress) and the process exits 1.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class Coordinator:
         # process ends (`abandon`); None: the process ends at once.
         self.on_lost = None
         self.watch_idle = False  # serve (rank 0): look for a dead rank between requests too
+        # A command (cli_engine): a lost rank ends the process even where the command would
+        # report an error and go on (chat). The Python API raises DistributedFailure instead.
+        self.exit_on_loss = False
         self._idle_checked = 0.0
         # Rank 0: the prompt caches it has handed to mirrored generations, by id (weakly: an
         # id whose cache rank 0 dropped is dropped by the followers at the next request).
@@ -697,12 +706,14 @@ class Mirrored:
             raise DistributedFailure(lost(self.coord.rank, e)) from None
 
     def _lost(self, message: str) -> None:
-        """A lost rank on a thread other than the main one (the server's worker): every later
-        request would fail too; end the process (`Coordinator.abandon`: a server first answers
-        the requests in flight with the error). On the main thread the caller raises it."""
+        """Another rank is lost: every later generation would fail too. A command, or the
+        server's worker thread, ends the process (`Coordinator.abandon`: a server first
+        answers the requests in flight with the error); otherwise (the Python API) the caller
+        raises DistributedFailure, and later generations fail at once."""
         self.done = True
-        if threading.current_thread() is not threading.main_thread():
+        if self.coord.exit_on_loss or threading.current_thread() is not threading.main_thread():
             self.coord.abandon(message)
+        self.coord.broken = self.coord.broken or message
 
     def close(self) -> None:
         if self.coord.broken:  # no collective after a lost rank: it could hang
@@ -948,6 +959,7 @@ def cli_engine(model, draft_model, mode, num_draft, strategy: str, quiet: bool =
                    "(start it with mlx.launch to shard the model)", err=True)
         return None
     stop_on_signals(coord, interactive)
+    coord.exit_on_loss = True
     if meter:
         coord.meter = CollectiveMeter().install()
     if coord.leader and not quiet:
