@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -255,6 +256,15 @@ class _Mailbox:
         raise MlxspecError("a batched row was read before its step ran")
 
 
+@dataclass
+class QueuedPlainStep:
+    """A plain forward queued for `rows` (None: a row that left since) before the previous
+    step's tokens were read; `tokens` (lazy) are their next tokens."""
+
+    rows: list
+    tokens: mx.array
+
+
 class BatchRow:
     """One request in a `BatchSpeculator`; iterates `StepOutput`s like `Engine.stream_steps`
     (the first `next` of a round runs one batched step for every row that is waiting)."""
@@ -364,10 +374,12 @@ class BatchRow:
 class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
-    def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False):
+    def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
+                 pipeline: bool = True):
         """`policy`: the batch's policy choosing every row's k (default a fresh
         `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
-        plans, as if alone."""
+        plans, as if alone. `pipeline`: run stretches where no row proposes pipelined, as
+        `engine.plain_decode` does for one request (see `_plain_stretch`)."""
         self.model = model
         self.policy = None if row_plans else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
@@ -377,6 +389,10 @@ class BatchSpeculator:
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
         self.plain_steps = 0  # batched forwards in which no row proposed
         self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
+        self.pipeline = pipeline
+        self.pipelined = 0  # plain steps whose forward was queued before the previous read
+        self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
+        self._delivered = 0.0  # when the last pipelined step's tokens were read back
 
     @staticmethod
     def accepts(engine: Engine, mode: str | None = None) -> bool:
@@ -437,6 +453,11 @@ class BatchSpeculator:
         if row not in self.rows:
             return
         b = self.rows.index(row)
+        q = self.queued
+        if q is not None and row in q.rows:  # its last token was fed by the queued step
+            for c in self.cache:
+                c.trim_rows([1 if r is row else 0 for r in self.rows])
+            q.rows[q.rows.index(row)] = None
         self.rows.pop(b)
         if row.draft is not None:
             batch = self.drafts[id(row.draft.model)]
@@ -453,12 +474,15 @@ class BatchSpeculator:
         else:  # state unknown after a failed step: not reused
             row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
         if not self.rows:
-            self.cache = None
+            self.cache, self.queued = None, None
 
     # -- the step
     def step(self) -> None:
         """One batched speculative step for every waiting row (a row whose previous output
         was not read yet sits this one out, its cache untouched: a zero-length row)."""
+        if self.queued is not None:
+            self._deliver_queued()
+            return
         rows = [r for r in self.rows if r.waiting]
         if not rows:
             return
@@ -475,6 +499,9 @@ class BatchSpeculator:
                 offers = [r.offer() for r in rows]
                 ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
                 plans = [(source, k) for (source, _), k in zip(offers, ks)]
+            if not any(k for _, k in plans) and self._can_pipeline(rows):
+                self._plain_stretch(rows, verify_keys, start)
+                return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
             # A row whose previous output was not read yet sits this step out: it is fed
             # padding that is trimmed again at once, its cache unchanged.
@@ -517,6 +544,112 @@ class BatchSpeculator:
                     r.shadow.observe_plain(1, seconds)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
             r.pending = res.tokens
+
+    # -- pipelined plain stretches
+    def _can_pipeline(self, rows: list[BatchRow]) -> bool:
+        """A plain step may queue the next one: every row steps, each needs at least one more
+        token after this step's, and no row's seeded sampled output must stay independent of
+        the batch (a fixed-k row at temperature > 0: whether its next step is plain would
+        depend on the other rows)."""
+        return (self.pipeline and len(rows) == len(self.rows)
+                and all(len(r.context) + 2 <= r.end for r in rows)
+                and not any(r.shadow is not None and r.proposer is not None
+                            and not r.sampling.greedy for r in rows))
+
+    def _plain_forward(self, rows: list[BatchRow], inputs: mx.array,
+                       keys: list[mx.array]) -> mx.array:
+        """One plain forward for every row (`inputs`: each row's last token, maybe lazy);
+        lazily, each row's next token, drawn as `verify_chain` draws a plain step's."""
+        logits = self.model(inputs.reshape(-1, 1), cache=self.cache)[:, -1]
+        if all(r.sampling.greedy for r in rows):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        empty = mx.array([], mx.uint32)
+        return mx.stack([verify_chain(logits[b : b + 1], empty, None, r.sampling, key)[1]
+                         .astype(mx.uint32).reshape(()) for b, (r, key) in
+                         enumerate(zip(rows, keys))])
+
+    def _queue_next(self, rows: list[BatchRow], tokens: mx.array) -> None:
+        keys = []
+        for r in rows:  # the same splits the step would make when it runs
+            r.key, _, verify_key = mx.random.split(r.key, 3)
+            keys.append(verify_key)
+        queued = self._plain_forward(rows, tokens, keys)
+        mx.async_eval(queued)
+        self.queued = QueuedPlainStep(list(rows), queued)
+
+    def _plain_stretch(self, rows: list[BatchRow], keys: list[mx.array], start: float) -> None:
+        """The first step of a plain stretch: the next step is queued (`mx.async_eval`)
+        before this one's tokens are read back, so the forward runs while the host reads,
+        detokenizes and asks the policy, as `none` runs for one request. While a step is
+        queued each row's cache also holds its last token; `_leave` trims it back."""
+        try:
+            tokens = self._plain_forward(
+                rows, mx.array([r.context[-1] for r in rows], mx.uint32), keys)
+            self._queue_next(rows, tokens)
+            host = tokens.tolist()
+        except Exception as e:
+            self._fail(e)
+            return
+        self._delivered = time.perf_counter()
+        self._commit_plain(rows, host, self._delivered - start)
+
+    def _deliver_queued(self) -> None:
+        """The queued plain step's tokens are the next output of its rows. Before reading them
+        back the step after is queued too, when the batch is unchanged and still wants no
+        proposal (asked on the contexts so far, as `plain_decode`'s `stop` is)."""
+        q, self.queued = self.queued, None
+        rows = [r for r in q.rows if r is not None]
+        try:
+            again = (len(rows) == len(q.rows) == len(self.rows) and all(r.waiting for r in rows)
+                     and self._can_pipeline(rows) and not self._wants_proposal(rows))
+            if again:
+                self._queue_next(rows, q.tokens)
+            host = q.tokens.tolist()
+        except Exception as e:
+            self._fail(e)
+            return
+        now = time.perf_counter()
+        seconds, self._delivered = now - self._delivered, now
+        keep, drop = [], []
+        for r, token in zip(q.rows, host):
+            if r is None:
+                continue
+            if r.closed or r.finished or r.error is not None or r.exhausted:
+                drop.append(r)  # not committed: the token fed by the queued step goes
+            else:
+                keep.append((r, token))
+        if drop:
+            for c in self.cache:
+                c.trim_rows([1 if r in drop else 0 for r in self.rows])
+        self.pipelined += 1
+        self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds)
+
+    def _wants_proposal(self, rows: list[BatchRow]) -> bool:
+        if self.policy is None:
+            return any(r.plan()[1] for r in rows)
+        offers = [r.offer() for r in rows]
+        return any(self.policy.decide([o for _, o in offers], rows=len(self.rows)))
+
+    def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float) -> None:
+        self.steps += 1
+        self.plain_steps += 1
+        self.rows_stepped += len(rows)
+        if self.policy is not None:
+            self.policy.observe(len(self.rows), 1, 0, 0, seconds)
+        for r, token in zip(rows, tokens):
+            r.context.append(token)
+            if r.proposer is not None:
+                r.proposer.update(r.context, 0)
+            r.policy.observe_plain(1, seconds)
+            if r.shadow is not None:
+                r.shadow.observe_plain(1, seconds)
+            r.stats.record_step("", 0, 0, 1)
+            r.pending = (r.pending or []) + [token]  # a row that has not read yet gets both
+
+    def _fail(self, e: BaseException) -> None:
+        self.queued = None
+        for r in self.rows:
+            r.error = e
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
                  keys: list[mx.array]) -> tuple[list[Proposal | None], int]:

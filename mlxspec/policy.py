@@ -99,6 +99,9 @@ class AdaptiveK:
     max_k: int = 8
     decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
     prior_accept: float = 0.5
+    # A draft model costs a forward per drafted token: it starts off (probed at once) rather
+    # than used on the prior from the first step, until its acceptance is measured.
+    group_prior_accept: dict[str, float] = field(default_factory=lambda: {"draft": 0.2})
     prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
     prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
     prior_slope: float = 0.05  # marginal cost of one more token, as a fraction of t_plain
@@ -129,7 +132,7 @@ class AdaptiveK:
         """P(accept position i | positions < i accepted). Each position is shrunk towards the
         one before it, so positions not tried yet borrow the nearest measured estimate."""
         est = self.sources.get(source)
-        probs, previous = [], self.prior_accept
+        probs, previous = [], self.group_prior_accept.get(cost_group(source), self.prior_accept)
         for i in range(self.max_k):
             reached = est.reached[i] if est and i < len(est.reached) else 0.0
             accepted = est.accepted[i] if est and i < len(est.accepted) else 0.0

@@ -225,6 +225,53 @@ def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(pair):
     assert run(REQUESTS[3:7]) == first
 
 
+def test_plain_stretches_run_pipelined_and_stay_exact(pair):
+    """Where no row proposes, the next batched forward is queued before the tokens are read
+    back. Outputs equal each request alone while rows join, finish and leave mid-stretch; the
+    cache a row gives back (leaving with a step queued) holds exactly its tokens but the last;
+    sampled rows draw the same tokens as without pipelining."""
+    target, _ = pair
+    base = make_engine(target, mode="none")
+    reqs = [(list(range(3, 40)), "none", 30, {}), ([7, 1, 9, 4], "none", 12, {}),
+            (list(range(100, 130)), "ngram", 25, {}), ([50, 60, 70], "none", 20, {}),
+            ([11, 12], "none", 16, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows, outs, pcs = [], [[] for _ in reqs], []
+
+    def opener(i):
+        def go():
+            p, m, n, kw = reqs[i]
+            pcs.append(PromptCache())
+            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, prompt_cache=pcs[-1],
+                                   **kw))
+            return i
+        return go
+
+    for i in range(3):
+        opener(i)()
+    drain(rows, outs, close_at={0: 9}, join={4: opener(3), 11: opener(4)})
+    assert outs[0] == want[0][:9]
+    assert outs[1:] == want[1:]
+    assert batch.pipelined > 10 and batch.pipelined < batch.steps
+    context = reqs[0][0] + outs[0]  # left with a step queued: trimmed back
+    assert pcs[0].tokens == context[:-1] and caches.offset(pcs[0].cache) == len(context) - 1
+    fresh = prefilled(base, context)
+    assert mx.allclose(pcs[0].cache[0].keys[..., : len(context) - 1, :],
+                       fresh[0].keys[..., : len(context) - 1, :], atol=1e-4).item()
+
+    def sampled(pipeline: bool) -> list[list[int]]:
+        b = BatchSpeculator(target, pipeline=pipeline)
+        rs = [b.open(base.clone(), p, max_tokens=n, temperature=1.0, seed=i)
+              for i, (p, _, n, _) in enumerate(reqs)]
+        got = [[] for _ in rs]
+        drain(rs, got)
+        assert (b.pipelined > 0) == pipeline
+        return got
+
+    assert sampled(True) == sampled(False)
+
+
 def test_refuses_what_it_cannot_batch():
     from families import build
 

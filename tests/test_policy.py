@@ -112,6 +112,15 @@ def test_plan_is_idempotent_and_probes_a_switched_off_source():
     assert policy.probes["draft"].due - policy.clock <= policy.probe_every < due
 
 
+def test_a_draft_model_starts_off_and_is_probed_at_once():
+    """Before anything is measured, a draft model (a forward per drafted token) is not used
+    at a guessed cost, but probed; an n-gram arm at the same prior acceptance is used."""
+    policy = AdaptiveK(max_k=8)
+    policy.observe_plain(4, 0.04)
+    assert policy.choose("draft") == 0 and policy.choose("ngram:4") > 0
+    assert policy.plan({"draft": 8}) == ("draft", policy.probe_k)
+
+
 def test_a_probe_that_cost_more_than_modelled_spaces_the_next_one_out():
     """A draft probe also pays its catch-up on the skipped tokens (invisible to the clipped
     cost line): the measured loss sets the next probe's distance, within the budget."""
