@@ -353,7 +353,11 @@ class BatchRow:
         if self.closed or self.finished:
             raise StopIteration
         if self.pending is None and not self.exhausted:
-            self.batch.step()
+            queued = self.batch.queued
+            if queued is not None and self not in queued.rows:
+                self.pending = []  # joined while a step was queued: it starts at the next one
+            else:
+                self.batch.step()
         if self.error is not None:
             raise self.error
         out = next(self.detok)

@@ -260,6 +260,20 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     assert mx.allclose(pcs[0].cache[0].keys[..., : len(context) - 1, :],
                        fresh[0].keys[..., : len(context) - 1, :], atol=1e-4).item()
 
+    # A row that joins while a step is queued, read before the others (as a server may):
+    # no tokens yet, then it joins the next step.
+    batch = BatchSpeculator(target)
+    first = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:2]]
+    got = [[] for _ in reqs[:3]]
+    for _ in range(3):
+        for i, r in enumerate(first):
+            got[i].extend(next(r).tokens)
+    assert batch.queued is not None
+    late = batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2])
+    assert next(late).tokens == []
+    drain(first + [late], got)
+    assert got == alone(base, [(p, "none", n, kw) for p, _, n, kw in reqs[:3]])
+
     def sampled(pipeline: bool) -> list[list[int]]:
         b = BatchSpeculator(target, pipeline=pipeline)
         rs = [b.open(base.clone(), p, max_tokens=n, temperature=1.0, seed=i)

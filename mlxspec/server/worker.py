@@ -393,12 +393,13 @@ class Worker(threading.Thread):
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode=r.mode)
-        if (self.batch_spec and not r.warmup and len(self.spec_jobs) >= 2
+        if (self.batch_spec and not r.warmup
                 and BatchSpeculator.accepts(job.slot, r.mode)):
             # One batched speculative step for every such job: the first job read in a round
             # runs the forward for all (batch_step.py), the others read their rows' outputs.
-            # A job that starts alone keeps the single-request loop (pipelined plain stretches
-            # included): the one-editor case is never slower than before.
+            # A job that starts alone starts the batch too (its plain stretches pipelined as
+            # the engine's): one that kept the single-request loop would cost a forward of its
+            # own every round for as long as it runs beside the batch.
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
