@@ -1,7 +1,7 @@
 """The several-Macs benchmark on one machine: two ring ranks on 127.0.0.1 (free ports), each
 pinned to its own cores with as many BLAS threads as it has cores, running
 
-    mlxspec bench --distributed --modes none,ngram --workloads edit,doc-qa --prompts 6 \\
+    mlxspec bench --distributed --modes none,ngram --workloads edit,doc-qa,predicted --prompts 6 \\
         --max-tokens 128 --collective-delay 0,0.2,0.5,1
 
 and printing rank 0's table (docs/SEVERAL_MACS.md). First it measures the collective latency
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 RANKS = 2
-FULL = ["--modes", "none,ngram", "--workloads", "edit,doc-qa", "--prompts", "6",
+FULL = ["--modes", "none,ngram", "--workloads", "edit,doc-qa,predicted", "--prompts", "6",
         "--max-tokens", "128", "--collective-delay", "0,0.2,0.5,1"]
 QUICK = ["--modes", "none,ngram", "--workloads", "edit", "--prompts", "1", "--max-tokens", "16",
          "--collective-delay", "0,1"]

@@ -160,15 +160,18 @@ def test_prompt_read_on_rank_0_and_a_signal_stops_every_rank(tmp_path, model_dir
 def test_bench_distributed_counts_collectives_and_delays_them(tmp_path, model_dirs):
     out = tmp_path / "bench"
     cmd = CLI + ["bench", "--distributed", "-m", str(model_dirs["llama"]), "--modes",
-                 "none,ngram,mlx_lm", "--workloads", "chat", "--prompts", "1", "--max-tokens",
-                 "6", "--collective-delay", "0,1", "--out", str(out)]
+                 "none,ngram,mlx_lm", "--workloads", "chat,predicted", "--prompts", "1",
+                 "--max-tokens", "6", "--collective-delay", "0,1", "--out", str(out)]
     (r0, o0, e0), (r1, o1, e1) = launch(tmp_path, cmd)
     assert r0 == 0 and r1 == 0, e0 + e1
     assert "not run sharded: mlx_lm" in e0
     report = json.loads((out / "bench_distributed.json").read_text())
-    assert report["exact"]["ngram"] == {"identical": 2, "compared": 2}  # 1 prompt, 2 delays
+    # 1 prompt per workload, 2 delays
+    assert report["exact"]["ngram"] == {"identical": 4, "compared": 4}
     rows = report["results"]
-    assert set(rows) == {"chat@0ms", "chat@1ms"}
+    assert set(rows) == {"chat@0ms", "chat@1ms", "predicted@0ms", "predicted@1ms"}
+    # the predicted output (the answer, one token changed) is copied: several tokens a forward
+    assert rows["predicted@0ms"]["modes"]["ngram"]["mean_accepted_length"] >= 1.5
     none0, none1 = rows["chat@0ms"]["modes"]["none"], rows["chat@1ms"]["modes"]["none"]
     # tensor parallel, 2 layers: 2 all-reduces per layer + rank 0's token + the step packet
     assert none0["collectives_per_token"] == pytest.approx(6.0, abs=0.5)

@@ -51,6 +51,21 @@ class MeteredRunner:
                    stats)
 
 
+PREDICTED = "predicted"  # edit prompts whose predicted output is the answer with one change
+
+
+def predicted_output(answer: list[int], vocab: int) -> list[int]:
+    """What an editor applying an edit sends as the predicted output: the text it expects
+    back, here the target's own greedy answer with one token in the middle changed (as if the
+    edit changed a word there). Prediction-driven proposals then copy it, as a model that
+    copies its input (which the bundled model cannot) would let them copy the file."""
+    changed = list(answer)
+    if changed:
+        mid = len(changed) // 2
+        changed[mid] = (changed[mid] + 1) % vocab
+    return changed
+
+
 def _nominal_tps(run: Run, delay_ms: float) -> float:
     seconds = (run.decode_seconds - run.stats["waited"]
                + delay_ms / 1000 * run.stats["collectives"])
@@ -64,7 +79,8 @@ def run_distributed(engine, modes: list[str], workloads: list[str], n_prompts: i
     mode first. Returns {"delays": [...], "results": {"W@D": {...}}, "exact": {...}}."""
     meter = engine.coord.meter
     runners = [MeteredRunner(engine, m, None if m == "auto" else num_draft) for m in modes]
-    plan = [(w, build_workload(w, n_prompts, max_tokens, seed)) for w in workloads]
+    plan = [(w, build_workload("edit" if w == PREDICTED else w, n_prompts, max_tokens, seed))
+            for w in workloads]
     for _, items in plan:  # every collective is dear here: --max-tokens caps every workload
         for item in items:
             item.max_tokens = min(item.max_tokens, max_tokens)
@@ -74,6 +90,12 @@ def run_distributed(engine, modes: list[str], workloads: list[str], n_prompts: i
     warm = engine.encode(plan[0][1][0].prompt)
     for r in runners:
         r.run(warm, 8, 0.0, seed)
+    none = next(r for r in runners if r.label == "none")
+    vocab = len(engine.tokenizer.get_vocab())
+    for w, items in plan:  # every rank computes the same answers (rank 0's tokens)
+        for i, item in enumerate(items if w == PREDICTED else []):
+            answer = none.run(engine.encode(item.prompt), item.max_tokens, 0.0, seed + i).tokens
+            item.prediction = predicted_output(answer, vocab)
     results, exact = {}, {m: {"identical": 0, "compared": 0} for m in modes if m != "none"}
     for delay in delays_ms:
         meter.delay = delay / 1000

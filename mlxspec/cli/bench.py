@@ -41,7 +41,9 @@ def report_written(written: list[Path]) -> None:
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
                    "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
-@click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True)
+@click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True,
+              help="Comma-separated workloads; with --distributed also 'predicted' (edit prompts "
+                   "whose predicted output is the answer with one token changed).")
 @click.option("--prompts", "n_prompts", type=int, default=20, show_default=True,
               callback=in_range(1), help="Prompts per workload.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, callback=in_range(1),
@@ -151,7 +153,7 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
     import json
 
     from .. import backend
-    from ..bench.distributed import markdown_table, run_distributed, speedup_table
+    from ..bench.distributed import PREDICTED, markdown_table, run_distributed, speedup_table
     from ..bench.run import machine_summary
     from ..bench.workloads import WORKLOADS
     from ..distributed import SHARDED_MODES, guarded
@@ -170,8 +172,9 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
         mode_list.insert(0, "none")
     workload_list = [w.strip() for w in workloads.split(",") if w.strip()]
     for w in workload_list:
-        if w not in WORKLOADS:
-            raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+        if w not in WORKLOADS + (PREDICTED,):
+            raise MlxspecError(f"unknown workload {w!r}; choose from "
+                               f"{', '.join(WORKLOADS + (PREDICTED,))}")
     if quick:
         n_prompts, max_tokens = min(n_prompts, 3), min(max_tokens, 32)
     model, draft_model, _ = resolve_pair(model, draft_model, "draft")
