@@ -16,7 +16,11 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
 - `spec-rr` every request speculative, one target forward each, round robin;
 - `plain`   every request plain decoding, batched by mlx-lm's BatchGenerator
             (`--spec-max-concurrency 0`): one forward per step for all active requests;
-- `hybrid`  speculative up to two active requests, batched plain decoding above;
+- `hybrid`  speculative up to two active requests, one forward each (round robin), batched
+            plain decoding above (the server's default until the batched step was measured);
+- `bspec8`  batched speculation up to 8 active requests, batched plain decoding above (a
+            request that starts alone keeps the single-request loop);
+- `bspec8-all` the same, a request that starts alone in the batch too;
 - `default` the server's defaults (whatever `mlxspec serve` does without options).
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
@@ -57,7 +61,8 @@ def _server_defaults() -> tuple[int, bool]:
 
 # name: (--spec-max-concurrency, batched speculative step)
 CONFIGS = {"spec": (1000, True), "spec-rr": (1000, False), "plain": (0, True),
-           "hybrid": (2, True), "default": _server_defaults()}
+           "hybrid": (2, False), "bspec8": (8, True), "bspec8-all": (8, True, True),
+           "default": _server_defaults()}
 
 
 def workload(n: int, max_chars: int = 1200) -> list[str]:
@@ -128,7 +133,8 @@ def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
 def run_config(srv, config: tuple[int, bool], clients: int, requests: int, prompts: list[str],
                max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
-    srv.worker.spec_max_concurrency, srv.worker.batch_spec = config
+    srv.worker.spec_max_concurrency, srv.worker.batch_spec = config[:2]
+    srv.worker.alone_in_batch = config[2] if len(config) > 2 else False
     one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []

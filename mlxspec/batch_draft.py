@@ -67,7 +67,8 @@ class BatchDraft:
             self.cache = [RaggedKVCache() for _ in proposer.cache]
         for ragged, c in zip(self.cache, proposer.cache):
             ragged.add_row(c)
-        mx.eval([c.state for c in self.cache])
+        # Started, not waited for: a queued step may still be running; the copy joins it.
+        mx.async_eval([c.state for c in self.cache])
         proposer.cache = None  # held here; given back by `leave`
         self.members.append(proposer)
 

@@ -443,7 +443,8 @@ class BatchSpeculator:
             raise MlxspecError("a row of another model cannot join this batch")
         for ragged, c in zip(self.cache, layers):
             ragged.add_row(c)
-        mx.eval([c.state for c in self.cache])
+        # Started, not waited for: a queued step may still be running; the copy joins it.
+        mx.async_eval([c.state for c in self.cache])
         row.pc.cache = None  # the batch holds it now; given back on leaving
         self.rows.append(row)
         draft = draft_proposer(row.proposer)
@@ -497,7 +498,7 @@ class BatchSpeculator:
                 r.key, propose_key, verify_key = mx.random.split(r.key, 3)
                 propose_keys.append(propose_key)
                 verify_keys.append(verify_key)
-            if self.policy is None:
+            if self.policy is None or self._alone_adaptive():
                 plans = [r.plan() for r in rows]
             else:
                 offers = [r.offer() for r in rows]
@@ -628,8 +629,13 @@ class BatchSpeculator:
         self.pipelined += 1
         self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds)
 
+    def _alone_adaptive(self) -> bool:
+        """One adaptive row: planned as alone, by its own policy (measured on its own steps;
+        the batch's cost model, fitted on wider batches, misjudges a draft model there)."""
+        return len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)
+
     def _wants_proposal(self, rows: list[BatchRow]) -> bool:
-        if self.policy is None:
+        if self.policy is None or self._alone_adaptive():
             return any(r.plan()[1] for r in rows)
         offers = [r.offer() for r in rows]
         return any(self.policy.decide([o for _, o in offers], rows=len(self.rows)))

@@ -442,6 +442,44 @@ def test_eight_concurrent_clients(server, client, ref):
     assert r.usage.prompt_tokens_details.cached_tokens >= len(ref["enc"](CONCURRENT[i]))
 
 
+def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, ref):
+    """With the defaults, concurrent greedy requests share the batched speculative step
+    (`usage.speculative.batched_speculative`) and answer what `generate` does; a sampled
+    request with a seed keeps the single-request loop and draws what it would alone; a
+    request that starts alone keeps it too."""
+    from server_helpers import post, start, stop
+
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    srv = start(engine)
+    try:
+        status, payload, _ = post(srv.url, "/v1/completions",
+                                  {"prompt": CONCURRENT[0], "max_tokens": 12, "temperature": 0})
+        alone = json.loads(payload)
+        assert status == 200 and not alone["usage"]["speculative"]["batched_speculative"]
+        seeded = {"prompt": CONCURRENT[1], "max_tokens": 12, "temperature": 1.0, "seed": 5}
+        want_seeded = json.loads(post(srv.url, "/v1/completions", seeded)[1])
+        out = [None] * (len(CONCURRENT) + 1)
+
+        def run(i):
+            body = seeded if i == len(CONCURRENT) else {
+                "prompt": CONCURRENT[i], "max_tokens": 12, "temperature": 0}
+            out[i] = json.loads(post(srv.url, "/v1/completions", body)[1])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(out))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        for r, want in zip(out, ref["concurrent"]):
+            assert r["choices"][0]["text"] == want.text
+        flags = [r["usage"]["speculative"]["batched_speculative"] for r in out[:-1]]
+        assert sum(flags) >= 2
+        assert out[-1]["choices"][0]["text"] == want_seeded["choices"][0]["text"]
+        assert not out[-1]["usage"]["speculative"]["batched_speculative"]
+    finally:
+        stop(srv)
+
+
 def test_disconnect_mid_stream_frees_the_worker(server, client, ref):
     assert ref["long"] is not None, "the fixture must provide a prompt with a long answer"
     cancels = server.metrics.cancels

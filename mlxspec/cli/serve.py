@@ -37,9 +37,10 @@ def parse_size(text: str) -> int:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Loopback by default; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--spec-max-concurrency", type=int, default=2, show_default=True,
-              help="Speculate while at most this many requests are active; above it, new "
-                   "requests run in a batch of plain decoding.")
+@click.option("--spec-max-concurrency", type=int, default=8, show_default=True,
+              help="At most this many requests speculate at once (verified together in one "
+                   "batched forward where the model allows); above it, new requests run in a "
+                   "batch of plain decoding. 0: never speculate.")
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Most requests decoded together in the plain-decoding batch.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
@@ -96,17 +97,18 @@ def parse_size(text: str) -> int:
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True,
               help="On SIGTERM or Ctrl-C, seconds running requests may take to finish before "
                    "they are ended (finish_reason \"shutdown\"); a second Ctrl-C ends them now.")
-@click.option("--batch-spec", is_flag=True,
-              help="Experimental: step concurrent speculative requests (plain-attention models) "
-                   "in one batched forward. Exact; its speed was not established on a CPU, and "
-                   "a seeded sampled request may draw differently than when run alone.")
+@click.option("--batch-spec/--no-batch-spec", default=True, show_default=True,
+              help="Verify concurrent speculative requests (plain-attention models) in one "
+                   "batched forward, each row choosing its own k; --no-batch-spec: one forward "
+                   "per request, round robin. Exact either way; a seeded sampled request may "
+                   "draw differently in the batch than alone.")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
-          write_timeout, request_timeout, shutdown_grace, batch_spec=False, distributed=None):
+          write_timeout, request_timeout, shutdown_grace, batch_spec=True, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server

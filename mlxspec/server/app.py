@@ -147,7 +147,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024  # the listen backlog (the standard library's is 5)
 
-    def __init__(self, address, engine: Engine, *, spec_max_concurrency: int = 2,
+    def __init__(self, address, engine: Engine, *, spec_max_concurrency: int = 8,
                  max_batch: int = 8, max_queue: int = 64, cache_bytes: int = 2 << 30,
                  cache_entries: int = 8, prefill_chunk: int = 512,
                  max_body_bytes: int = 16 << 20,
@@ -158,7 +158,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  log_prompts: bool = False, max_connections: int = 512,
                  read_timeout: float = 30.0, write_timeout: float = 30.0,
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
-                 batch_spec: bool = False):
+                 batch_spec: bool = True):
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6

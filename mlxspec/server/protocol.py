@@ -636,7 +636,8 @@ class Usage:
     prediction_rejected: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    batched: bool = False
+    batched: bool = False  # served by the batch of plain decoding (mlx-lm's BatchGenerator)
+    batched_speculative: bool = False  # verified in the batched speculative step
     context_tokens: int = 0  # tokens in the request's KV cache at the end (llama.cpp's tokens_cached)
 
     def openai(self) -> dict:
@@ -661,6 +662,7 @@ class Usage:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "target_forwards": self.target_forwards,
             "batched": self.batched,
+            "batched_speculative": self.batched_speculative,
         }
 
     def timings(self) -> dict:

@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import caches
-from ..batch_step import BatchSpeculator
+from ..batch_step import BatchRow, BatchSpeculator
 from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
@@ -195,10 +195,10 @@ class TextStream:
 
 
 class Worker(threading.Thread):
-    def __init__(self, engine: Engine, *, spec_max_concurrency: int = 2, max_batch: int = 8,
+    def __init__(self, engine: Engine, *, spec_max_concurrency: int = 8, max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
-                 batch_spec: bool = False):  # opt-in: see docs/HOW_IT_WORKS.md
+                 batch_spec: bool = True):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         self.spec_max_concurrency = spec_max_concurrency
@@ -222,6 +222,7 @@ class Worker(threading.Thread):
         # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
         # trees, QuantSpec) keep one forward each, round robin.
         self.batch_spec = batch_spec
+        self.alone_in_batch = False  # a job that starts alone joins the batch too (bench)
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
@@ -393,13 +394,18 @@ class Worker(threading.Thread):
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode=r.mode)
-        if (self.batch_spec and not r.warmup
+        alone = (not self.alone_in_batch and len(self.spec_jobs) == 1
+                 and (self.spec_batch is None or not self.spec_batch.rows))
+        # A sampled request with a seed draws what it would alone (the promise of a seed, and
+        # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...): the batch draws differently.
+        seeded = r.seed is not None and r.temperature > 0
+        if (self.batch_spec and not r.warmup and not alone and not seeded
                 and BatchSpeculator.accepts(job.slot, r.mode)):
             # One batched speculative step for every such job: the first job read in a round
             # runs the forward for all (batch_step.py), the others read their rows' outputs.
-            # A job that starts alone starts the batch too (its plain stretches pipelined as
-            # the engine's): one that kept the single-request loop would cost a forward of its
-            # own every round for as long as it runs beside the batch.
+            # A job that starts alone keeps the single-request loop, the fastest for one
+            # editor; jobs that start beside others join the batch (while that first one
+            # runs, a round costs its forward and the batch's).
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
@@ -506,9 +512,11 @@ class Worker(threading.Thread):
 
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
                        drop_output: bool = False, stop_string: str = "") -> None:
+        in_batch = isinstance(job.gen, BatchRow)
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
+        usage.batched_speculative = in_batch
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
