@@ -18,14 +18,14 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
             (`--spec-max-concurrency 0`): one forward per step for all active requests;
 - `hybrid`  speculative up to two active requests, one forward each (round robin), batched
             plain decoding above (the server's default until the batched step was measured);
-- `bspec8`  batched speculation up to 8 active requests, batched plain decoding above (a
-            request that starts alone keeps the single-request loop);
-- `bspec8-all` the same, a request that starts alone in the batch too;
+- `bspec8`  batched speculation up to 8 active requests, batched plain decoding above;
+- `bspec8-loop` the same, but a request that starts alone keeps the single-request loop;
 - `default` the server's defaults (whatever `mlxspec serve` does without options).
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
 by its first lines again, so the answer continues text found in the prompt) and `free`
-(`mlxspec bench`'s free-text starts, sampled at temperature 1, seeded per request).
+(`mlxspec bench`'s free-text starts, sampled at temperature 1, unseeded: a seeded sampled
+request keeps the single-request loop).
 Prints, per workload and mode, a Markdown table of tok/s and mean latency per configuration
 and each one's ratio to `plain` (tok/s up, latency down: > 1 means it beats plain batching);
 JSON with --json.
@@ -61,7 +61,7 @@ def _server_defaults() -> tuple[int, bool]:
 
 # name: (--spec-max-concurrency, batched speculative step)
 CONFIGS = {"spec": (1000, True), "spec-rr": (1000, False), "plain": (0, True),
-           "hybrid": (2, False), "bspec8": (8, True), "bspec8-all": (8, True, True),
+           "hybrid": (2, False), "bspec8-loop": (8, True, False), "bspec8": (8, True, True),
            "default": _server_defaults()}
 
 
@@ -112,10 +112,11 @@ def random_model_dir() -> Path:
 
 
 def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
-                temperature: float = 0.0, seed: int = 0) -> tuple[float, dict]:
+                temperature: float = 0.0, seed: int | None = None) -> tuple[float, dict]:
     host, port = url.removeprefix("http://").split(":")
-    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-               "seed": seed}
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    if seed is not None:  # a seeded sampled request keeps the single-request loop (SERVER.md)
+        request["seed"] = seed
     if mode:
         request["speculative"] = {"mode": mode}
     body = json.dumps(request)
@@ -134,7 +135,7 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
                max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
     srv.worker.spec_max_concurrency, srv.worker.batch_spec = config[:2]
-    srv.worker.alone_in_batch = config[2] if len(config) > 2 else False
+    srv.worker.alone_in_batch = config[2] if len(config) > 2 else True
     one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []
@@ -145,7 +146,7 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
             i = c * requests + r
             try:
                 t, u = one_request(srv.url, prompts[i % len(prompts)], max_tokens, mode,
-                                   temperature, seed=i)
+                                   temperature)
             except Exception as e:  # reported, not hidden
                 with lock:
                     errors.append(str(e))

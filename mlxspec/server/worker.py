@@ -222,7 +222,10 @@ class Worker(threading.Thread):
         # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
         # trees, QuantSpec) keep one forward each, round robin.
         self.batch_spec = batch_spec
-        self.alone_in_batch = False  # a job that starts alone joins the batch too (bench)
+        # A job that starts alone joins the batch too: one that kept the single-request loop
+        # would cost a forward of its own every round beside the batch for as long as it runs
+        # (measured: 0.6x of all-in-the-batch at 2-8 clients on free text, PERFORMANCE.md).
+        self.alone_in_batch = True
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
@@ -397,15 +400,16 @@ class Worker(threading.Thread):
         alone = (not self.alone_in_batch and len(self.spec_jobs) == 1
                  and (self.spec_batch is None or not self.spec_batch.rows))
         # A sampled request with a seed draws what it would alone (the promise of a seed, and
-        # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...): the batch draws differently.
-        seeded = r.seed is not None and r.temperature > 0
+        # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
+        # keeps the single-request loop while at most one other request does (beyond that,
+        # as the plain batch always did, the draw is exact but not the one alone).
+        loops = sum(1 for j in self.spec_jobs
+                    if j is not job and not isinstance(j.gen, BatchRow))
+        seeded = r.seed is not None and r.temperature > 0 and loops < 2
         if (self.batch_spec and not r.warmup and not alone and not seeded
                 and BatchSpeculator.accepts(job.slot, r.mode)):
             # One batched speculative step for every such job: the first job read in a round
             # runs the forward for all (batch_step.py), the others read their rows' outputs.
-            # A job that starts alone keeps the single-request loop, the fastest for one
-            # editor; jobs that start beside others join the batch (while that first one
-            # runs, a round costs its forward and the batch's).
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
