@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,16 +35,6 @@ FULL = ["--modes", "none,ngram", "--workloads", "edit,doc-qa,predicted", "--prom
         "--max-tokens", "128", "--collective-delay", "0,0.2,0.5,1"]
 QUICK = ["--modes", "none,ngram", "--workloads", "edit", "--prompts", "1", "--max-tokens", "16",
          "--collective-delay", "0,1"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def core_sets(ranks: int, pin: bool) -> list[set[int] | None]:
@@ -62,8 +51,9 @@ def launch(argv: list[str], pin: bool, timeout: float, show_rank0: bool) -> list
     """Run `argv` as every rank (rank 0's output passes through when `show_rank0`, the others'
     is shown only on failure); kill them all on a timeout. Returns the exit codes."""
     with tempfile.TemporaryDirectory() as tmp:
-        hostfile = Path(tmp) / "hosts.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(RANKS)]))
+        from mlxspec.distributed import loopback_hostfile
+
+        hostfile = loopback_hostfile(Path(tmp) / "hosts.json", RANKS)
         procs, logs = [], []
         for rank, cores in enumerate(core_sets(RANKS, pin)):
             threads = str(len(cores)) if cores else "1"

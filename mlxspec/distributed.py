@@ -63,6 +63,22 @@ class DistributedFailure(MlxspecError):
 # ----------------------------------------------------------------------------- the group
 
 
+def loopback_hostfile(path, ranks: int):
+    """Write a ring hostfile for `ranks` processes on this machine (free loopback ports), as
+    the tests and bench/bench_distributed.py start them; returns `path`."""
+    import socket
+    from pathlib import Path
+
+    socks = [socket.socket() for _ in range(ranks)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    Path(path).write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
+
+
 def launched() -> bool:
     """Whether this process was started as one rank of several (by mlx.launch or by hand)."""
     return any(os.environ.get(v) for v in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "MLX_HOSTFILE",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 
 from mlxspec.server.app import make_server
@@ -37,3 +38,10 @@ def start(engine, **options):
 def stop(srv) -> None:
     srv.shutdown()
     srv.server_close()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

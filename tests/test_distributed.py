@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO
+
+from mlxspec.distributed import loopback_hostfile
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +21,9 @@ PROMPT = "def main(): return 1 + 2 def main(): return 1 + 2 def main(): return"
 TIMEOUT = 60
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def launch(tmp_path, argv: list[str], env_extra: dict | None = None, timeout: int = TIMEOUT):
     """Start two ranks of `argv` (a command list) and wait for both: [(rc, stdout, stderr)]."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
@@ -51,11 +41,15 @@ def wait_all(procs, timeout: int = TIMEOUT) -> list[tuple[int, str, str]]:
             o, e = p.communicate(timeout=timeout)
             out.append((p.returncode, o, e))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     return out
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def rank_script(model, draft, strategy, temp, modes, max_tokens=40):

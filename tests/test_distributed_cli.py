@@ -14,15 +14,18 @@ import urllib.request
 
 import pytest
 from conftest import REPO
+from server_helpers import free_port
 from test_distributed import (
     PROMPT,
     TIMEOUT,
-    free_ports,
+    kill_all,
     launch,
     rank_script,
     reference,
     wait_all,
 )
+
+from mlxspec.distributed import loopback_hostfile
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +35,7 @@ CLI = [sys.executable, "-m", "mlxspec.cli.main"]
 def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None, cwds=None):
     """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
     is empty: only rank 0 may read it. `cwds`: each rank's working directory."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
@@ -68,7 +70,7 @@ def _post(url, body):
 
 def start_server(tmp_path, model_dir, mode="ngram"):
     """Two ranks of `serve --distributed`, rank 0 answering /health: (procs, base url)."""
-    (port,) = free_ports(1)
+    port = free_port()
     cmd = CLI + ["serve", "--distributed", "-m", str(model_dir), "--mode", mode,
                  "--port", str(port), "--temp", "0"]
     procs = start(tmp_path, cmd)
@@ -80,9 +82,7 @@ def start_server(tmp_path, model_dir, mode="ngram"):
             return procs, base
         except OSError:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                kill_all(procs)
                 raise AssertionError(procs[0].stderr.read() if procs[0].poll() is not None
                                      else "no answer") from None
             time.sleep(0.3)
@@ -133,10 +133,7 @@ def test_serve_answers_from_rank_0(tmp_path, model_dirs):
         assert r0 == 0 and r1 == 0, e0 + e1
         assert o1 == ""
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
 
 def test_prompt_read_on_rank_0_and_a_signal_stops_every_rank(tmp_path, model_dirs):
@@ -221,10 +218,7 @@ def test_a_killed_follower_fails_the_request_and_ends_serve(tmp_path, model_dirs
         (r0, _, e0), _ = wait_all(procs, timeout=30)
         assert r0 == 1 and "error: rank 0: lost another rank" in e0, e0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
 
 
 def test_edit_reads_and_writes_on_rank_0_only(tmp_path, model_dirs):
@@ -258,7 +252,4 @@ def test_an_idle_server_exits_when_a_follower_dies(tmp_path, model_dirs):
         (r0, _, e0), _ = wait_all(procs, timeout=20)
         assert r0 == 1 and "error: rank 0: lost another rank" in e0, e0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)

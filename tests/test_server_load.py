@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from server_helpers import post, sse_events, start, stop
+from server_helpers import free_port, post, sse_events, start, stop
 
 import mlxspec
 from mlxspec.stopstrings import StopMatcher, find_stop
@@ -333,12 +333,6 @@ def test_drain_waits_for_a_running_request(engine, ref):
     status, payload, _ = out["r"]
     assert status == 200 and json.loads(payload)["choices"][0]["text"] == ref["short"][PROMPTS[2]]
     srv.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
