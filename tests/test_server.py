@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from server_helpers import post, sse_events  # noqa: E402
+from server_helpers import free_port, post, sse_events  # noqa: E402
 
 import mlxspec  # noqa: E402
 from mlxspec.server.app import make_server  # noqa: E402
@@ -625,12 +625,6 @@ def test_model_without_fim_tokens_and_api_key(llama_pair):
     finally:
         srv.shutdown()
         srv.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
