@@ -99,6 +99,7 @@ class RowOffer:
     survive: list[float]  # s_i = P(positions 1..i all accepted), i = 1..cap
     draft: bool = False  # drafted by the draft model (shares the batch's draft forwards)
     forced: int = 0  # propose at least this many (a probe, a pinned k), capped by cap
+    probe: bool = False  # forced because the row's own policy probes a switched-off arm
 
     @property
     def cap(self) -> int:

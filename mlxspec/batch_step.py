@@ -337,7 +337,7 @@ class BatchRow:
         source, k = policy.plan(available)
         if k and policy.choose(source, available[source]) == 0:  # a probe
             return source, RowOffer(survival(policy.accept_probs(source), k),
-                                    source == "draft", forced=k)
+                                    source == "draft", forced=k, probe=True)
         if not k:
             offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
             if not offered:
@@ -394,6 +394,8 @@ class BatchSpeculator:
         self.plain_steps = 0  # batched forwards in which no row proposed
         self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
         self.pipeline = pipeline
+        self.probe_gap = 64  # batched steps between two steps forced by a row's probe
+        self._last_probe = -self.probe_gap
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
@@ -501,7 +503,7 @@ class BatchSpeculator:
             if self.policy is None or self._alone_adaptive():
                 plans = [r.plan() for r in rows]
             else:
-                offers = [r.offer() for r in rows]
+                offers = self._limit_probes([r.offer() for r in rows])
                 ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
                 plans = [(source, k) for (source, _), k in zip(offers, ks)]
             if not any(k for _, k in plans) and self._can_pipeline(rows):
@@ -600,15 +602,23 @@ class BatchSpeculator:
 
     def _deliver_queued(self) -> None:
         """The queued plain step's tokens are the next output of its rows. Before reading them
-        back the step after is queued too, when the batch is unchanged and still wants no
-        proposal (asked on the contexts so far, as `plain_decode`'s `stop` is)."""
+        back the step after is queued too, when every row is waiting and the batch still wants
+        no proposal (asked on the contexts so far, as `plain_decode`'s `stop` is), rows that
+        joined meanwhile included (fed their last token) and rows that left gone: a stretch
+        survives requests coming and going."""
         q, self.queued = self.queued, None
-        rows = [r for r in q.rows if r is not None]
+        rows = list(self.rows)
         try:
-            again = (len(rows) == len(q.rows) == len(self.rows) and all(r.waiting for r in rows)
-                     and self._can_pipeline(rows) and not self._wants_proposal(rows))
+            again = (all(r.waiting for r in rows) and self._can_pipeline(rows)
+                     and not self._wants_proposal(rows))
             if again:
-                self._queue_next(rows, q.tokens)
+                if rows == q.rows:
+                    inputs = q.tokens
+                else:
+                    at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
+                    inputs = mx.stack([q.tokens[at[id(r)]] if id(r) in at
+                                       else mx.array(r.context[-1], mx.uint32) for r in rows])
+                self._queue_next(rows, inputs)
             host = q.tokens.tolist()
         except Exception as e:
             self._fail(e)
@@ -629,6 +639,21 @@ class BatchSpeculator:
         self.pipelined += 1
         self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds)
 
+    def _limit_probes(self, offers: list[tuple[str, RowOffer]],
+                      commit: bool = True) -> list[tuple[str, RowOffer]]:
+        """A forced probe makes the whole batch take a synced, wider step, and every row has
+        its own probe schedule: at most one forced step every `probe_gap` steps for the
+        batch (a row's probe not forced now stays due, and the batch may still take it
+        where it pays)."""
+        if not any(o.probe for _, o in offers):
+            return offers
+        if self.steps - self._last_probe >= self.probe_gap:
+            if commit:
+                self._last_probe = self.steps
+            return offers
+        return [(source, RowOffer(o.survive, o.draft) if o.probe else o)
+                for source, o in offers]
+
     def _alone_adaptive(self) -> bool:
         """One adaptive row: planned as alone, by its own policy (measured on its own steps;
         the batch's cost model, fitted on wider batches, misjudges a draft model there)."""
@@ -637,7 +662,7 @@ class BatchSpeculator:
     def _wants_proposal(self, rows: list[BatchRow]) -> bool:
         if self.policy is None or self._alone_adaptive():
             return any(r.plan()[1] for r in rows)
-        offers = [r.offer() for r in rows]
+        offers = self._limit_probes([r.offer() for r in rows], commit=False)
         return any(self.policy.decide([o for _, o in offers], rows=len(self.rows)))
 
     def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float) -> None:
