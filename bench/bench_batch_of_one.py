@@ -1,9 +1,9 @@
-"""A request alone: the batched speculative step with one row against the engine's own loop
+"""A request alone: `BatchSpeculator` with one row against the engine's own loop
 (`Engine.stream_steps`), paired and interleaved, `auto`, on the bundled pair; prints the median
-of per-prompt tok/s ratios (prefill included). Why `mlxspec serve` keeps a request that starts
-alone on the single-request loop (docs/HOW_IT_WORKS.md).
+of per-prompt tok/s ratios (prefill included). `--no-solo`: the lone row in batched steps, as
+before a lone row ran the engine's loop inside the batch (docs/HOW_IT_WORKS.md).
 
-    python bench/bench_batch_of_one.py
+    python bench/bench_batch_of_one.py [--no-solo]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     for name, temp, texts in (("grounded", 0.0, workload(8)), ("free", 1.0, free_workload(8))):
         prompts = [engine.encode(p) for p in texts]
         loop_slot, batch_slot = engine.clone(), engine.clone()
-        batch = BatchSpeculator(engine.model)
+        batch = BatchSpeculator(engine.model, solo="--no-solo" not in sys.argv)
         ratios = []
         for rnd in range(4):  # the first round warms both up and is not counted
             for i, p in enumerate(prompts):

@@ -18,9 +18,9 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
             (`--spec-max-concurrency 0`): one forward per step for all active requests;
 - `hybrid`  speculative up to two active requests, one forward each (round robin), batched
             plain decoding above (the server's default until the batched step was measured);
-- `bspec8-loop` batched speculation up to 8 active requests, batched plain decoding above;
-            a request that starts alone keeps the single-request loop (the server's default);
-- `bspec8-all` the same, a request that starts alone starting the batch too;
+- `bspec8-all` batched speculation up to 8 active requests, batched plain decoding above
+            (a request alone in the batch runs the engine's loop; the server's default);
+- `bspec8-loop` the same, but a request that starts alone stays outside the batch;
 - `default` the server's defaults (whatever `mlxspec serve` does without options).
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
@@ -136,7 +136,7 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
                max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
     srv.worker.spec_max_concurrency, srv.worker.batch_spec = config[:2]
-    srv.worker.alone_in_batch = config[2] if len(config) > 2 else False
+    srv.worker.alone_in_batch = config[2] if len(config) > 2 else True
     one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []

@@ -36,7 +36,14 @@ from mlx_lm.models.cache import KVCache
 from . import caches
 from .batch_draft import BatchDraft, draft_proposer
 from .batch_policy import BatchPolicy, RowOffer, survival
-from .engine import MAX_NUM_DRAFT, Engine, PromptCache, StepOutput
+from .engine import (
+    MAX_NUM_DRAFT,
+    Engine,
+    PromptCache,
+    StepOutput,
+    plain_decode,
+    speculative_decode,
+)
 from .errors import MlxspecError
 from .policy import AdaptiveK
 from .proposers.base import Proposal
@@ -280,6 +287,7 @@ class BatchRow:
         self.shadow = None if isinstance(policy, AdaptiveK) else AdaptiveK(
             max_k=max(policy.max_k, 1), dither=False)
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
+        self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -379,7 +387,7 @@ class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
     def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
-                 pipeline: bool = True):
+                 pipeline: bool = True, solo: bool = True):
         """`policy`: the batch's policy choosing every row's k (default a fresh
         `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
         plans, as if alone. `pipeline`: run stretches where no row proposes pipelined, as
@@ -394,6 +402,7 @@ class BatchSpeculator:
         self.plain_steps = 0  # batched forwards in which no row proposed
         self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
         self.pipeline = pipeline
+        self.solo = solo  # a row alone runs the engine's own loop (see `_join`)
         self.probe_gap = 64  # batched steps between two steps forced by a row's probe
         self._last_probe = -self.probe_gap
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
@@ -438,6 +447,37 @@ class BatchSpeculator:
 
     # -- membership
     def _join(self, row: BatchRow) -> None:
+        if not self.rows and self.solo and (row.sampling.greedy
+                                            or isinstance(row.policy, AdaptiveK)):
+            # Alone, a row runs the engine's own loop (`speculative_decode`, `plain_decode`),
+            # the fastest for one request (batched steps with one row: 0.93x; this: 0.99x,
+            # `bench/bench_batch_of_one.py [--no-solo]`), on its own cache, until another
+            # row joins. Not a fixed-k row at temperature > 0:
+            # its seeded draws must not depend on whether another row comes.
+            n = row.end - len(row.context)
+            row.solo = (plain_decode(self.model, row.pc.cache, row.context, row.sampling, n,
+                                     row.key, row.stats) if row.proposer is None else
+                        speculative_decode(self.model, row.pc.cache, row.context, row.proposer,
+                                           row.policy, row.sampling, n, row.key, row.stats,
+                                           num_draft=row.num_draft))
+            self.rows.append(row)
+            return
+        self._end_solo()
+        self._admit(row)
+        self.rows.append(row)
+
+    def _end_solo(self) -> None:
+        """The lone row's loop ends at its step boundary (its `finally` leaves the cache
+        holding every committed token but the last) and the row moves into the batch."""
+        for r in self.rows:
+            if r.solo is not None:
+                r.solo.close()
+                r.solo = None
+                r.key = mx.random.split(r.key, 4)[3]  # a stream the loop never drew from
+                self._admit(r)
+
+    def _admit(self, row: BatchRow) -> None:
+        """Move a row's single-request cache (and its draft's) into the batch's."""
         layers = row.pc.cache
         if self.cache is None:
             self.cache = [RaggedKVCache() for _ in layers]
@@ -448,7 +488,6 @@ class BatchSpeculator:
         # Started, not waited for: a queued step may still be running; the copy joins it.
         mx.async_eval([c.state for c in self.cache])
         row.pc.cache = None  # the batch holds it now; given back on leaving
-        self.rows.append(row)
         draft = draft_proposer(row.proposer)
         if draft is not None and BatchDraft.joins(draft) and not any(
                 r.draft is draft for r in self.rows):
@@ -458,6 +497,15 @@ class BatchSpeculator:
 
     def _leave(self, row: BatchRow) -> None:
         if row not in self.rows:
+            return
+        if row.solo is not None:  # its loop's `finally` restores the cache invariant
+            row.solo.close()
+            row.solo = None
+            self.rows.remove(row)
+            if row.error is None:
+                row.pc.kind, row.pc.tokens, row.pc.checkpoint = "kv", row.context[:-1], None
+            else:
+                row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
             return
         b = self.rows.index(row)
         q = self.queued
@@ -489,6 +537,15 @@ class BatchSpeculator:
         was not read yet sits this one out, its cache untouched: a zero-length row)."""
         if self.queued is not None:
             self._deliver_queued()
+            return
+        if len(self.rows) == 1 and self.rows[0].solo is not None:
+            r = self.rows[0]
+            if r.waiting:
+                try:
+                    r.pending = next(r.solo)
+                except Exception as e:
+                    r.solo = None
+                    self._fail(e)
             return
         rows = [r for r in self.rows if r.waiting]
         if not rows:

@@ -160,25 +160,49 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
 
 
 def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
-    """One row behaves as the engine does; closing it gives its cache back holding all but
-    the last token, and the next request reuses it as a prompt-cache prefix."""
+    """One row runs the engine's own loop (the same steps: the same forwards); closing it
+    gives its cache back holding all but the last token, and the next request reuses it as
+    a prompt-cache prefix."""
     target, _ = pair
     base = make_engine(target, mode="ngram")
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
-    want = base.clone().generate(prompt, max_tokens=20).tokens
+    alone = base.clone().generate(prompt, max_tokens=20)
+    want = alone.tokens
     batch = BatchSpeculator(target)
     engine = base.clone()
     pc = PromptCache()
     row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
-    assert pc.cache is None  # held by the batch
+    assert row.solo is not None and batch.cache is None  # its own loop, on its own cache
     outs = [[]]
     drain([row], outs)
     assert outs[0] == want
+    assert row.stats.target_forwards == alone.stats.target_forwards
     assert pc.tokens == (prompt + want)[:-1] and caches.offset(pc.cache) == len(pc.tokens)
     follow = prompt + want + [7, 8]
     again = engine.generate(follow, max_tokens=10, prompt_cache=pc)
     assert again.stats.cached_tokens == len(prompt) + len(want) - 1
     assert again.tokens == base.clone().generate(follow, max_tokens=10).tokens
+
+
+def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
+    """A row runs alone (the engine's loop) for a few steps, then another joins: both
+    continue in the batch, each output equal to the request alone, and the first row's cache
+    moved in holding exactly its tokens but the last."""
+    target, _ = pair
+    base = make_engine(target, mode="auto")
+    reqs = [(list(range(3, 40)), "auto", 30, {}), ([1, 2, 3, 4, 5, 6] * 3, "ngram", 20, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows = [batch.open(base.clone(), reqs[0][0], max_tokens=30, mode="auto")]
+    outs = [[], []]
+    for _ in range(5):
+        outs[0].extend(next(rows[0]).tokens)
+    assert rows[0].solo is not None
+    rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
+    assert rows[0].solo is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
+    drain(rows, outs)
+    assert outs == want
+    assert batch.steps > 0
 
 
 def test_one_token_prompts_have_nothing_cached(pair):

@@ -222,11 +222,10 @@ class Worker(threading.Thread):
         # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
         # trees, QuantSpec) keep one forward each, round robin.
         self.batch_spec = batch_spec
-        # A job that starts alone keeps the single-request loop, the fastest for one editor
-        # (measured: a batch of one is ~7 % slower); a job that starts beside another joins
-        # the batch. True: alone ones start the batch too (better from 2 clients on, when
-        # requests overlap often: PERFORMANCE.md).
-        self.alone_in_batch = False
+        # A job that starts alone starts the batch too: alone there it runs the engine's own
+        # loop (`BatchSpeculator`'s solo row) and moves into the batch when another joins;
+        # kept outside, it would cost a forward of its own beside the batch every round.
+        self.alone_in_batch = True
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
