@@ -260,7 +260,8 @@ class _Mailbox:
             return tokens
         if row.exhausted:
             raise StopIteration
-        raise MlxspecError("a batched row was read before its step ran")
+        # a bug, not a bad request: the server answers 500, not 400
+        raise RuntimeError("a batched row was read before its step ran")
 
 
 @dataclass
