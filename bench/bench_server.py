@@ -18,9 +18,7 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
             (`--spec-max-concurrency 0`): one forward per step for all active requests;
 - `hybrid`  speculative up to two active requests, one forward each (round robin), batched
             plain decoding above (the server's default until the batched step was measured);
-- `bspec8-all` batched speculation up to 8 active requests, batched plain decoding above
-            (a request alone in the batch runs the engine's loop; the server's default);
-- `bspec8-loop` the same, but a request that starts alone stays outside the batch;
+- `bspec8`  batched speculation up to 8 active requests, batched plain decoding above;
 - `default` the server's defaults (whatever `mlxspec serve` does without options).
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
@@ -62,8 +60,7 @@ def _server_defaults() -> tuple[int, bool]:
 
 # name: (--spec-max-concurrency, batched speculative step)
 CONFIGS = {"spec": (1000, True), "spec-rr": (1000, False), "plain": (0, True),
-           "hybrid": (2, False), "bspec8-loop": (8, True, False), "bspec8-all": (8, True, True),
-           "default": _server_defaults()}
+           "hybrid": (2, False), "bspec8": (8, True), "default": _server_defaults()}
 
 
 def workload(n: int, max_chars: int = 1200) -> list[str]:
@@ -135,8 +132,7 @@ def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
 def run_config(srv, config: tuple[int, bool], clients: int, requests: int, prompts: list[str],
                max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
-    srv.worker.spec_max_concurrency, srv.worker.batch_spec = config[:2]
-    srv.worker.alone_in_batch = config[2] if len(config) > 2 else True
+    srv.worker.spec_max_concurrency, srv.worker.batch_spec = config
     one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []

@@ -355,6 +355,17 @@ class BatchRow:
         n = min(available[source], policy.max_k)
         return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
 
+    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
+        """Tell the row's policy (and its shadow) how a step went: a speculative step from
+        `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0)."""
+        for policy in (self.policy, self.shadow):
+            if policy is None:
+                continue
+            if drafted:
+                policy.observe(source, drafted, accepted, seconds)
+            else:
+                policy.observe_plain(1, seconds)
+
     def __iter__(self) -> Iterator[StepOutput]:
         return self
 
@@ -558,12 +569,7 @@ class BatchSpeculator:
                 r.key, propose_key, verify_key = mx.random.split(r.key, 3)
                 propose_keys.append(propose_key)
                 verify_keys.append(verify_key)
-            if self.policy is None or self._alone_adaptive():
-                plans = [r.plan() for r in rows]
-            else:
-                offers = self._limit_probes([r.offer() for r in rows])
-                ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
-                plans = [(source, k) for (source, _), k in zip(offers, ks)]
+            plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
                 self._plain_stretch(rows, verify_keys, start)
                 return
@@ -581,8 +587,7 @@ class BatchSpeculator:
                 [plans[i][1] if i is not None else 0 for i in order])
             results = [res for res in results if res is not None]
         except Exception as e:
-            for r in self.rows:
-                r.error = e
+            self._fail(e)
             return
         seconds = time.perf_counter() - start
         self.steps += 1
@@ -599,14 +604,7 @@ class BatchSpeculator:
                 self.drafts[id(r.draft.model)].update(r.draft, r.context, res.accepted)
             if r.proposer is not None:
                 r.proposer.update(r.context, res.accepted)
-            if res.drafted:  # the policy's arm is the plan's source (`ngram:4`)
-                r.policy.observe(source, res.drafted, res.accepted, seconds)
-                if r.shadow is not None:
-                    r.shadow.observe(source, res.drafted, res.accepted, seconds)
-            else:
-                r.policy.observe_plain(1, seconds)
-                if r.shadow is not None:
-                    r.shadow.observe_plain(1, seconds)
+            r.observe(source, res.drafted, res.accepted, seconds)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
             r.pending = res.tokens
 
@@ -668,7 +666,7 @@ class BatchSpeculator:
         rows = list(self.rows)
         try:
             again = (all(r.waiting for r in rows) and self._can_pipeline(rows)
-                     and not self._wants_proposal(rows))
+                     and not any(k for _, k in self._plans(rows, commit=False)))
             if again:
                 if rows == q.rows:
                     inputs = q.tokens
@@ -717,11 +715,15 @@ class BatchSpeculator:
         the batch's cost model, fitted on wider batches, misjudges a draft model there)."""
         return len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)
 
-    def _wants_proposal(self, rows: list[BatchRow]) -> bool:
+    def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
+        """Every row's (source, k) for a step: the batch's policy over the rows' offers, or
+        each row's own plan (no batch policy, or one adaptive row alone). `commit=False`:
+        only asking (a forced probe allowed now is not counted as taken)."""
         if self.policy is None or self._alone_adaptive():
-            return any(r.plan()[1] for r in rows)
-        offers = self._limit_probes([r.offer() for r in rows], commit=False)
-        return any(self.policy.decide([o for _, o in offers], rows=len(self.rows)))
+            return [r.plan() for r in rows]
+        offers = self._limit_probes([r.offer() for r in rows], commit)
+        ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
+        return [(source, k) for (source, _), k in zip(offers, ks)]
 
     def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float) -> None:
         self.steps += 1
@@ -733,9 +735,7 @@ class BatchSpeculator:
             r.context.append(token)
             if r.proposer is not None:
                 r.proposer.update(r.context, 0)
-            r.policy.observe_plain(1, seconds)
-            if r.shadow is not None:
-                r.shadow.observe_plain(1, seconds)
+            r.observe("", 0, 0, seconds)
             r.stats.record_step("", 0, 0, 1)
             r.pending = (r.pending or []) + [token]  # a row that has not read yet gets both
 

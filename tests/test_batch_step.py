@@ -130,6 +130,22 @@ def alone(base, requests):
             for p, m, n, kw in requests]
 
 
+def open_in(batch, engines, requests, rows, pcs=None):
+    """opener(i)() opens request i in the batch (on engines(i)) and appends its row to
+    `rows` (and a fresh prompt cache to `pcs` when given); returns i, as `drain`'s join
+    callables do."""
+    def open_request(i):
+        def go():
+            p, m, n, kw = requests[i]
+            if pcs is not None:
+                pcs.append(PromptCache())
+                kw = {**kw, "prompt_cache": pcs[-1]}
+            rows.append(batch.open(engines(i), p, max_tokens=n, mode=m, **kw))
+            return i
+        return go
+    return open_request
+
+
 def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     """8 requests of different lengths and sources; three join mid-generation, one leaves
     early (a disconnect): every output equals the request decoded alone by the engine."""
@@ -139,12 +155,7 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     batch = BatchSpeculator(target)
     rows, outs = [], [[] for _ in REQUESTS]
 
-    def opener(i):
-        def go():
-            p, m, n, kw = REQUESTS[i]
-            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, **kw))
-            return i
-        return go
+    opener = open_in(batch, lambda i: base.clone(), REQUESTS, rows)
 
     for i in range(5):
         opener(i)()
@@ -214,12 +225,7 @@ def test_one_token_prompts_have_nothing_cached(pair):
     batch = BatchSpeculator(target)
     rows, outs = [], [[] for _ in reqs]
 
-    def opener(i):
-        def go():
-            p, m, n, kw = reqs[i]
-            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, **kw))
-            return i
-        return go
+    opener = open_in(batch, lambda i: base.clone(), reqs, rows)
 
     opener(0)()
     opener(1)()
@@ -263,14 +269,7 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     batch = BatchSpeculator(target)
     rows, outs, pcs = [], [[] for _ in reqs], []
 
-    def opener(i):
-        def go():
-            p, m, n, kw = reqs[i]
-            pcs.append(PromptCache())
-            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, prompt_cache=pcs[-1],
-                                   **kw))
-            return i
-        return go
+    opener = open_in(batch, lambda i: base.clone(), reqs, rows, pcs)
 
     for i in range(3):
         opener(i)()
@@ -424,12 +423,7 @@ def test_batched_draft_rows_equal_each_request_alone(pair, same):
     batch = BatchSpeculator(target, row_plans=True)
     rows, outs = [], [[] for _ in DRAFT_REQUESTS]
 
-    def opener(i):
-        def go():
-            p, m, n, kw = DRAFT_REQUESTS[i]
-            rows.append(batch.open(slots[i], p, max_tokens=n, mode=m, **kw))
-            return i
-        return go
+    opener = open_in(batch, lambda i: slots[i], DRAFT_REQUESTS, rows)
 
     for i in range(3):
         opener(i)()

@@ -222,10 +222,6 @@ class Worker(threading.Thread):
         # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
         # trees, QuantSpec) keep one forward each, round robin.
         self.batch_spec = batch_spec
-        # A job that starts alone starts the batch too: alone there it runs the engine's own
-        # loop (`BatchSpeculator`'s solo row) and moves into the batch when another joins;
-        # kept outside, it would cost a forward of its own beside the batch every round.
-        self.alone_in_batch = True
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
@@ -397,8 +393,6 @@ class Worker(threading.Thread):
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode=r.mode)
-        alone = (not self.alone_in_batch and len(self.spec_jobs) == 1
-                 and (self.spec_batch is None or not self.spec_batch.rows))
         # A sampled request with a seed draws what it would alone (the promise of a seed, and
         # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
         # keeps the single-request loop while at most one other request does (beyond that,
@@ -406,10 +400,11 @@ class Worker(threading.Thread):
         loops = sum(1 for j in self.spec_jobs
                     if j is not job and not isinstance(j.gen, BatchRow))
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
-        if (self.batch_spec and not r.warmup and not alone and not seeded
+        if (self.batch_spec and not r.warmup and not seeded
                 and BatchSpeculator.accepts(job.slot, r.mode)):
             # One batched speculative step for every such job: the first job read in a round
             # runs the forward for all (batch_step.py), the others read their rows' outputs.
+            # A job alone there runs the engine's own loop until another joins (a solo row).
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
