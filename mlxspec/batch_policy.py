@@ -7,12 +7,19 @@ nothing, and one row widening the batch makes every row pay.
 
 The step time is a decayed least-squares fit over the measured batched steps,
 
-    T(B, W, K, D) = a + b*B + c*B*(W-1) + e*K + d*D
+    T = a + s*synced + n*N + m*N*S/1024 + e*K + d*D
 
-B rows, W the padded width, K = sum of the rows' k (verification, proposal bookkeeping),
-D the sequential draft-model forwards of the step (the batched draft runs max k forwards over
-its rows, `batch_draft.py`). Priors (relative to the intercept, rescaled to the measured times)
-start it and hold it where the data cannot separate two terms (a ridge towards the prior).
+N = B*W the query rows of the forward (B rows padded to the width W = 1 + max k: a padded
+position costs what a row costs), S the keys each query attends (the longest row's length +
+W), synced 1 when the host waits for the step (a speculative step, or a plain one that could
+not be queued behind the previous), K = sum of the rows' k (verification, bookkeeping) and D
+the sequential draft-model forwards (the batched draft runs max k forwards over its rows,
+`batch_draft.py`). Plain steps at different batch sizes and context lengths measure n and m,
+so the price of width is learned before any wide step is tried: on this CPU a small model's
+attention makes N*S the largest term (8 rows at width 3 cost ~2x width 1), on a GPU the weights
+dominate and n, m come out near 0. Priors (relative to the intercept, rescaled to the measured
+times) start the fit and hold it where the data cannot separate two terms (a ridge towards
+the prior).
 
 Row b's expected tokens at k are E_b(k) = 1 + sum_{i<=k} s_b,i, s_b,i = P(positions 1..i
 accepted), from its own policy's estimates (`AdaptiveK.accept_probs`; a `FixedK` row: a shadow
@@ -37,16 +44,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# prior coefficients of (1, B, B*(W-1), K, D), relative to the intercept: an extra row in the
-# forward ~8 %, an extra padded position ~6 %, a proposed token's own work ~1 %, a draft
-# forward ~25 % of a one-row target forward (DESIGN.md's CPU figures)
-PRIOR = (1.0, 0.08, 0.06, 0.01, 0.25)
+# prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept: a synced
+# step's unhidden host work ~30 %, a query row ~5 % plus ~40 % per 1024 keys attended, a
+# proposed token's own work ~1 %, a draft forward ~30 % (the bundled 6.4 M target on this
+# CPU: `bench/bench_batch_cost.py`)
+PRIOR = (1.0, 0.3, 0.05, 0.4, 0.01, 0.3)
 # the feature values at which the prior counts as `prior_weight` observations
-PRIOR_AT = (1.0, 4.0, 8.0, 4.0, 2.0)
+PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
+PROPOSED = 4  # index of K in the features
 
 
-def features(rows: int, width: int, proposed: int, draft_forwards: int) -> np.ndarray:
-    return np.array([1.0, rows, rows * (width - 1), proposed, draft_forwards])
+def features(rows: int, width: int, proposed: int, draft_forwards: int, span: int = 0,
+             synced: bool = True) -> np.ndarray:
+    queries = rows * width
+    return np.array([1.0, float(synced), queries, queries * (span + width) / 1024, proposed,
+                     draft_forwards])
 
 
 @dataclass
@@ -57,8 +69,8 @@ class BatchCost:
     prior_weight: float = 2.0
     decay: float = 0.99  # per step: ~100 steps of memory
     outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
-    xx: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
-    xt: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((6, 6)))
+    xt: np.ndarray = field(default_factory=lambda: np.zeros(6))
     seconds: float = 0.0  # decayed sum of measured times
     prior_seconds: float = 0.0  # decayed sum of the prior's unit-scale predictions for them
     _coef: np.ndarray | None = None
@@ -76,12 +88,14 @@ class BatchCost:
             self._coef[0] = max(self._coef[0], 0.1 * prior[0])
         return self._coef
 
-    def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0) -> float:
-        return float(self.coef() @ features(rows, width, proposed, draft_forwards))
+    def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0,
+             span: int = 0, synced: bool = True) -> float:
+        """Predicted seconds of a step; `span` the longest row's cached length before it."""
+        return float(self.coef() @ features(rows, width, proposed, draft_forwards, span, synced))
 
     def add(self, rows: int, width: int, proposed: int, draft_forwards: int,
-            seconds: float) -> None:
-        x = features(rows, width, proposed, draft_forwards)
+            seconds: float, span: int = 0, synced: bool = True) -> None:
+        x = features(rows, width, proposed, draft_forwards, span, synced)
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
             seconds = min(seconds, self.outlier * float(self.coef() @ x))
         d = self.decay
@@ -124,22 +138,27 @@ class BatchPolicy:
     margin: float = 0.0  # a wider step must beat the narrower best by this fraction
     rate: float = 0.0  # tokens per second the last decision expected
 
-    def decide(self, offers: list[RowOffer], rows: int | None = None) -> list[int]:
+    def decide(self, offers: list[RowOffer], rows: int | None = None, span: int = 0,
+               pipelined: bool = False) -> list[int]:
         """Each row's k (0: propose nothing); `rows` the forward's batch size when rows that
-        sit the step out are fed too (default: the offers)."""
-        ks, self.rate = choose_ks(self.cost, offers, self.rate, self.margin, rows)
+        sit the step out are fed too (default: the offers), `span` the longest row's cached
+        length, `pipelined` whether an all-plain step would be queued unsynced."""
+        ks, self.rate = choose_ks(self.cost, offers, self.rate, self.margin, rows, span,
+                                  pipelined)
         return ks
 
     def observe(self, rows: int, width: int, proposed: int, draft_forwards: int,
-                seconds: float) -> None:
-        self.cost.add(rows, width, proposed, draft_forwards, seconds)
+                seconds: float, span: int = 0, synced: bool = True) -> None:
+        self.cost.add(rows, width, proposed, draft_forwards, seconds, span, synced)
 
 
 def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
-              margin: float = 0.0, rows: int | None = None) -> tuple[list[int], float]:
+              margin: float = 0.0, rows: int | None = None, span: int = 0,
+              pipelined: bool = False) -> tuple[list[int], float]:
     """The per-row k maximising expected tokens per second of the batched step, and that
     rate. Candidates: every width W from the forced minimum to 1 + the largest cap, with the
-    draft rows drafting or not."""
+    draft rows drafting or not; a step with a proposal is synced, an all-plain one is not
+    when `pipelined`."""
     if not offers:
         return [], 0.0
     rows = max(rows or 0, len(offers))
@@ -153,8 +172,8 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
     best_ks, best_rate = None, last_rate
     # A position pays when its survival beats its own marginal cost e * R (R the best rate:
     # Dinkelbach's iteration for a ratio, started from the last step's rate; two rounds).
-    for _ in range(2 if coef[3] > 0 else 1):
-        threshold = coef[3] * best_rate
+    for _ in range(2 if coef[PROPOSED] > 0 else 1):
+        threshold = coef[PROPOSED] * best_rate
         worth = [sum(1 for s in o.survive if s > threshold) for o in offers]  # s non-increasing
         round_ks, round_rate, seen = None, 0.0, set()
         for width in range(narrowest, widest + 1):
@@ -168,7 +187,8 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
                     continue
                 seen.add(shape)
                 draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
-                t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards)
+                t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards, span,
+                              synced=not pipelined or any(ks))
                 rate = sum(e[k] for e, k in zip(expected, ks)) / max(t, 1e-12)
                 if round_ks is None or rate > round_rate * (1.0 + margin) * 1.0001:
                     round_ks, round_rate = ks, rate

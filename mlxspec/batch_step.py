@@ -51,6 +51,8 @@ from .sampling import SamplingParams
 from .stats import Stats
 from .step import StepResult, verify_chain
 
+GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
+
 # ----------------------------------------------------------------------------- the cache
 
 
@@ -130,53 +132,64 @@ class RaggedKVCache:
         """Remove the last drop[b] tokens of row b."""
         self.lengths = [x - d for x, d in zip(self.lengths, drop)]
 
-    def add_row(self, c: KVCache) -> None:
-        """Append a row holding what the single-request cache `c` holds."""
-        n = c.offset
-        if c.keys is None or n == 0:  # nothing cached (a one-token prompt)
-            if self.keys is not None:
-                b, h, cap, d = self.keys.shape
-                self.keys = mx.concatenate([self.keys, mx.zeros((1, h, cap, d), self.keys.dtype)])
-                self.values = mx.concatenate(
-                    [self.values, mx.zeros((1, h, cap, self.values.shape[3]), self.values.dtype)])
+    def put_row(self, b: int, c: KVCache) -> None:
+        """Row b (an empty slot, or b == the batch size: a new one) now holds what the
+        single-request cache `c` holds. Written in place: a slot costs one row's copy, a new
+        slot (the batch grows past its widest) one copy of the buffer."""
+        n = c.offset if c.keys is not None else 0
+        if b == len(self.lengths):
             self.lengths.append(0)
+            if self.keys is not None:
+                self.keys, self.values = self._grown(self.keys, 1), self._grown(self.values, 1)
+        if not n:
+            self.lengths[b] = 0
             return
         k, v = c.keys[..., :n, :], c.values[..., :n, :]
-        if self.keys is None and self.lengths:  # the rows so far are all empty
+        if self.keys is None:  # the rows so far are all empty
             cap = ((n + self.step - 1) // self.step + 1) * self.step
             self.keys = mx.zeros((len(self.lengths), k.shape[1], cap, k.shape[3]), k.dtype)
             self.values = mx.zeros((len(self.lengths), v.shape[1], cap, v.shape[3]), v.dtype)
-        if self.keys is None:
-            cap = ((n + self.step - 1) // self.step + 1) * self.step
-            self.keys = mx.zeros((0, k.shape[1], cap, k.shape[3]), k.dtype)
-            self.values = mx.zeros((0, v.shape[1], cap, v.shape[3]), v.dtype)
         self._reserve(n + 1)
-        cap = self.keys.shape[2]
+        self.keys[b : b + 1, :, :n, :] = k
+        self.values[b : b + 1, :, :n, :] = v
+        self.lengths[b] = n
 
-        def widen(a):
-            b, h, _, d = a.shape
-            return mx.concatenate([a, mx.zeros((b, h, cap - n, d), a.dtype)], axis=2)
-
-        self.keys = mx.concatenate([self.keys, widen(k)], axis=0)
-        self.values = mx.concatenate([self.values, widen(v)], axis=0)
-        self.lengths.append(n)
-
-    def remove_row(self, b: int) -> KVCache:
-        """Take row b out of the batch; returns it as a single-request cache."""
+    def take_row(self, b: int) -> KVCache:
+        """A single-request cache holding row b (its own copy, evaluated: no view keeps the
+        batch's buffer from being updated in place); the slot is left empty."""
         n = self.lengths[b]
         out = KVCache()
         if n:
-            out.keys = self.keys[b : b + 1, :, :n, :]
-            out.values = self.values[b : b + 1, :, :n, :]
+            out.keys = mx.contiguous(self.keys[b : b + 1, :, :n, :])
+            out.values = mx.contiguous(self.values[b : b + 1, :, :n, :])
             out.offset = n
-        rest = [i for i in range(len(self.lengths)) if i != b]
-        if rest and self.keys is not None:
-            idx = mx.array(rest, mx.int32)
-            self.keys, self.values = self.keys[idx], self.values[idx]
-        else:
-            self.keys = self.values = None
-        del self.lengths[b]
+            mx.eval(out.keys, out.values)
+        self.lengths[b] = 0
         return out
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (a copy of what they hold)."""
+        if rows and self.keys is not None:
+            idx = mx.array(rows, mx.int32)
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        elif not rows:
+            self.keys = self.values = None
+        self.lengths = [self.lengths[b] for b in rows]
+
+    def add_row(self, c: KVCache) -> None:
+        """Append a row holding what the single-request cache `c` holds."""
+        self.put_row(len(self.lengths), c)
+
+    def remove_row(self, b: int) -> KVCache:
+        """Take row b out of the batch; returns it as a single-request cache."""
+        out = self.take_row(b)
+        self.keep_rows([i for i in range(len(self.lengths)) if i != b])
+        return out
+
+    @staticmethod
+    def _grown(a: mx.array, rows: int) -> mx.array:
+        b, h, cap, d = a.shape
+        return mx.concatenate([a, mx.zeros((rows, h, cap, d), a.dtype)])
 
 
 def plain_attention(cache: list) -> bool:
@@ -279,8 +292,11 @@ class BatchRow:
 
     def __init__(self, batch: BatchSpeculator, engine: Engine, pc: PromptCache, context,
                  proposer, policy, sampling: SamplingParams, key: mx.array, stats: Stats,
-                 end: int, num_draft: int, stops: list[str]):
+                 end: int, num_draft: int, stops: list[str], seeded: bool = False):
         self.batch, self.engine, self.pc = batch, engine, pc
+        # A seeded sampled row draws what it would alone whatever else is in the batch, so
+        # what it proposes must not depend on the batch: a fixed k stays fixed (`offer`).
+        self.pinned = seeded and not sampling.greedy
         self.context, self.proposer, self.policy = context, proposer, policy
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
@@ -327,9 +343,10 @@ class BatchRow:
           only where it pays at the batch's cost.
         - any other policy (`FixedK`): its source and k, with acceptance measured on this row
           by a shadow `AdaptiveK` (neutral prior at first) that also schedules its probes as
-          above. At temperature > 0 that k is pinned: a seeded sampled output depends on k,
-          and a fixed-k request's output must not depend on the rest of the batch (at
-          temperature 0 it never does, whatever k).
+          above. A seeded row at temperature > 0 keeps that k (`pinned`): its draws depend
+          on k, and a seeded output must not depend on the rest of the batch (at
+          temperature 0 it never does, whatever k; unseeded, only its distribution is
+          promised, which no k changes).
         """
         available = self._available()
         if not available:
@@ -339,7 +356,7 @@ class BatchRow:
             source, k = policy.plan(available)
             if not k:
                 return "", RowOffer([])
-            if not self.sampling.greedy:
+            if self.pinned:
                 return source, RowOffer(survival(self.shadow.accept_probs(source), k),
                                         source == "draft", forced=k)
             policy, available = self.shadow, {source: k}
@@ -407,6 +424,10 @@ class BatchSpeculator:
         self.model = model
         self.policy = None if row_plans else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
+        # Row b of the batch cache holds slots[b]; a row that left leaves its slot empty
+        # (None: fed padding, trimmed at once) for the next to join, so that neither joining
+        # nor leaving copies the whole cache (`_compact` does, once half the slots are empty).
+        self.slots: list[BatchRow | None] = []
         self.cache: list[RaggedKVCache] | None = None
         self.drafts: dict[int, BatchDraft] = {}  # id(draft model) -> its rows' draft caches
         self.steps = 0  # batched forwards run
@@ -453,19 +474,19 @@ class BatchSpeculator:
             raise MlxspecError("this request cannot run in the batched step")
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
-                       num_draft or MAX_NUM_DRAFT, req.stops)
+                       num_draft or MAX_NUM_DRAFT, req.stops, seeded=seed is not None)
         self._join(row)
         return row
 
     # -- membership
     def _join(self, row: BatchRow) -> None:
-        if not self.rows and self.solo and (row.sampling.greedy
+        if not self.rows and self.solo and (not row.pinned
                                             or isinstance(row.policy, AdaptiveK)):
             # Alone, a row runs the engine's own loop (`speculative_decode`, `plain_decode`),
             # the fastest for one request (batched steps with one row: 0.93x; this: 0.99x,
             # `bench/bench_batch_of_one.py [--no-solo]`), on its own cache, until another
-            # row joins. Not a fixed-k row at temperature > 0:
-            # its seeded draws must not depend on whether another row comes.
+            # row joins. Not a pinned row (seeded, fixed k, temperature > 0):
+            # its draws must not depend on whether another row comes.
             n = row.end - len(row.context)
             row.solo = (plain_decode(self.model, row.pc.cache, row.context, row.sampling, n,
                                      row.key, row.stats) if row.proposer is None else
@@ -495,8 +516,13 @@ class BatchSpeculator:
             self.cache = [RaggedKVCache() for _ in layers]
         if len(layers) != len(self.cache):
             raise MlxspecError("a row of another model cannot join this batch")
+        b = self.slots.index(None) if None in self.slots else len(self.slots)
         for ragged, c in zip(self.cache, layers):
-            ragged.add_row(c)
+            ragged.put_row(b, c)
+        if b == len(self.slots):
+            self.slots.append(row)
+        else:
+            self.slots[b] = row
         # Started, not waited for: a queued step may still be running; the copy joins it.
         mx.async_eval([c.state for c in self.cache])
         row.pc.cache = None  # the batch holds it now; given back on leaving
@@ -519,20 +545,21 @@ class BatchSpeculator:
             else:
                 row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
             return
-        b = self.rows.index(row)
+        b = self.slots.index(row)
         q = self.queued
         if q is not None and row in q.rows:  # its last token was fed by the queued step
             for c in self.cache:
-                c.trim_rows([1 if r is row else 0 for r in self.rows])
+                c.trim_rows([1 if r is row else 0 for r in self.slots])
             q.rows[q.rows.index(row)] = None
-        self.rows.pop(b)
+        self.rows.remove(row)
+        self.slots[b] = None
         if row.draft is not None:
             batch = self.drafts[id(row.draft.model)]
             batch.leave(row.draft, failed=row.error is not None)
             if not batch.members:
                 del self.drafts[id(row.draft.model)]
             row.draft = None
-        layers = [c.remove_row(b) for c in self.cache]
+        layers = [c.take_row(b) for c in self.cache]
         if row.error is None:
             row.pc.cache = layers
             row.pc.kind = "kv"
@@ -541,7 +568,21 @@ class BatchSpeculator:
         else:  # state unknown after a failed step: not reused
             row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
         if not self.rows:
-            self.cache, self.queued = None, None
+            self.cache, self.queued, self.slots = None, None, []
+        elif self.queued is None:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the empty slots once they are half the batch (each costs a row's compute in
+        every forward); one copy of the cache. Not while a step is queued (its rows are
+        listed by slot)."""
+        empty = self.slots.count(None)
+        if not empty or empty * 2 < len(self.slots):
+            return
+        keep = [b for b, r in enumerate(self.slots) if r is not None]
+        for c in self.cache:
+            c.keep_rows(keep)
+        self.slots = [self.slots[b] for b in keep]
 
     # -- the step
     def step(self) -> None:
@@ -563,6 +604,7 @@ class BatchSpeculator:
         if not rows:
             return
         start = time.perf_counter()
+        span = self._span()
         verify_keys, propose_keys = [], []
         try:
             for r in rows:
@@ -571,21 +613,22 @@ class BatchSpeculator:
                 verify_keys.append(verify_key)
             plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
-                self._plain_stretch(rows, verify_keys, start)
+                self._plain_stretch({id(r): key for r, key in zip(rows, verify_keys)}, start)
                 return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
             # A row whose previous output was not read yet sits this step out: it is fed
             # padding that is trimmed again at once, its cache unchanged.
             stepping = {id(r): i for i, r in enumerate(rows)}
-            order = [stepping.get(id(r)) for r in self.rows]
+            order = [stepping.get(id(r)) if r is not None else None for r in self.slots]
             results = batch_decode_step(
                 self.model, self.cache,
-                [r.context[-1] if i is not None else None for r, i in zip(self.rows, order)],
+                [r.context[-1] if i is not None else None for r, i in zip(self.slots, order)],
                 [proposals[i] if i is not None else None for i in order],
-                [r.sampling for r in self.rows],
+                [r.sampling if r is not None else GREEDY for r in self.slots],
                 [verify_keys[i] if i is not None else None for i in order],
                 [plans[i][1] if i is not None else 0 for i in order])
-            results = [res for res in results if res is not None]
+            stepped = {i: res for i, res in zip(order, results) if i is not None}
+            results = [stepped[i] for i in range(len(rows))]  # in the order of `rows`
         except Exception as e:
             self._fail(e)
             return
@@ -596,8 +639,8 @@ class BatchSpeculator:
         if not any(drafted):
             self.plain_steps += 1
         if self.policy is not None:
-            self.policy.observe(len(self.rows), 1 + max(drafted), sum(drafted),
-                                draft_forwards, seconds)
+            self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
+                                draft_forwards, seconds, span)
         for r, (source, _), res in zip(rows, plans, results):
             r.context.extend(res.tokens)
             if r.draft is not None and res.source == "draft":
@@ -611,50 +654,62 @@ class BatchSpeculator:
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
         """A plain step may queue the next one: every row steps, each needs at least one more
-        token after this step's, and no row's seeded sampled output must stay independent of
-        the batch (a fixed-k row at temperature > 0: whether its next step is plain would
-        depend on the other rows)."""
+        token after this step's, and no row is pinned (a seeded fixed-k row at temperature
+        > 0: whether its next step is plain would depend on the other rows)."""
         return (self.pipeline and len(rows) == len(self.rows)
                 and all(len(r.context) + 2 <= r.end for r in rows)
                 and not any(r.shadow is not None and r.proposer is not None
-                            and not r.sampling.greedy for r in rows))
+                            and r.pinned for r in rows))
 
-    def _plain_forward(self, rows: list[BatchRow], inputs: mx.array,
-                       keys: list[mx.array]) -> mx.array:
-        """One plain forward for every row (`inputs`: each row's last token, maybe lazy);
-        lazily, each row's next token, drawn as `verify_chain` draws a plain step's."""
+    def _plain_forward(self, inputs: mx.array, keys: list[mx.array | None]) -> mx.array:
+        """One plain forward for every slot (`inputs`: each slot's last token, maybe lazy;
+        an empty slot's is padding, trimmed again at once); lazily, each slot's next token,
+        drawn as `verify_chain` draws a plain step's (keys[b]: slot b's row's)."""
         logits = self.model(inputs.reshape(-1, 1), cache=self.cache)[:, -1]
-        if all(r.sampling.greedy for r in rows):
+        if None in self.slots:
+            for c in self.cache:
+                c.trim_rows([1 if r is None else 0 for r in self.slots])
+        if all(r is None or r.sampling.greedy for r in self.slots):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
         empty = mx.array([], mx.uint32)
         return mx.stack([verify_chain(logits[b : b + 1], empty, None, r.sampling, key)[1]
-                         .astype(mx.uint32).reshape(()) for b, (r, key) in
-                         enumerate(zip(rows, keys))])
+                         .astype(mx.uint32).reshape(()) if r is not None
+                         else mx.array(0, mx.uint32)
+                         for b, (r, key) in enumerate(zip(self.slots, keys))])
 
-    def _queue_next(self, rows: list[BatchRow], tokens: mx.array) -> None:
+    def _queue_next(self, tokens: mx.array) -> None:
         keys = []
-        for r in rows:  # the same splits the step would make when it runs
+        for r in self.slots:  # the same splits the step would make when it runs
+            if r is None:
+                keys.append(None)
+                continue
             r.key, _, verify_key = mx.random.split(r.key, 3)
             keys.append(verify_key)
-        queued = self._plain_forward(rows, tokens, keys)
+        queued = self._plain_forward(tokens, keys)
         mx.async_eval(queued)
-        self.queued = QueuedPlainStep(list(rows), queued)
+        self.queued = QueuedPlainStep(list(self.slots), queued)
 
-    def _plain_stretch(self, rows: list[BatchRow], keys: list[mx.array], start: float) -> None:
-        """The first step of a plain stretch: the next step is queued (`mx.async_eval`)
-        before this one's tokens are read back, so the forward runs while the host reads,
-        detokenizes and asks the policy, as `none` runs for one request. While a step is
-        queued each row's cache also holds its last token; `_leave` trims it back."""
+    def _plain_stretch(self, keys: dict[int, mx.array], start: float) -> None:
+        """The first step of a plain stretch (every row steps; `keys` by id of row): the next
+        step is queued (`mx.async_eval`) before this one's tokens are read back, so the
+        forward runs while the host reads, detokenizes and asks the policy, as `none` runs
+        for one request. While a step is queued each row's cache also holds its last token;
+        `_leave` trims it back."""
+        span = self._span()
         try:
             tokens = self._plain_forward(
-                rows, mx.array([r.context[-1] for r in rows], mx.uint32), keys)
-            self._queue_next(rows, tokens)
+                mx.array([r.context[-1] if r is not None else 0 for r in self.slots],
+                         mx.uint32),
+                [keys[id(r)] if r is not None else None for r in self.slots])
+            self._queue_next(tokens)
             host = tokens.tolist()
         except Exception as e:
             self._fail(e)
             return
         self._delivered = time.perf_counter()
-        self._commit_plain(rows, host, self._delivered - start)
+        live = [(r, t) for r, t in zip(self.slots, host) if r is not None]
+        self._commit_plain([r for r, _ in live], [t for _, t in live],
+                           self._delivered - start, span, synced=True)
 
     def _deliver_queued(self) -> None:
         """The queued plain step's tokens are the next output of its rows. Before reading them
@@ -664,17 +719,20 @@ class BatchSpeculator:
         survives requests coming and going."""
         q, self.queued = self.queued, None
         rows = list(self.rows)
+        span = self._span() - 1  # the queued step's token is cached already
         try:
             again = (all(r.waiting for r in rows) and self._can_pipeline(rows)
                      and not any(k for _, k in self._plans(rows, commit=False)))
             if again:
-                if rows == q.rows:
+                if self.slots == q.rows:
                     inputs = q.tokens
                 else:
                     at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
-                    inputs = mx.stack([q.tokens[at[id(r)]] if id(r) in at
-                                       else mx.array(r.context[-1], mx.uint32) for r in rows])
-                self._queue_next(rows, inputs)
+                    inputs = mx.stack([
+                        mx.array(0, mx.uint32) if r is None else q.tokens[at[id(r)]]
+                        if id(r) in at else mx.array(r.context[-1], mx.uint32)
+                        for r in self.slots])
+                self._queue_next(inputs)
             host = q.tokens.tolist()
         except Exception as e:
             self._fail(e)
@@ -691,9 +749,10 @@ class BatchSpeculator:
                 keep.append((r, token))
         if drop:
             for c in self.cache:
-                c.trim_rows([1 if r in drop else 0 for r in self.rows])
+                c.trim_rows([1 if r in drop else 0 for r in self.slots])
         self.pipelined += 1
-        self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds)
+        self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds, span,
+                           synced=False)
 
     def _limit_probes(self, offers: list[tuple[str, RowOffer]],
                       commit: bool = True) -> list[tuple[str, RowOffer]]:
@@ -722,15 +781,21 @@ class BatchSpeculator:
         if self.policy is None or self._alone_adaptive():
             return [r.plan() for r in rows]
         offers = self._limit_probes([r.offer() for r in rows], commit)
-        ks = self.policy.decide([o for _, o in offers], rows=len(self.rows))
+        ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=self._span(),
+                                pipelined=self._can_pipeline(rows))
         return [(source, k) for (source, _), k in zip(offers, ks)]
 
-    def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float) -> None:
+    def _span(self) -> int:
+        """The longest row's cached length (what a step's queries attend, less the width)."""
+        return max(self.cache[0].lengths, default=0) if self.cache else 0
+
+    def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float,
+                      span: int, synced: bool) -> None:
         self.steps += 1
         self.plain_steps += 1
         self.rows_stepped += len(rows)
         if self.policy is not None:
-            self.policy.observe(len(self.rows), 1, 0, 0, seconds)
+            self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
         for r, token in zip(rows, tokens):
             r.context.append(token)
             if r.proposer is not None:

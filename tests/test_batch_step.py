@@ -125,6 +125,17 @@ REQUESTS = [
 ]
 
 
+class FrozenPolicy(BatchPolicy):
+    """A batch policy that does not learn costs: decisions independent of timing."""
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+# prior costs under which width is nearly free (as on a GPU): the rows speculate in the batch
+CHEAP_WIDTH = (1.0, 0.3, 0.01, 0.0, 0.01, 0.3)
+
+
 def alone(base, requests):
     return [base.clone().generate(p, max_tokens=n, mode=m, **kw).tokens
             for p, m, n, kw in requests]
@@ -152,7 +163,7 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
-    batch = BatchSpeculator(target)
+    batch = BatchSpeculator(target, policy=FrozenPolicy(BatchCost(prior=CHEAP_WIDTH)))
     rows, outs = [], [[] for _ in REQUESTS]
 
     opener = open_in(batch, lambda i: base.clone(), REQUESTS, rows)
@@ -331,25 +342,39 @@ def offers(accept: float, rows: int, cap: int = 4, **kw) -> list[RowOffer]:
 
 
 def test_batch_policy_steps_plainly_when_proposals_do_not_pay_and_wide_when_they_do():
-    """Injected costs and acceptance, no timing: the prior cost (a padded position ~6 % of a
-    one-row forward) makes 5 % acceptance a plain batch (W = 1), 60 % a middle width and 90 %
-    the full width; a cost measured expensive in the width turns the 60 % batch plain."""
+    """Injected costs and acceptance, no timing: with the prior cost 5 % acceptance makes a
+    plain batch (W = 1), 60 % a middle width, 90 % the full width; a long context (attention
+    over many keys for every padded position) turns the 60 % batch plain."""
     cost = BatchCost()
     ks, _ = choose_ks(cost, offers(0.05, 4))
     assert ks == [0, 0, 0, 0]
     ks, rate = choose_ks(cost, offers(0.9, 4))
     assert ks == [4, 4, 4, 4]
     assert rate > 4 / cost.time(4, 1)  # beats the all-plain step it was compared with
-    assert choose_ks(cost, offers(0.6, 4))[0] == [2, 2, 2, 2]  # in between: a middle width
-    # measured: every padded position costs as much as a row (t = 1 + B + B * (W - 1))
+    assert choose_ks(cost, offers(0.6, 4))[0] in ([2, 2, 2, 2], [3, 3, 3, 3])
+    assert choose_ks(cost, offers(0.6, 4), span=4000)[0] == [0, 0, 0, 0]
+    # an all-plain step queued behind the previous one (pipelined) is cheaper still
+    assert cost.time(4, 1, synced=False) < cost.time(4, 1)
+
+
+def test_plain_steps_alone_teach_the_batch_the_price_of_width():
+    """Measured plain steps at different batch sizes and context lengths, no wide step ever
+    taken: a query row costs 50 % of the intercept plus 50 % per 1024 keys. The fit prices a
+    wide step from them (a padded position costs a row), and 60 % acceptance stops paying."""
+    def seconds(rows, width, span):
+        n = rows * width
+        return 0.01 * (1 + 0.5 * n + 0.5 * n * (span + width) / 1024)
+
     learned = BatchPolicy()
-    for b in (2, 4, 6):
-        for w in (1, 2, 3, 5):
-            for _ in range(20):
-                learned.observe(b, w, b * (w - 1), 0, 0.01 * (1 + b + b * (w - 1)))
-    assert learned.cost.time(4, 3, 8) == pytest.approx(0.01 * 13, rel=0.05)
-    assert learned.decide(offers(0.6, 4)) == [0, 0, 0, 0]
-    assert min(learned.decide(offers(0.99, 4, cap=8))) >= 6  # near-certain tokens still pay
+    assert learned.decide(offers(0.6, 4), span=800) != [0, 0, 0, 0]  # the prior speculates
+    for _ in range(10):
+        for b in (2, 4, 6, 8):
+            for span in (100, 400, 800, 1600):
+                learned.observe(b, 1, 0, 0, seconds(b, 1, span), span, synced=False)
+    assert learned.cost.time(4, 3, 8, span=800, synced=False) == pytest.approx(
+        seconds(4, 3, 800), rel=0.1)
+    assert learned.decide(offers(0.6, 4), span=800) == [0, 0, 0, 0]
+    assert min(learned.decide(offers(0.99, 1, cap=8), span=100)) >= 6  # near-certain: pays
 
 
 def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_speculates():
@@ -362,7 +387,7 @@ def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_specul
     # a position below its marginal cost (e * rate) is not proposed even inside the width
     assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
     assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
-    pricey = BatchPolicy(BatchCost(prior=(1.0, 0.08, 0.06, 0.2, 0.25)))  # 20 % per token
+    pricey = BatchPolicy(BatchCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
     assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
     # a probe (forced) widens a batch that would step plainly; the others fill the width
     ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
@@ -371,11 +396,6 @@ def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_specul
     assert choose_ks(cost, [RowOffer([0.9]), good])[0] == [1, 4]
 
 
-class FrozenPolicy(BatchPolicy):
-    """The default policy that does not learn costs: decisions independent of timing."""
-
-    def observe(self, *args) -> None:
-        pass
 
 
 def test_a_policy_choosing_k_keeps_every_request_exact(pair):
