@@ -316,9 +316,19 @@ class BatchRow:
         return len(self.context) >= self.end
 
     @property
+    def wants(self) -> bool:
+        """It will take more tokens (it has not ended, left or failed)."""
+        return not (self.closed or self.finished or self.exhausted or self.error is not None)
+
+    @property
     def waiting(self) -> bool:
-        return (not self.closed and not self.finished and self.pending is None
-                and not self.exhausted and self.error is None)
+        """It wants tokens and has read its last ones: a step may feed it."""
+        return self.wants and self.pending is None
+
+    @property
+    def wants_two(self) -> bool:
+        """It wants a token after the next one (a queued step may feed it)."""
+        return self.wants and len(self.context) + 2 <= self.end
 
     def _available(self) -> dict[str, int]:
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
@@ -653,86 +663,91 @@ class BatchSpeculator:
 
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
-        """A plain step may queue the next one: every row steps, each needs at least one more
-        token after this step's, and no row is pinned (a seeded fixed-k row at temperature
-        > 0: whether its next step is plain would depend on the other rows)."""
-        return (self.pipeline and len(rows) == len(self.rows)
-                and all(len(r.context) + 2 <= r.end for r in rows)
+        """A plain step for `rows` may queue the next one: a row will want a token after
+        this step's, and no row is pinned (a seeded fixed-k row at temperature > 0: whether
+        its next step is plain would depend on the other rows)."""
+        return (self.pipeline and any(r.wants_two for r in rows)
                 and not any(r.shadow is not None and r.proposer is not None
-                            and r.pinned for r in rows))
+                            and r.pinned for r in self.rows))
 
-    def _plain_forward(self, inputs: mx.array, keys: list[mx.array | None]) -> mx.array:
-        """One plain forward for every slot (`inputs`: each slot's last token, maybe lazy;
-        an empty slot's is padding, trimmed again at once); lazily, each slot's next token,
-        drawn as `verify_chain` draws a plain step's (keys[b]: slot b's row's)."""
+    def _plain_forward(self, fed: list[BatchRow | None], inputs: mx.array,
+                       keys: list[mx.array | None]) -> mx.array:
+        """One plain forward over every slot: fed[b] the row fed inputs[b] (maybe lazy), or
+        None (an empty slot, a row sitting this step out: fed padding, trimmed again at
+        once); lazily, each slot's next token, drawn as `verify_chain` draws a plain step's
+        (keys[b]: fed[b]'s key)."""
         logits = self.model(inputs.reshape(-1, 1), cache=self.cache)[:, -1]
-        if None in self.slots:
+        if None in fed:
             for c in self.cache:
-                c.trim_rows([1 if r is None else 0 for r in self.slots])
-        if all(r is None or r.sampling.greedy for r in self.slots):
+                c.trim_rows([1 if r is None else 0 for r in fed])
+        if all(r is None or r.sampling.greedy for r in fed):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
         empty = mx.array([], mx.uint32)
         return mx.stack([verify_chain(logits[b : b + 1], empty, None, r.sampling, key)[1]
                          .astype(mx.uint32).reshape(()) if r is not None
                          else mx.array(0, mx.uint32)
-                         for b, (r, key) in enumerate(zip(self.slots, keys))])
+                         for b, (r, key) in enumerate(zip(fed, keys))])
 
-    def _queue_next(self, tokens: mx.array) -> None:
+    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
         keys = []
-        for r in self.slots:  # the same splits the step would make when it runs
+        for r in fed:  # the same splits the step would make when it runs
             if r is None:
                 keys.append(None)
                 continue
             r.key, _, verify_key = mx.random.split(r.key, 3)
             keys.append(verify_key)
-        queued = self._plain_forward(tokens, keys)
+        queued = self._plain_forward(fed, inputs, keys)
         mx.async_eval(queued)
-        self.queued = QueuedPlainStep(list(self.slots), queued)
+        self.queued = QueuedPlainStep(fed, queued)
 
     def _plain_stretch(self, keys: dict[int, mx.array], start: float) -> None:
-        """The first step of a plain stretch (every row steps; `keys` by id of row): the next
-        step is queued (`mx.async_eval`) before this one's tokens are read back, so the
-        forward runs while the host reads, detokenizes and asks the policy, as `none` runs
-        for one request. While a step is queued each row's cache also holds its last token;
-        `_leave` trims it back."""
+        """The first step of a plain stretch for the rows in `keys` (by id: the waiting
+        rows): the next step is queued (`mx.async_eval`) before this one's tokens are read
+        back, so the forward runs while the host reads, detokenizes and asks the policy, as
+        `none` runs for one request. While a step is queued each row it feeds also holds its
+        last token in the cache; `_leave` trims it back."""
         span = self._span()
+        fed = [r if r is not None and id(r) in keys else None for r in self.slots]
         try:
             tokens = self._plain_forward(
-                mx.array([r.context[-1] if r is not None else 0 for r in self.slots],
-                         mx.uint32),
-                [keys[id(r)] if r is not None else None for r in self.slots])
-            self._queue_next(tokens)
+                fed, mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32),
+                [keys[id(r)] if r is not None else None for r in fed])
+            # the next step feeds each row this step's token, where it wants one after it
+            after = [r if r is not None and r.wants_two else None for r in fed]
+            self._queue_next(after, tokens)
             host = tokens.tolist()
         except Exception as e:
             self._fail(e)
             return
         self._delivered = time.perf_counter()
-        live = [(r, t) for r, t in zip(self.slots, host) if r is not None]
+        live = [(r, t) for r, t in zip(fed, host) if r is not None]
         self._commit_plain([r for r, _ in live], [t for _, t in live],
                            self._delivered - start, span, synced=True)
 
     def _deliver_queued(self) -> None:
         """The queued plain step's tokens are the next output of its rows. Before reading them
-        back the step after is queued too, when every row is waiting and the batch still wants
-        no proposal (asked on the contexts so far, as `plain_decode`'s `stop` is), rows that
-        joined meanwhile included (fed their last token) and rows that left gone: a stretch
-        survives requests coming and going."""
+        back the step after is queued too, while the batch still wants no proposal (asked on
+        the contexts so far, as `plain_decode`'s `stop` is). It feeds the queued step's rows
+        their queued tokens where they want one more, rows that joined meanwhile (or sat the
+        queued step out) their last token where they are waiting, and no one else: a stretch
+        survives requests coming, leaving and ending."""
         q, self.queued = self.queued, None
-        rows = list(self.rows)
         span = self._span() - 1  # the queued step's token is cached already
         try:
-            again = (all(r.waiting for r in rows) and self._can_pipeline(rows)
-                     and not any(k for _, k in self._plans(rows, commit=False)))
+            at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
+            fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
+                   else (r if r.waiting else None) for r in self.slots]
+            stepping = [r for r in fed if r is not None]
+            again = (stepping and self._can_pipeline(stepping)
+                     and not any(k for _, k in self._plans(stepping, commit=False)))
             if again:
-                if self.slots == q.rows:
+                if fed == q.rows:
                     inputs = q.tokens
                 else:
-                    at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
                     inputs = mx.stack([
                         mx.array(0, mx.uint32) if r is None else q.tokens[at[id(r)]]
-                        if id(r) in at else mx.array(r.context[-1], mx.uint32)
-                        for r in self.slots])
-                self._queue_next(inputs)
+                        if id(r) in at else mx.array(r.context[-1], mx.uint32) for r in fed])
+                self._queue_next(fed, inputs)
             host = q.tokens.tolist()
         except Exception as e:
             self._fail(e)
@@ -743,10 +758,10 @@ class BatchSpeculator:
         for r, token in zip(q.rows, host):
             if r is None:
                 continue
-            if r.closed or r.finished or r.error is not None or r.exhausted:
-                drop.append(r)  # not committed: the token fed by the queued step goes
-            else:
+            if r.wants:
                 keep.append((r, token))
+            else:
+                drop.append(r)  # not committed: the token fed by the queued step goes
         if drop:
             for c in self.cache:
                 c.trim_rows([1 if r in drop else 0 for r in self.slots])
