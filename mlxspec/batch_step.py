@@ -2,9 +2,10 @@
 
 Every row proposes with its own proposer, source and k (possibly 0); the proposals are padded
 to a common length L = 1 + max k; the target runs **one forward** over (B, L); each row is
-verified with the single-request rule (`step.verify_chain`, the function `decode_step` uses) on
-its own 1 + k_i positions; one host sync for the whole batch; then each row keeps its own
-1 + n_i tokens (ragged acceptance).
+verified with the single-request rule on its own 1 + k_i positions (a sampled row with
+`step.verify_chain`, the function `decode_step` uses; greedy rows with one argmax over the
+batch, compared on the host as `verify.verify_greedy` compares); one host sync for the whole
+batch; then each row keeps its own 1 + n_i tokens (ragged acceptance).
 
 Per-row cache state: `RaggedKVCache`, one per layer, stores row b's tokens left-aligned in
 slots [0, length_b) of a (B, heads, capacity, head_dim) buffer. A forward writes row b's L new
@@ -12,7 +13,8 @@ entries at slots length_b .. length_b + L - 1 (a scatter), RoPE rotates each row
 offset (an array of lengths: `mx.fast.rope` takes one offset per batch row), and the mask lets
 query j of row b see slots <= length_b + j only. Rolling back a row is lowering its length:
 whatever lies beyond is masked and later overwritten, so there is no compaction to do. A row
-joins by copying its single-request `KVCache` in and leaves by copying its slots out.
+joins by writing its single-request `KVCache` into an empty row of the buffer (in place) and
+leaves by copying its row out, leaving the row empty for the next (`BatchSpeculator.slots`).
 
 Only plain-attention models (every layer an mlx-lm `KVCache`) and chain proposals run here:
 sliding-window layers, recurrent state, QuantSpec's hierarchical cache and token trees keep
@@ -47,7 +49,7 @@ from .engine import (
 from .errors import MlxspecError
 from .policy import AdaptiveK
 from .proposers.base import Proposal
-from .sampling import SamplingParams
+from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import StepResult, verify_chain
 
@@ -230,22 +232,35 @@ def batch_decode_step(model, cache: list[RaggedKVCache], last_tokens: list[int],
         pad = mx.full((width - 1 - k,), first, mx.uint32)  # never seen: trimmed below
         rows.append(mx.concatenate([mx.array([first], mx.uint32), draft, pad]))
     logits = model(mx.stack(rows), cache=cache)
+    # Greedy rows: one argmax over the batch, compared on the host (what `verify_greedy`
+    # computes, without its ops per row); sampled rows: `verify_chain` each, on its own key.
+    argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
+              if any(s.greedy for s in samplings) else None)
     heads = []
     for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
         if last_tokens[b] is None:
+            continue
+        if samplings[b].greedy:
+            heads.append(mx.concatenate([argmax[b, : k + 1], draft]))
             continue
         n, nxt = verify_chain(logits[b, : k + 1], draft, q, samplings[b], keys[b])
         heads.append(mx.concatenate([mx.stack([n.astype(mx.uint32), nxt.astype(mx.uint32)]),
                                      draft]))
     flat = mx.concatenate(heads).tolist()  # the one host sync of the batch
     results, drop, at = [], [], 0
-    for last, prop, k in zip(last_tokens, proposals, sizes):
+    for last, prop, k, sampling in zip(last_tokens, proposals, sizes, samplings):
         if last is None:  # a row sitting this step out: everything it was fed goes
             drop.append(width)
             results.append(None)
             continue
-        n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]
-        at += 2 + k
+        if sampling.greedy:
+            target, drafted = flat[at : at + k + 1], flat[at + k + 1 : at + 2 * k + 1]
+            at += 2 * k + 1
+            n = next((i for i, (t, d) in enumerate(zip(target, drafted)) if t != d), k)
+            nxt = target[n]
+        else:
+            n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]
+            at += 2 + k
         drop.append(width - 1 - n)
         results.append(StepResult(drafted[:n] + [nxt], n, k, prop.source if k else ""))
     for c in cache:
@@ -295,7 +310,9 @@ class BatchRow:
                  end: int, num_draft: int, stops: list[str], seeded: bool = False):
         self.batch, self.engine, self.pc = batch, engine, pc
         # A seeded sampled row draws what it would alone whatever else is in the batch, so
-        # what it proposes must not depend on the batch: a fixed k stays fixed (`offer`).
+        # what it proposes must not depend on the batch: a fixed k stays fixed (`offer`),
+        # and its plain steps draw with its own key (`_plain_forward`).
+        self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
         self.context, self.proposer, self.policy = context, proposer, policy
         self.sampling, self.key, self.stats = sampling, key, stats
@@ -680,13 +697,30 @@ class BatchSpeculator:
         if None in fed:
             for c in self.cache:
                 c.trim_rows([1 if r is None else 0 for r in fed])
-        if all(r is None or r.sampling.greedy for r in fed):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
+        # Sampled rows: unseeded ones with the same sampling draw together (one categorical,
+        # exact in distribution); a seeded one with its own key, as `verify_chain` draws a
+        # plain step, whatever else is in the batch.
+        groups: dict[SamplingParams, list[int]] = {}
+        for b, r in enumerate(fed):
+            if r is not None and not r.sampling.greedy:
+                groups.setdefault(None if r.seeded else r.sampling, []).append(b)
+        if not groups:
+            return tokens
+        rows, drawn = [], []
         empty = mx.array([], mx.uint32)
-        return mx.stack([verify_chain(logits[b : b + 1], empty, None, r.sampling, key)[1]
-                         .astype(mx.uint32).reshape(()) if r is not None
-                         else mx.array(0, mx.uint32)
-                         for b, (r, key) in enumerate(zip(fed, keys))])
+        for sampling, members in groups.items():
+            if sampling is None:
+                for b in members:
+                    rows.append(b)
+                    drawn.append(verify_chain(logits[b : b + 1], empty, None, fed[b].sampling,
+                                              keys[b])[1].reshape(1))
+            else:
+                idx = mx.array(members, mx.int32)
+                rows.extend(members)
+                drawn.append(sample(probs_from_logits(logits[idx], sampling), keys[members[0]]))
+        tokens[mx.array(rows, mx.int32)] = mx.concatenate(drawn).astype(mx.uint32)
+        return tokens
 
     def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
         keys = []

@@ -602,6 +602,41 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, monkeypatch):
     assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3
 
 
+@pytest.mark.slow
+def test_unseeded_rows_of_a_plain_stretch_draw_together_exactly(monkeypatch):
+    """Unseeded sampled rows with the same sampling draw their pipelined plain steps in one
+    categorical over the batch: chi-square of one row's tokens against the exact
+    distribution; the same test rejects a draw that ignores top-k and top-p."""
+    import test_exact_sampling as ex
+
+    import mlxspec.batch_step as bs
+
+    target, _ = build_model("llama", seed=7, vocab=ex.VOCAB)
+    exact = ex.exact_distribution(target, ex.PROMPT)
+    base = make_engine(target, mode="none", vocab=ex.VOCAB)
+    slots = [base.clone() for _ in range(3)]
+
+    def counts() -> np.ndarray:
+        out, pipelined = np.zeros((ex.VOCAB,) * ex.N), 0
+        for run in range(ex.RUNS):
+            batch = BatchSpeculator(target)
+            rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N, seed=None,
+                               **ex.SAMPLING)]
+            rows += [batch.open(slots[j], [j, 3, 1, 2][: 2 + run % 3], max_tokens=ex.N + j,
+                                seed=None, **ex.SAMPLING) for j in (1, 2)]
+            outs = [[] for _ in rows]
+            drain(rows, outs)
+            out[tuple(outs[0])] += 1
+            pipelined += batch.pipelined
+        assert pipelined > ex.RUNS  # the grouped draw ran
+        return out
+
+    assert ex.min_pvalue(counts(), exact) > 1e-3
+    monkeypatch.setattr(bs, "probs_from_logits",
+                        lambda logits, sampling: mx.softmax(logits.astype(mx.float32), axis=-1))
+    assert ex.min_pvalue(counts(), exact) < 1e-3
+
+
 def test_serve_batch_spec_answers_equal_single_requests():
     """`serve --batch-spec`: concurrent greedy requests share batched forwards and each answer
     equals the same request served alone."""
