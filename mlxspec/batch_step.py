@@ -399,6 +399,15 @@ class BatchRow:
         n = min(available[source], policy.max_k)
         return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
 
+    def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
+        """The keys of this row's next step (proposing, verifying): split from its own key
+        when seeded and sampled, so that its draws are its own whatever the batch; None
+        otherwise (greedy: no draw; unseeded: MLX's global generator, no split per step)."""
+        if not self.seeded or self.sampling.greedy:
+            return None, None
+        self.key, propose_key, verify_key = mx.random.split(self.key, 3)
+        return propose_key, verify_key
+
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         """Tell the row's policy (and its shadow) how a step went: a speculative step from
         `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0)."""
@@ -635,7 +644,7 @@ class BatchSpeculator:
         verify_keys, propose_keys = [], []
         try:
             for r in rows:
-                r.key, propose_key, verify_key = mx.random.split(r.key, 3)
+                propose_key, verify_key = r.step_keys()
                 propose_keys.append(propose_key)
                 verify_keys.append(verify_key)
             plans = self._plans(rows)
@@ -715,21 +724,16 @@ class BatchSpeculator:
                     rows.append(b)
                     drawn.append(verify_chain(logits[b : b + 1], empty, None, fed[b].sampling,
                                               keys[b])[1].reshape(1))
-            else:
+            else:  # unseeded: MLX's global generator
                 idx = mx.array(members, mx.int32)
                 rows.extend(members)
-                drawn.append(sample(probs_from_logits(logits[idx], sampling), keys[members[0]]))
+                drawn.append(sample(probs_from_logits(logits[idx], sampling), None))
         tokens[mx.array(rows, mx.int32)] = mx.concatenate(drawn).astype(mx.uint32)
         return tokens
 
     def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
-        keys = []
-        for r in fed:  # the same splits the step would make when it runs
-            if r is None:
-                keys.append(None)
-                continue
-            r.key, _, verify_key = mx.random.split(r.key, 3)
-            keys.append(verify_key)
+        # the same keys the step would take when it runs
+        keys = [r.step_keys()[1] if r is not None else None for r in fed]
         queued = self._plain_forward(fed, inputs, keys)
         mx.async_eval(queued)
         self.queued = QueuedPlainStep(fed, queued)

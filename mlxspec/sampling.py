@@ -63,5 +63,11 @@ def probs_from_logits(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """One draw per row from probabilities (zeros are never drawn)."""
-    return mx.random.categorical(mx.log(probs), key=key)
+    """One draw per row (the last axis) from probabilities; zeros are never drawn.
+
+    The inverse CDF: token i where cdf[i-1] <= u < cdf[i], u uniform over [0, total). No
+    transcendental op per vocabulary entry (a categorical over log(p) takes three: on MLX's
+    CPU backend, where exp and log are not vectorised, 0.5 ms each over a batch of 8)."""
+    cdf = mx.cumsum(probs.astype(mx.float32), axis=-1)
+    u = mx.random.uniform(shape=probs.shape[:-1] + (1,), key=key) * cdf[..., -1:]
+    return (cdf <= u).sum(axis=-1).astype(mx.uint32)

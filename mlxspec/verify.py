@@ -31,19 +31,21 @@ def verify_greedy(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array
 
 
 def verify_sampled(
-    p: mx.array, draft: mx.array, q: mx.array | None, key: mx.array
+    p: mx.array, draft: mx.array, q: mx.array | None, key: mx.array | None
 ) -> tuple[mx.array, mx.array]:
     """Temperature > 0, exact for any proposal.
 
     p: (k + 1, vocab) target probabilities; draft: (k,) proposed ids; q: (k, vocab) the draft's
-    probabilities, or None for a deterministic proposal (q one-hot at the proposed token).
+    probabilities, or None for a deterministic proposal (q one-hot at the proposed token);
+    key: None draws from MLX's global generator.
 
     With q (Leviathan et al. / Chen et al.): accept x with probability min(1, p(x)/q(x)); on
     rejection sample from normalize(max(0, p - q)). With q one-hot this becomes: accept x with
     probability p(x); on rejection sample from p with x removed. Bonus from p when all accepted.
     """
     k = draft.size
-    accept_key, sample_key = mx.random.split(key)
+    # no key: MLX's global generator (a draw that need not be reproducible)
+    accept_key, sample_key = mx.random.split(key) if key is not None else (None, None)
     if k == 0:
         return mx.array(0, dtype=mx.int32), sample(p[0], sample_key)
     p_draft = p[:k]
