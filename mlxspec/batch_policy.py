@@ -41,6 +41,7 @@ Exactness does not depend on any of this: the policy chooses k only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -158,38 +159,47 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
     """The per-row k maximising expected tokens per second of the batched step, and that
     rate. Candidates: every width W from the forced minimum to 1 + the largest cap, with the
     draft rows drafting or not; a step with a proposal is synced, an all-plain one is not
-    when `pipelined`."""
+    when `pipelined`. Asked every step: plain Python over a few rows (numpy's per-call cost
+    is larger than the arithmetic here)."""
     if not offers:
         return [], 0.0
     rows = max(rows or 0, len(offers))
-    coef = cost.coef()
-    # E_b(k) = 1 + s_1 + ... + s_k
-    expected = [np.concatenate([[1.0], 1.0 + np.cumsum(o.survive)]) for o in offers]
+    a, s, n, m, e, d = (float(x) for x in cost.coef())
+
+    def seconds(width: int, proposed: int, draft_forwards: int, synced: bool) -> float:
+        queries = rows * width
+        return max(a + s * synced + n * queries + m * queries * (span + width) / 1024
+                   + e * proposed + d * draft_forwards, 1e-12)
+
     forced = [min(o.forced, o.cap) for o in offers]
+    plain = len(offers) / seconds(1, 0, 0, not pipelined)
+    # E_b(k) = 1 + s_1 + ... + s_k
+    expected = [list(accumulate(o.survive, initial=1.0)) for o in offers]
+    if not any(forced) and sum(x[-1] for x in expected) / seconds(2, 0, 0, True) <= plain:
+        return [0] * len(offers), plain  # no width can pay: every term only adds time
     widest = 1 + max(o.cap for o in offers)
     narrowest = 1 + max(forced)
     has_draft = any(o.draft and o.cap for o in offers)
     best_ks, best_rate = None, last_rate
     # A position pays when its survival beats its own marginal cost e * R (R the best rate:
     # Dinkelbach's iteration for a ratio, started from the last step's rate; two rounds).
-    for _ in range(2 if coef[PROPOSED] > 0 else 1):
-        threshold = coef[PROPOSED] * best_rate
-        worth = [sum(1 for s in o.survive if s > threshold) for o in offers]  # s non-increasing
+    for _ in range(2 if e > 0 else 1):
+        threshold = e * best_rate
+        worth = [sum(1 for x in o.survive if x > threshold) for o in offers]  # non-increasing
         round_ks, round_rate, seen = None, 0.0, set()
         for width in range(narrowest, widest + 1):
             for drafting in ((False, True) if has_draft else (False,)):
                 ks = []
-                for o, n, f in zip(offers, worth, forced):
-                    k = min(o.cap, width - 1, n) if drafting or not o.draft else 0
+                for o, w, f in zip(offers, worth, forced):
+                    k = min(o.cap, width - 1, w) if drafting or not o.draft else 0
                     ks.append(max(k, f))
                 shape = tuple(ks)
                 if shape in seen:
                     continue
                 seen.add(shape)
                 draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
-                t = cost.time(rows, 1 + max(ks), sum(ks), draft_forwards, span,
-                              synced=not pipelined or any(ks))
-                rate = sum(e[k] for e, k in zip(expected, ks)) / max(t, 1e-12)
+                t = seconds(1 + max(ks), sum(ks), draft_forwards, not pipelined or any(ks))
+                rate = sum(x[k] for x, k in zip(expected, ks)) / t
                 if round_ks is None or rate > round_rate * (1.0 + margin) * 1.0001:
                     round_ks, round_rate = ks, rate
         if best_ks is None or round_rate >= best_rate:
