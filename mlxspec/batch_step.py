@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import caches
 from .batch_draft import BatchDraft, draft_proposer
-from .batch_policy import BatchPolicy, RowOffer, survival
+from .batch_policy import BatchPolicy, RowOffer, choose_ks, survival
 from .engine import (
     MAX_NUM_DRAFT,
     Engine,
@@ -54,6 +54,8 @@ from .stats import Stats
 from .step import StepResult, verify_chain
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
+# the acceptance at which a probed arm is judged: a probe is forced only where it could pay
+OPTIMISTIC = 0.9
 
 # ----------------------------------------------------------------------------- the cache
 
@@ -807,20 +809,33 @@ class BatchSpeculator:
         self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds, span,
                            synced=False)
 
-    def _limit_probes(self, offers: list[tuple[str, RowOffer]],
-                      commit: bool = True) -> list[tuple[str, RowOffer]]:
+    def _limit_probes(self, offers: list[tuple[str, RowOffer]], commit: bool = True,
+                      span: int = 0, pipelined: bool = False) -> list[tuple[str, RowOffer]]:
         """A forced probe makes the whole batch take a synced, wider step, and every row has
         its own probe schedule: at most one forced step every `probe_gap` steps for the
-        batch (a row's probe not forced now stays due, and the batch may still take it
-        where it pays)."""
+        batch, and only for an arm that could pay here (were it accepted at `OPTIMISTIC`,
+        the batch would give the row a k): what cannot pay in a batch this wide is not worth
+        a wide step to learn. A probe not forced stays due (the row's policy asks again), and
+        the batch may still take it where it pays."""
         if not any(o.probe for _, o in offers):
             return offers
-        if self.steps - self._last_probe >= self.probe_gap:
-            if commit:
-                self._last_probe = self.steps
-            return offers
-        return [(source, RowOffer(o.survive, o.draft) if o.probe else o)
-                for source, o in offers]
+        unforced = [(source, RowOffer(o.survive, o.draft) if o.probe else o)
+                    for source, o in offers]
+        if self.steps - self._last_probe < self.probe_gap:
+            return unforced
+        out = list(unforced)
+        for i, (source, o) in enumerate(offers):
+            if not o.probe:
+                continue
+            hopeful = [x for _, x in unforced]
+            hopeful[i] = RowOffer(survival([OPTIMISTIC] * o.cap, o.cap), o.draft)
+            ks, _ = choose_ks(self.policy.cost, hopeful, rows=len(self.slots), span=span,
+                              pipelined=pipelined)
+            if ks[i]:
+                out[i] = (source, o)
+        if commit and any(o.probe for _, o in out):
+            self._last_probe = self.steps
+        return out
 
     def _alone_adaptive(self) -> bool:
         """One adaptive row: planned as alone, by its own policy (measured on its own steps;
@@ -833,9 +848,10 @@ class BatchSpeculator:
         only asking (a forced probe allowed now is not counted as taken)."""
         if self.policy is None or self._alone_adaptive():
             return [r.plan() for r in rows]
-        offers = self._limit_probes([r.offer() for r in rows], commit)
-        ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=self._span(),
-                                pipelined=self._can_pipeline(rows))
+        span, pipelined = self._span(), self._can_pipeline(rows)
+        offers = self._limit_probes([r.offer() for r in rows], commit, span, pipelined)
+        ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=span,
+                                pipelined=pipelined)
         return [(source, k) for (source, _), k in zip(offers, ks)]
 
     def _span(self) -> int:

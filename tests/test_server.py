@@ -477,6 +477,13 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
         assert sum(flags) >= 2
         assert out[-1]["choices"][0]["text"] == want_seeded["choices"][0]["text"], out[-1]["usage"]["speculative"]
         assert not out[-1]["usage"]["speculative"]["batched_speculative"]
+        # /metrics counts the requests the batched step served (the first, alone, included)
+        conn = http.client.HTTPConnection(*srv.url.removeprefix("http://").split(":"))
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        line = next(x for x in metrics.splitlines()
+                    if x.startswith("mlxspec_batched_speculative_generations_total "))
+        assert int(line.split()[-1]) == 1 + sum(flags)
     finally:
         stop(srv)
 

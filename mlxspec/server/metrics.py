@@ -49,6 +49,7 @@ class Metrics:
         self.prediction_rejected = 0
         self.forwards: dict[str, int] = defaultdict(int)
         self.batched = 0
+        self.batched_speculative = 0
         self.disconnects = 0
         self.cancels = 0
         self.failures = 0
@@ -74,6 +75,7 @@ class Metrics:
             self.prediction_accepted += u.prediction_accepted
             self.prediction_rejected += u.prediction_rejected
             self.batched += u.batched
+            self.batched_speculative += u.batched_speculative
 
     def queue_seconds(self, seconds: float) -> None:
         with self.lock:
@@ -139,6 +141,10 @@ class Metrics:
             metric("mlxspec_batched_generations_total", "counter",
                    "Generations run by batched plain decoding (above --spec-max-concurrency).",
                    [f"mlxspec_batched_generations_total {self.batched}"])
+            metric("mlxspec_batched_speculative_generations_total", "counter",
+                   "Generations verified in the batched speculative step (one target forward "
+                   "for every such request).",
+                   [f"mlxspec_batched_speculative_generations_total {self.batched_speculative}"])
             metric("mlxspec_client_disconnects_total", "counter",
                    "Requests whose client went away before the answer was complete.",
                    [f"mlxspec_client_disconnects_total {self.disconnects}"])
