@@ -607,13 +607,13 @@ class BatchSpeculator:
             row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
         if not self.rows:
             self.cache, self.queued, self.slots = None, None, []
-        elif self.queued is None:
+        else:
             self._compact()
 
     def _compact(self) -> None:
         """Drop the empty slots once they are half the batch (each costs a row's compute in
-        every forward); one copy of the cache. Not while a step is queued (its rows are
-        listed by slot)."""
+        every forward); one copy of the cache. A queued step's rows and tokens, listed by
+        slot, follow."""
         empty = self.slots.count(None)
         if not empty or empty * 2 < len(self.slots):
             return
@@ -621,6 +621,10 @@ class BatchSpeculator:
         for c in self.cache:
             c.keep_rows(keep)
         self.slots = [self.slots[b] for b in keep]
+        q = self.queued
+        if q is not None:
+            q.rows = [q.rows[b] for b in keep]
+            q.tokens = q.tokens[mx.array(keep, mx.int32)]
 
     # -- the step
     def step(self) -> None:

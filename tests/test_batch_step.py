@@ -181,6 +181,34 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     assert {r.stats.accepted for r in rows[:2]} != {0}  # ragged: rows accepted differently
 
 
+def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
+    """A row that leaves empties its slot (no copy of the batch), the next request is
+    written into it, and once half the slots are empty the batch is compacted; outputs equal
+    each request alone throughout."""
+    target, draft = pair
+    base = make_engine(target, mode="ngram", draft_model=draft)
+    reqs = [REQUESTS[i] for i in (0, 2, 4, 5, 7)]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows, outs = [], [[] for _ in reqs]
+    opener = open_in(batch, lambda i: base.clone(), reqs, rows)
+    for i in range(4):
+        opener(i)()
+    drain(rows, outs, rounds=3)
+    rows[1].close()  # leaves: its slot empties, the batch is not copied
+    assert batch.slots[1] is None and len(batch.slots) == 4
+    assert batch.cache[0].keys.shape[0] == 4
+    opener(4)()  # the next request takes the empty slot
+    assert batch.slots[1] is rows[4] and len(batch.slots) == 4
+    rows[2].close()
+    rows[3].close()  # half the slots empty: compacted to the two rows left
+    assert batch.slots == [rows[0], rows[4]] and batch.cache[0].keys.shape[0] == 2
+    drain(rows, outs)
+    assert outs[0] == want[0] and outs[4] == want[4]
+    for i in (1, 2, 3):
+        assert outs[i] == want[i][: len(outs[i])]
+
+
 def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     """One row runs the engine's own loop (the same steps: the same forwards); closing it
     gives its cache back holding all but the last token, and the next request reuses it as
