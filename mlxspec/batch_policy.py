@@ -45,11 +45,11 @@ from itertools import accumulate
 
 import numpy as np
 
-# prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept: a synced
-# step's unhidden host work ~30 %, a query row ~5 % plus ~40 % per 1024 keys attended, a
-# proposed token's own work ~1 %, a draft forward ~30 % (the bundled 6.4 M target on this
-# CPU: `bench/bench_batch_cost.py`)
-PRIOR = (1.0, 0.3, 0.05, 0.4, 0.01, 0.3)
+# prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept: a query
+# row 3.5 % plus 26 % per 1024 keys attended (the bundled 6.4 M target's forward on this CPU,
+# fitted by `python bench/bench_batch_cost.py`), a synced step's unhidden host work ~30 %, a
+# proposed token's own work ~1 %, a draft forward ~30 %
+PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 # the feature values at which the prior counts as `prior_weight` observations
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
 PROPOSED = 4  # index of K in the features
@@ -171,15 +171,16 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
         return max(a + s * synced + n * queries + m * queries * (span + width) / 1024
                    + e * proposed + d * draft_forwards, 1e-12)
 
-    forced = [min(o.forced, o.cap) for o in offers]
+    caps = [len(o.survive) for o in offers]
+    forced = [min(o.forced, cap) for o, cap in zip(offers, caps)]
     plain = len(offers) / seconds(1, 0, 0, not pipelined)
     # E_b(k) = 1 + s_1 + ... + s_k
     expected = [list(accumulate(o.survive, initial=1.0)) for o in offers]
     if not any(forced) and sum(x[-1] for x in expected) / seconds(2, 0, 0, True) <= plain:
         return [0] * len(offers), plain  # no width can pay: every term only adds time
-    widest = 1 + max(o.cap for o in offers)
+    widest = 1 + max(caps)
     narrowest = 1 + max(forced)
-    has_draft = any(o.draft and o.cap for o in offers)
+    has_draft = any(o.draft and cap for o, cap in zip(offers, caps))
     best_ks, best_rate = None, last_rate
     # A position pays when its survival beats its own marginal cost e * R (R the best rate:
     # Dinkelbach's iteration for a ratio, started from the last step's rate; two rounds).
@@ -190,8 +191,8 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
         for width in range(narrowest, widest + 1):
             for drafting in ((False, True) if has_draft else (False,)):
                 ks = []
-                for o, w, f in zip(offers, worth, forced):
-                    k = min(o.cap, width - 1, w) if drafting or not o.draft else 0
+                for o, cap, w, f in zip(offers, caps, worth, forced):
+                    k = min(cap, width - 1, w) if drafting or not o.draft else 0
                     ks.append(max(k, f))
                 shape = tuple(ks)
                 if shape in seen:

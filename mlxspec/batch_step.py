@@ -816,30 +816,27 @@ class BatchSpeculator:
     def _limit_probes(self, offers: list[tuple[str, RowOffer]], commit: bool = True,
                       span: int = 0, pipelined: bool = False) -> list[tuple[str, RowOffer]]:
         """A forced probe makes the whole batch take a synced, wider step, and every row has
-        its own probe schedule: at most one forced step every `probe_gap` steps for the
-        batch, and only for an arm that could pay here (were it accepted at `OPTIMISTIC`,
-        the batch would give the row a k): what cannot pay in a batch this wide is not worth
-        a wide step to learn. A probe not forced stays due (the row's policy asks again), and
-        the batch may still take it where it pays."""
-        if not any(o.probe for _, o in offers):
+        its own probe schedule: the batch considers forcing probes once every `probe_gap`
+        steps, and forces them only where an arm could pay here (were the first probing
+        row's arm accepted at `OPTIMISTIC`, the batch would give it a k): what cannot pay in
+        a batch this wide is not worth a wide step to learn. A probe not forced stays due
+        (the row's policy asks again), and the batch may still take it where it pays."""
+        probing = [i for i, (_, o) in enumerate(offers) if o.probe]
+        if not probing:
             return offers
         unforced = [(source, RowOffer(o.survive, o.draft) if o.probe else o)
                     for source, o in offers]
         if self.steps - self._last_probe < self.probe_gap:
             return unforced
-        out = list(unforced)
-        for i, (source, o) in enumerate(offers):
-            if not o.probe:
-                continue
-            hopeful = [x for _, x in unforced]
-            hopeful[i] = RowOffer(survival([OPTIMISTIC] * o.cap, o.cap), o.draft)
-            ks, _ = choose_ks(self.policy.cost, hopeful, rows=len(self.slots), span=span,
-                              pipelined=pipelined)
-            if ks[i]:
-                out[i] = (source, o)
-        if commit and any(o.probe for _, o in out):
+        if commit:
             self._last_probe = self.steps
-        return out
+        first = offers[probing[0]][1]
+        hopeful = [o for _, o in unforced]
+        hopeful[probing[0]] = RowOffer(survival([OPTIMISTIC] * first.cap, first.cap),
+                                       first.draft)
+        ks, _ = choose_ks(self.policy.cost, hopeful, rows=len(self.slots), span=span,
+                          pipelined=pipelined)
+        return offers if ks[probing[0]] else unforced
 
     def _alone_adaptive(self) -> bool:
         """One adaptive row: planned as alone, by its own policy (measured on its own steps;

@@ -402,7 +402,7 @@ def test_plain_steps_alone_teach_the_batch_the_price_of_width():
                 learned.observe(b, 1, 0, 0, seconds(b, 1, span), span, synced=False)
     assert learned.cost.time(4, 3, 8, span=800, synced=False) == pytest.approx(
         seconds(4, 3, 800), rel=0.1)
-    assert learned.decide(offers(0.6, 4), span=800) == [0, 0, 0, 0]
+    assert learned.decide(offers(0.6, 4), span=800, pipelined=True) == [0, 0, 0, 0]
     assert min(learned.decide(offers(0.99, 1, cap=8), span=100)) >= 6  # near-certain: pays
 
 
