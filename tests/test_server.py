@@ -450,7 +450,11 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
     from server_helpers import post, start, stop
 
     engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    round_robin = start(engine, batch_spec=False)  # each speculative request its own forward
+    assert round_robin.worker.spec_max_concurrency == 2
+    stop(round_robin)
     srv = start(engine)
+    assert srv.worker.spec_max_concurrency == 32  # an upper bound: the batch steps plainly
     try:
         status, payload, _ = post(srv.url, "/v1/completions",
                                   {"prompt": CONCURRENT[0], "max_tokens": 12, "temperature": 0})
@@ -459,7 +463,7 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
         assert alone["choices"][0]["text"] == ref["concurrent"][0].text
         seeded = {"prompt": CONCURRENT[1], "max_tokens": 12, "temperature": 1.0, "seed": 5}
         want_seeded = json.loads(post(srv.url, "/v1/completions", seeded)[1])
-        out = [None] * 7  # within --spec-max-concurrency (8): none in the plain batch
+        out = [None] * 7  # within --spec-max-concurrency (32): none in the plain batch
 
         def run(i):
             body = seeded if i == 6 else {

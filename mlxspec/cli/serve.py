@@ -37,10 +37,12 @@ def parse_size(text: str) -> int:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Loopback by default; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=int, default=8080, show_default=True)
-@click.option("--spec-max-concurrency", type=int, default=8, show_default=True,
+@click.option("--spec-max-concurrency", type=int, default=None,
               help="At most this many requests speculate at once (verified together in one "
-                   "batched forward where the model allows); above it, new requests run in a "
-                   "batch of plain decoding. 0: never speculate.")
+                   "batched forward where the model allows, each row stepping plainly where "
+                   "its proposal does not pay); above it, new requests run in a batch of plain "
+                   "decoding. 0: never speculate. Default 32 (2 with --no-batch-spec, where "
+                   "each speculative request costs a forward of its own).")
 @click.option("--max-batch", type=int, default=8, show_default=True,
               help="Most requests decoded together in the plain-decoding batch.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
@@ -112,7 +114,10 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
+    from ..server.worker import SPEC_MAX_CONCURRENCY
 
+    if spec_max_concurrency is None:
+        spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
     if spec_max_concurrency < 0 or max_batch < 1 or max_queue < 1:
         raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
     if max_connections < 1 or read_timeout <= 0 or write_timeout <= 0 or shutdown_grace < 0 or (

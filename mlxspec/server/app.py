@@ -26,7 +26,7 @@ from ..proposers import MODES
 from . import protocol as P
 from .metrics import Metrics
 from .protocol import ApiError, RequestParser, ServerConfig, Usage
-from .worker import Delta, Done, Failed, Job, Worker
+from .worker import SPEC_MAX_CONCURRENCY, Delta, Done, Failed, Job, Worker
 
 log = logging.getLogger("mlxspec.server")
 
@@ -147,7 +147,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024  # the listen backlog (the standard library's is 5)
 
-    def __init__(self, address, engine: Engine, *, spec_max_concurrency: int = 8,
+    def __init__(self, address, engine: Engine, *, spec_max_concurrency: int | None = None,
                  max_batch: int = 8, max_queue: int = 64, cache_bytes: int = 2 << 30,
                  cache_entries: int = 8, prefill_chunk: int = 512,
                  max_body_bytes: int = 16 << 20,
@@ -159,6 +159,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  read_timeout: float = 30.0, write_timeout: float = 30.0,
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
                  batch_spec: bool = True):
+        if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
+            spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6

@@ -39,6 +39,11 @@ from ..stopstrings import StopMatcher
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
+# Requests speculating at once by default (batched): above it, mlx-lm's plain batch. The
+# batched step steps plainly where proposals do not pay, so this is an upper bound, not the
+# switch: 16 clients all in the batched step beat 8 there and 8 in a second, plain batch
+# (`bench/bench_server.py --configs default,bspec8,plain`, docs/PERFORMANCE.md).
+SPEC_MAX_CONCURRENCY = 32
 
 
 # ----------------------------------------------------------------------------- events
@@ -195,7 +200,8 @@ class TextStream:
 
 
 class Worker(threading.Thread):
-    def __init__(self, engine: Engine, *, spec_max_concurrency: int = 8, max_batch: int = 8,
+    def __init__(self, engine: Engine, *, spec_max_concurrency: int = SPEC_MAX_CONCURRENCY,
+                 max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
                  batch_spec: bool = True):
