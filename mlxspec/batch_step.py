@@ -323,6 +323,9 @@ class BatchRow:
         self.shadow = None if isinstance(policy, AdaptiveK) else AdaptiveK(
             max_k=max(policy.max_k, 1), dither=False)
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
+        # (context length, source, tokens): what a free source would have proposed when the
+        # batch kept the row plain, compared with what the row commits next (`watch`)
+        self.watching: tuple[int, str, list[int]] | None = None
         self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
@@ -420,6 +423,32 @@ class BatchRow:
                 policy.observe(source, drafted, accepted, seconds)
             else:
                 policy.observe_plain(1, seconds)
+        self._check_watch()
+
+    def watch(self, source: str, k: int) -> None:
+        """The batch keeps this row plain although `source` offered k tokens: when they cost
+        nothing to make (`Proposer.peek`), remember them and, as the row commits tokens,
+        count how many would have been accepted (`AdaptiveK.observe_acceptance`). Without
+        this a source kept off by the batch's cost is never measured again, and an estimate
+        too low to pay keeps it off for good."""
+        if self.watching is not None or not k or self.proposer is None:
+            return
+        tokens = self.proposer.peek(self.context, k, source)
+        if tokens:
+            self.watching = (len(self.context), source, tokens)
+
+    def _check_watch(self) -> None:
+        if self.watching is None:
+            return
+        start, source, tokens = self.watching
+        seen = self.context[start : start + len(tokens)]
+        n = next((i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b), len(seen))
+        if n == len(seen) < len(tokens):
+            return  # all matched so far, not all seen yet
+        self.watching = None
+        for policy in (self.policy, self.shadow):
+            if isinstance(policy, AdaptiveK):
+                policy.observe_acceptance(source, len(tokens), n)
 
     def __iter__(self) -> Iterator[StepOutput]:
         return self
@@ -613,7 +642,7 @@ class BatchSpeculator:
     def _compact(self) -> None:
         """Drop the empty slots once they are half the batch (each costs a row's compute in
         every forward); one copy of the cache. A queued step's rows and tokens, listed by
-        slot, follow."""
+        the slots it was queued with, follow."""
         empty = self.slots.count(None)
         if not empty or empty * 2 < len(self.slots):
             return
@@ -622,9 +651,10 @@ class BatchSpeculator:
             c.keep_rows(keep)
         self.slots = [self.slots[b] for b in keep]
         q = self.queued
-        if q is not None:
-            q.rows = [q.rows[b] for b in keep]
-            q.tokens = q.tokens[mx.array(keep, mx.int32)]
+        if q is not None:  # slots added since it was queued are not in it
+            kept = [b for b in keep if b < len(q.rows)]
+            q.rows = [q.rows[b] for b in kept]
+            q.tokens = q.tokens[mx.array(kept, mx.int32)]
 
     # -- the step
     def step(self) -> None:
@@ -853,6 +883,11 @@ class BatchSpeculator:
         offers = self._limit_probes([r.offer() for r in rows], commit, span, pipelined)
         ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=span,
                                 pipelined=pipelined)
+        for r, (source, offer), k in zip(rows, offers, ks):
+            if k:
+                r.watching = None  # measured by the step itself
+            elif not offer.draft:
+                r.watch(source, offer.cap)
         return [(source, k) for (source, _), k in zip(offers, ks)]
 
     def _span(self) -> int:

@@ -257,6 +257,32 @@ class AdaptiveK:
         self._since_plain += 1
         self._fresh_plain = 0
         was_off = self.choose(source) == 0
+        self._count(source, drafted, accepted)
+        # What this step lost against plain decoding, in tokens, before the outlier clip: a
+        # probe of a draft model also pays its catch-up on the tokens it skipped.
+        lost = seconds / self._plain() - (accepted + 1)
+        cost = self.costs.setdefault(cost_group(source), CostEstimate())
+        if cost.w:
+            seconds = min(seconds, self.outlier * self.step_time(source, drafted))
+        cost.add(drafted, seconds, d)
+        self._memo.clear()
+        self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
+
+    def observe_acceptance(self, source: str, drafted: int, accepted: int) -> None:
+        """Acceptance alone, measured without a step: the first `accepted` of `drafted`
+        tokens a deterministic source would have proposed were then committed (the batched
+        step watches a source it keeps from proposing, `batch_step.BatchRow.watch`; at
+        temperature 0 exactly what verifying them would have accepted, above it the same in
+        expectation: a one-hot proposal is accepted with the probability of drawing it)."""
+        if not drafted:
+            return
+        self._count(source, drafted, accepted)
+        self._memo.clear()
+        if self.choose(source) > 0:
+            self.probes.pop(source, None)
+
+    def _count(self, source: str, drafted: int, accepted: int) -> None:
+        d = self.decay
         est = self.sources.setdefault(source, SourceEstimate())
         while len(est.reached) < drafted:
             est.reached.append(0.0)
@@ -268,15 +294,6 @@ class AdaptiveK:
             est.reached[i] += 1.0
             if i < accepted:
                 est.accepted[i] += 1.0
-        # What this step lost against plain decoding, in tokens, before the outlier clip: a
-        # probe of a draft model also pays its catch-up on the tokens it skipped.
-        lost = seconds / self._plain() - (accepted + 1)
-        cost = self.costs.setdefault(cost_group(source), CostEstimate())
-        if cost.w:
-            seconds = min(seconds, self.outlier * self.step_time(source, drafted))
-        cost.add(drafted, seconds, d)
-        self._memo.clear()
-        self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
 
     def _schedule_probe(self, source: str, failed_probe: bool, lost: float = 0.0) -> None:
         """After a step from `source`: when it is (still) off, when to try it again (twice as

@@ -208,6 +208,26 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     for i in (1, 2, 3):
         assert outs[i] == want[i][: len(outs[i])]
 
+    # With a plain step queued: a request joining in a new slot is not in that step, and the
+    # compaction after two leave keeps the queued step's tokens with their rows.
+    plain = [(list(range(3, 30)), "none", 20, {}), ([7, 1, 9, 4], "none", 12, {}),
+             (list(range(100, 120)), "none", 18, {}), ([50, 60, 70], "none", 15, {})]
+    want = alone(base, plain)
+    batch = BatchSpeculator(target)
+    rows, outs = [], [[] for _ in plain]
+    opener = open_in(batch, lambda i: base.clone(), plain, rows)
+    for i in range(3):
+        opener(i)()
+    drain(rows, outs, rounds=3)
+    assert batch.queued is not None
+    opener(3)()
+    assert len(batch.slots) == 4 and len(batch.queued.rows) == 3
+    rows[0].close()
+    rows[1].close()
+    assert batch.slots == [rows[2], rows[3]] and batch.queued.rows == [rows[2]]
+    drain(rows, outs)
+    assert outs[2:] == want[2:]
+
 
 def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     """One row runs the engine's own loop (the same steps: the same forwards); closing it
@@ -592,6 +612,37 @@ def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
     batch.slots = [None] * 8
     lone_draft = ("draft", RowOffer(probe[1].survive, draft=True, forced=4, probe=True))
     assert batch._limit_probes([lone_draft] + others, span=100)[0][1].forced == 0
+
+
+def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
+    """Where the batch's cost keeps rows plain, what their free source would have proposed is
+    compared with what they commit (`BatchRow.watch`): a prediction equal to the answer
+    measures as mostly accepted, one wrong at every other token as mostly rejected, and no
+    step speculated."""
+    from mlxspec.policy import AdaptiveK
+
+    target, _ = pair
+    base = make_engine(target, mode="ngram")
+    prompt = [5, 9, 2, 7, 11, 3]
+    answer = base.clone().generate(prompt, max_tokens=24, mode="none").tokens
+    dear = (1.0, 0.3, 3.0, 2.0, 0.01, 3.0)  # width never pays
+    batch = BatchSpeculator(target, policy=FrozenPolicy(BatchCost(prior=dear)))
+    right, wrong = AdaptiveK(max_k=4, dither=False), AdaptiveK(max_k=4, dither=False)
+    rows = [batch.open(base.clone(), prompt, max_tokens=24, prediction=answer, policy=right),
+            batch.open(base.clone(), prompt, max_tokens=24,
+                       prediction=[t ^ (i % 2) for i, t in enumerate(answer)], policy=wrong)]
+    outs = [[], []]
+    drain(rows, outs)
+    assert outs == [answer, answer] and all(r.stats.drafted == 0 for r in rows)
+
+    def measured(policy):
+        est = [e for source, e in policy.sources.items() if source.startswith("prediction")]
+        return sum(e.reached[0] for e in est), sum(e.accepted[0] for e in est)
+
+    reached, accepted = measured(right)  # (a repeated n-gram may point elsewhere)
+    assert reached >= 3 and accepted / reached > 0.6
+    reached, accepted = measured(wrong)
+    assert reached >= 3 and accepted / reached < 0.2
 
 
 # ----------------------------------------------------------------------------- T > 0

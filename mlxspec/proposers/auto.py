@@ -48,6 +48,9 @@ class AutoProposer(Proposer):
             return self.draft.propose(context, num_draft, key)
         return self.ngram.propose(context, num_draft, key)
 
+    def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
+        return None if source == "draft" else self.ngram.peek(context, num_draft, source)
+
     def update(self, context: list[int], num_accepted: int) -> None:
         self.ngram.update(context, num_accepted)
         if self.draft is not None:

@@ -98,6 +98,13 @@ class Proposer:
         means "nothing worth verifying": the engine then takes a plain step."""
         return None
 
+    def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
+        """The tokens `propose` would return from `source` now, on the host, where that costs
+        nothing (a lookup); None otherwise (a model's draft). The batched step compares them
+        with what the row then commits, to keep measuring a source it does not propose from
+        (`BatchRow.watch`)."""
+        return None
+
     def update(self, context: list[int], num_accepted: int) -> None:
         """After verification: `context` is the committed sequence, `num_accepted` of the
         proposal's tokens were accepted. Roll back any private state past the accepted part.

@@ -102,6 +102,10 @@ class NgramProposer(Proposer):
         found = self._lookup(context, num_draft)
         return Proposal(tokens=found[1][:num_draft], source=found[0]) if found else None
 
+    def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
+        found = self._lookup(context, num_draft) if num_draft > 0 else None
+        return list(found[1][:num_draft]) if found else None
+
     def update(self, context: list[int], num_accepted: int) -> None:
         self._catch_up(context)
 
