@@ -5,6 +5,7 @@ against the number of concurrent clients, each configuration against plain batch
     python bench/bench_server.py --clients 1,2,4,8,16,32 --modes ngram,draft \
         --workloads grounded,free --configs default,spec,plain --repeat 2
     python bench/bench_server.py --burst 256 --soak 10   # load and abuse (bench_soak.py)
+    python bench/bench_server.py --no-http ...            # the worker alone, no HTTP threads
 
 For each configuration a real server runs in this process on a free loopback port, and N client
 threads each send R `/v1/completions` requests one after another (closed loop), each asking
@@ -129,11 +130,34 @@ def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
     return time.perf_counter() - start, data["usage"]
 
 
+def worker_request(srv, prompt: str, max_tokens: int, mode: str | None = None,
+                   temperature: float = 0.0, seed: int | None = None) -> tuple[float, dict]:
+    """`one_request` without HTTP: the request goes to the server's worker directly, as its
+    handler would queue it (--no-http: the worker's own figures, without the handler threads'
+    share of 2 cores)."""
+    from mlxspec.server.protocol import GenRequest
+    from mlxspec.server.worker import Done, Failed
+
+    ids = srv.engine.encode(prompt)
+    start = time.perf_counter()
+    job = srv.worker.submit(GenRequest("completions", ids, max_tokens, temperature=temperature,
+                                       seed=seed, mode=mode))
+    while True:
+        event = job.events.get()
+        if isinstance(event, Done):
+            return time.perf_counter() - start, event.usage.openai()
+        if isinstance(event, Failed):
+            raise RuntimeError(f"HTTP {event.error.status}: {event.error}")
+
+
 def run_config(srv, config: tuple[int, bool], clients: int, requests: int, prompts: list[str],
-               max_tokens: int, mode: str | None = None, temperature: float = 0.0) -> dict:
+               max_tokens: int, mode: str | None = None, temperature: float = 0.0,
+               http: bool = True) -> dict:
     # One server (one worker thread) for all runs; the policy threshold is set per run.
     srv.worker.spec_max_concurrency, srv.worker.batch_spec = config
-    one_request(srv.url, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
+    send = one_request if http else worker_request
+    target = srv.url if http else srv
+    send(target, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
     srv.worker.cache.clear()
     latencies, usages, errors = [], [], []
     lock = threading.Lock()
@@ -142,8 +166,7 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
         for r in range(requests):
             i = c * requests + r
             try:
-                t, u = one_request(srv.url, prompts[i % len(prompts)], max_tokens, mode,
-                                   temperature)
+                t, u = send(target, prompts[i % len(prompts)], max_tokens, mode, temperature)
             except Exception as e:  # reported, not hidden
                 with lock:
                     errors.append(str(e))
@@ -195,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="sweeps; cells are measured interleaved and pooled over sweeps")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--no-http", action="store_true",
+                    help="submit to the server's worker directly (no HTTP handler threads "
+                         "sharing the cores: steadier cells)")
     # Load and abuse (bench_soak.py): a burst of connections, a soak of mixed traffic.
     ap.add_argument("--burst", type=int, default=0, help="N simultaneous connections")
     ap.add_argument("--soak", type=float, default=0, help="minutes of mixed traffic")
@@ -242,7 +268,7 @@ def main(argv=None) -> int:
     for w, m in cells:  # warm-up: every configuration once, not counted
         for cfg in configs:
             run_config(srv, CONFIGS[cfg], 1, 1, workloads[w][0], args.max_tokens, m,
-                       workloads[w][1])
+                       workloads[w][1], http=not args.no_http)
     raw = {(w, m, c, n): [] for w, m in cells for c in configs for n in clients}
     for _ in range(args.repeat):
         for n in clients:  # configurations interleaved, so that drift hits all alike
@@ -250,7 +276,7 @@ def main(argv=None) -> int:
                 prompts, temperature = workloads[w]
                 for cfg in configs:
                     r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts,
-                                   args.max_tokens, m, temperature)
+                                   args.max_tokens, m, temperature, http=not args.no_http)
                     raw[(w, m, cfg, n)].append(r)
                     print(f"{w} {m} {cfg:7s} clients={n}: {r['tokens'] / r['wall_s']:.1f} "
                           f"tok/s, mean latency {statistics.mean(r['latencies']):.2f}s, "
