@@ -187,14 +187,17 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     each request alone throughout."""
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
-    reqs = [REQUESTS[i] for i in (0, 2, 4, 5, 7)]
-    want = alone(base, reqs)
-    batch = BatchSpeculator(target)
-    rows, outs = [], [[] for _ in reqs]
-    opener = open_in(batch, lambda i: base.clone(), reqs, rows)
-    for i in range(4):
-        opener(i)()
-    drain(rows, outs, rounds=3)
+
+    def started(reqs, opened):
+        """The batch after `opened` of `reqs` ran 3 rounds; the others open later."""
+        batch, rows, outs = BatchSpeculator(target), [], [[] for _ in reqs]
+        opener = open_in(batch, lambda i: base.clone(), reqs, rows)
+        for i in range(opened):
+            opener(i)()
+        drain(rows, outs, rounds=3)
+        return alone(base, reqs), batch, rows, outs, opener
+
+    want, batch, rows, outs, opener = started([REQUESTS[i] for i in (0, 2, 4, 5, 7)], 4)
     rows[1].close()  # leaves: its slot empties, the batch is not copied
     assert batch.slots[1] is None and len(batch.slots) == 4
     assert batch.cache[0].keys.shape[0] == 4
@@ -212,13 +215,7 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     # compaction after two leave keeps the queued step's tokens with their rows.
     plain = [(list(range(3, 30)), "none", 20, {}), ([7, 1, 9, 4], "none", 12, {}),
              (list(range(100, 120)), "none", 18, {}), ([50, 60, 70], "none", 15, {})]
-    want = alone(base, plain)
-    batch = BatchSpeculator(target)
-    rows, outs = [], [[] for _ in plain]
-    opener = open_in(batch, lambda i: base.clone(), plain, rows)
-    for i in range(3):
-        opener(i)()
-    drain(rows, outs, rounds=3)
+    want, batch, rows, outs, opener = started(plain, 3)
     assert batch.queued is not None
     opener(3)()
     assert len(batch.slots) == 4 and len(batch.queued.rows) == 3
