@@ -100,25 +100,17 @@ def join_leave_costs(model) -> None:
     joiner = single(heads, dim, 300, dtype)
     mx.eval(joiner.keys)
 
-    def dense_leave():
-        for c in cache:
-            c.remove_row(3)
-        mx.eval([c.state for c in cache])
+    def on_every_layer(op):
+        def run():
+            for c in cache:
+                op(c)
+            mx.eval([c.state for c in cache])
+        return run
 
-    def dense_join():
-        for c in cache:
-            c.add_row(joiner)
-        mx.eval([c.state for c in cache])
-
-    def slot_leave():
-        for c in cache:
-            c.take_row(3)
-        mx.eval([c.state for c in cache])
-
-    def slot_join():
-        for c in cache:
-            c.put_row(3, joiner)
-        mx.eval([c.state for c in cache])
+    dense_leave = on_every_layer(lambda c: c.remove_row(3))
+    dense_join = on_every_layer(lambda c: c.add_row(joiner))
+    slot_leave = on_every_layer(lambda c: c.take_row(3))
+    slot_join = on_every_layer(lambda c: c.put_row(3, joiner))
 
     def pair(leave, join):
         times = [[], []]

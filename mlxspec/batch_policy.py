@@ -56,10 +56,10 @@ PROPOSED = 4  # index of K in the features
 
 
 def features(rows: int, width: int, proposed: int, draft_forwards: int, span: int = 0,
-             synced: bool = True) -> np.ndarray:
+             synced: bool = True) -> tuple[float, ...]:
     queries = rows * width
-    return np.array([1.0, float(synced), queries, queries * (span + width) / 1024, proposed,
-                     draft_forwards])
+    return (1.0, float(synced), queries, queries * (span + width) / 1024, proposed,
+            draft_forwards)
 
 
 @dataclass
@@ -75,6 +75,7 @@ class BatchCost:
     seconds: float = 0.0  # decayed sum of measured times
     prior_seconds: float = 0.0  # decayed sum of the prior's unit-scale predictions for them
     _coef: np.ndarray | None = None
+    _terms: tuple[float, ...] = ()  # _coef as floats: `time` is asked ~10 times a step
 
     def scale(self) -> float:
         """Seconds per unit of the prior (1.0 before any step: only ratios matter then)."""
@@ -87,18 +88,23 @@ class BatchCost:
             coef = np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior)
             self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
             self._coef[0] = max(self._coef[0], 0.1 * prior[0])
+            self._terms = tuple(float(c) for c in self._coef)
         return self._coef
 
     def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0,
              span: int = 0, synced: bool = True) -> float:
-        """Predicted seconds of a step; `span` the longest row's cached length before it."""
-        return float(self.coef() @ features(rows, width, proposed, draft_forwards, span, synced))
+        """Predicted seconds of a step; `span` the longest row's cached length before it.
+        Plain Python: numpy's per-call cost is larger than this arithmetic."""
+        self.coef()
+        x = features(rows, width, proposed, draft_forwards, span, synced)
+        return sum(c * v for c, v in zip(self._terms, x))
 
     def add(self, rows: int, width: int, proposed: int, draft_forwards: int,
             seconds: float, span: int = 0, synced: bool = True) -> None:
-        x = features(rows, width, proposed, draft_forwards, span, synced)
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
-            seconds = min(seconds, self.outlier * float(self.coef() @ x))
+            seconds = min(seconds, self.outlier * self.time(rows, width, proposed,
+                                                            draft_forwards, span, synced))
+        x = np.array(features(rows, width, proposed, draft_forwards, span, synced))
         d = self.decay
         self.xx = self.xx * d + np.outer(x, x)
         self.xt = self.xt * d + x * seconds
@@ -159,17 +165,14 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
     """The per-row k maximising expected tokens per second of the batched step, and that
     rate. Candidates: every width W from the forced minimum to 1 + the largest cap, with the
     draft rows drafting or not; a step with a proposal is synced, an all-plain one is not
-    when `pipelined`. Asked every step: plain Python over a few rows (numpy's per-call cost
-    is larger than the arithmetic here)."""
+    when `pipelined`. Asked every step: plain Python over a few rows."""
     if not offers:
         return [], 0.0
     rows = max(rows or 0, len(offers))
-    a, s, n, m, e, d = (float(x) for x in cost.coef())
+    e = float(cost.coef()[PROPOSED])
 
     def seconds(width: int, proposed: int, draft_forwards: int, synced: bool) -> float:
-        queries = rows * width
-        return max(a + s * synced + n * queries + m * queries * (span + width) / 1024
-                   + e * proposed + d * draft_forwards, 1e-12)
+        return max(cost.time(rows, width, proposed, draft_forwards, span, synced), 1e-12)
 
     caps = [len(o.survive) for o in offers]
     forced = [min(o.forced, cap) for o, cap in zip(offers, caps)]

@@ -49,6 +49,7 @@ from .engine import (
 from .errors import MlxspecError
 from .policy import AdaptiveK
 from .proposers.base import Proposal
+from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import StepResult, verify_chain
@@ -258,7 +259,7 @@ def batch_decode_step(model, cache: list[RaggedKVCache], last_tokens: list[int],
         if sampling.greedy:
             target, drafted = flat[at : at + k + 1], flat[at + k + 1 : at + 2 * k + 1]
             at += 2 * k + 1
-            n = next((i for i, (t, d) in enumerate(zip(target, drafted)) if t != d), k)
+            n = common_prefix_len(target, drafted)
             nxt = target[n]
         else:
             n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]
@@ -442,7 +443,7 @@ class BatchRow:
             return
         start, source, tokens = self.watching
         seen = self.context[start : start + len(tokens)]
-        n = next((i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b), len(seen))
+        n = common_prefix_len(seen, tokens)
         if n == len(seen) < len(tokens):
             return  # all matched so far, not all seen yet
         self.watching = None

@@ -114,11 +114,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
-    from ..server.worker import SPEC_MAX_CONCURRENCY
 
-    if spec_max_concurrency is None:
-        spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
-    if spec_max_concurrency < 0 or max_batch < 1 or max_queue < 1:
+    if (spec_max_concurrency or 0) < 0 or max_batch < 1 or max_queue < 1:
         raise MlxspecError("--spec-max-concurrency must be >= 0, --max-batch and --max-queue >= 1")
     if max_connections < 1 or read_timeout <= 0 or write_timeout <= 0 or shutdown_grace < 0 or (
             request_timeout is not None and request_timeout <= 0):
@@ -152,8 +149,9 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
         server.worker.batchable = False
     fim = server.parser.fim
     click.echo(f"mlxspec serve: model {server.config.model_name} | mode {engine.mode} "
-               f"(k={engine.num_draft}, speculative up to {spec_max_concurrency} concurrent "
-               f"requests, then batched plain decoding) | FIM {fim.style if fim else 'none'}",
+               f"(k={engine.num_draft}, speculative up to {server.worker.spec_max_concurrency} "
+               f"concurrent requests, then batched plain decoding) | FIM "
+               f"{fim.style if fim else 'none'}",
                err=True)
     if "*" in cors_origins:
         click.echo("warning: --cors-origin '*': every web page open in a browser on this "
