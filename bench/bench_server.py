@@ -27,8 +27,9 @@ by its first lines again, so the answer continues text found in the prompt) and 
 (`mlxspec bench`'s free-text starts, sampled at temperature 1, unseeded: a seeded sampled
 request keeps the single-request loop).
 Prints, per workload and mode, a Markdown table of tok/s and mean latency per configuration
-and each one's ratio to `plain` (tok/s up, latency down: > 1 means it beats plain batching);
-JSON with --json.
+and each one's ratio to `plain` (tok/s up, latency down: > 1 means it beats plain batching),
+pooled over the sweeps and, in brackets, the median of the per-sweep ratios (steadier on a
+shared machine; configurations run in reversed order every other sweep); JSON with --json.
 """
 
 from __future__ import annotations
@@ -206,6 +207,16 @@ def merge(runs: list[dict]) -> dict:
     }
 
 
+def sweep_ratios(runs: list[dict], plain: list[dict]) -> tuple[float, float]:
+    """The median over sweeps of each sweep's ratio to plain (tok/s up, latency down): the two
+    runs of a sweep ran minutes apart at most, so this is steadier than the pooled ratio
+    when the machine's speed drifts."""
+    tps = [r["tokens"] / r["wall_s"] / (p["tokens"] / p["wall_s"]) for r, p in zip(runs, plain)]
+    lat = [statistics.mean(p["latencies"]) / statistics.mean(r["latencies"])
+           for r, p in zip(runs, plain)]
+    return statistics.median(tps), statistics.median(lat)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: bundled, else random)")
@@ -270,11 +281,14 @@ def main(argv=None) -> int:
             run_config(srv, CONFIGS[cfg], 1, 1, workloads[w][0], args.max_tokens, m,
                        workloads[w][1], http=not args.no_http)
     raw = {(w, m, c, n): [] for w, m in cells for c in configs for n in clients}
-    for _ in range(args.repeat):
-        for n in clients:  # configurations interleaved, so that drift hits all alike
+    for sweep in range(args.repeat):
+        # Configurations interleaved, so that drift hits all alike, in reversed order every
+        # other sweep, so that no configuration always runs right after another.
+        order = configs if sweep % 2 == 0 else configs[::-1]
+        for n in clients:
             for w, m in cells:
                 prompts, temperature = workloads[w]
-                for cfg in configs:
+                for cfg in order:
                     r = run_config(srv, CONFIGS[cfg], n, args.requests, prompts,
                                    args.max_tokens, m, temperature, http=not args.no_http)
                     raw[(w, m, cfg, n)].append(r)
@@ -290,7 +304,8 @@ def main(argv=None) -> int:
         others = [c for c in configs if c != "plain"]
         head = "| clients |" + "".join(f" {c} tok/s | {c} latency (s) |" for c in configs)
         if "plain" in configs:
-            head += "".join(f" {c} vs plain: tok/s, latency |" for c in others)
+            head += "".join(f" {c} vs plain: tok/s, latency (median of sweeps) |"
+                            for c in others)
         print(head)
         print("|---:|" + "---:|---:|" * len(configs) + "---:|" * (len(others) if "plain" in configs else 0))
         for i, n in enumerate(clients):
@@ -302,8 +317,10 @@ def main(argv=None) -> int:
                 p = results[f"{w}/{m}/plain"][i]
                 for c in others:
                     r = results[f"{w}/{m}/{c}"][i]
+                    tps, lat = sweep_ratios(r["runs"], p["runs"])
                     row += (f" {r['tokens_per_s'] / p['tokens_per_s']:.2f}×, "
-                            f"{p['mean_latency_s'] / r['mean_latency_s']:.2f}× |")
+                            f"{p['mean_latency_s'] / r['mean_latency_s']:.2f}× "
+                            f"({tps:.2f}×, {lat:.2f}×) |")
             print(row)
         if "spec" in configs:
             acc = ", ".join(f"{r['acceptance']:.2f}" for r in results[f"{w}/{m}/spec"])

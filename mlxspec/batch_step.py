@@ -60,6 +60,32 @@ OPTIMISTIC = 0.9
 
 # ----------------------------------------------------------------------------- the cache
 
+# Every layer of a batch holds the same lengths, so a step's position arrays (RoPE offsets, the
+# slots its new entries go to) are made once for all layers, not once per layer: on a small
+# model the per-op cost of these tiny arrays is a few percent of the step. Keyed by the
+# lengths themselves, so that caches of other batches (a draft's) simply miss.
+_positions: dict = {}
+
+
+def _offset_array(lengths: list[int]) -> mx.array:
+    key = tuple(lengths)
+    hit = _positions.get("offset")
+    if hit is None or hit[0] != key:
+        hit = (key, mx.array(lengths, mx.int32))
+        _positions["offset"] = hit
+    return hit[1]
+
+
+def _slots_array(lengths: list[int], n: int, shape: tuple) -> mx.array:
+    """Where each row's n new entries go, broadcast to the (B, heads, n, dim) of `shape`."""
+    key = (tuple(lengths), n, shape)
+    hit = _positions.get("slots")
+    if hit is None or hit[0] != key:
+        slots = (_offset_array(lengths)[:, None] + mx.arange(n)[None])[:, None, :, None]
+        hit = (key, mx.broadcast_to(slots, shape))
+        _positions["slots"] = hit
+    return hit[1]
+
 
 class RaggedKVCache:
     """One attention layer's keys and values for a batch of rows of different lengths."""
@@ -73,7 +99,7 @@ class RaggedKVCache:
     # -- what mlx-lm's attention asks of a cache
     @property
     def offset(self) -> mx.array:
-        return mx.array(self.lengths, mx.int32)
+        return _offset_array(self.lengths)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
@@ -98,11 +124,10 @@ class RaggedKVCache:
             self.keys[..., longest : longest + n, :] = keys
             self.values[..., longest : longest + n, :] = values
         else:
-            slots = (self.offset[:, None] + mx.arange(n)[None])[:, None, :, None]
             self.keys = mx.put_along_axis(
-                self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+                self.keys, _slots_array(self.lengths, n, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(
-                self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
+                self.values, _slots_array(self.lengths, n, values.shape), values, axis=2)
         self.lengths = [x + n for x in self.lengths]
         end = longest + n
         return self.keys[..., :end, :], self.values[..., :end, :]
@@ -507,6 +532,10 @@ class BatchSpeculator:
         self.probe_gap = 64  # batched steps between two steps forced by a row's probe
         self._last_probe = -self.probe_gap
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
+        # In a plain stretch the batch asks its policy again only every `replan_gap` steps (and
+        # when a row joins): asked every step, the policy's Python is ~2 % of a plain step
+        # that nothing hides (`async_eval` returns only near the end of the forward on CPU).
+        self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
 
@@ -802,7 +831,8 @@ class BatchSpeculator:
     def _deliver_queued(self) -> None:
         """The queued plain step's tokens are the next output of its rows. Before reading them
         back the step after is queued too, while the batch still wants no proposal (asked on
-        the contexts so far, as `plain_decode`'s `stop` is). It feeds the queued step's rows
+        the contexts so far, as `plain_decode`'s `stop` is, every `replan_gap` steps and when
+        a row joins). It feeds the queued step's rows
         their queued tokens where they want one more, rows that joined meanwhile (or sat the
         queued step out) their last token where they are waiting, and no one else: a stretch
         survives requests coming, leaving and ending."""
@@ -813,8 +843,10 @@ class BatchSpeculator:
             fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
                    else (r if r.waiting else None) for r in self.slots]
             stepping = [r for r in fed if r is not None]
-            again = (stepping and self._can_pipeline(stepping)
-                     and not any(k for _, k in self._plans(stepping, commit=False)))
+            replan = self.pipelined % self.replan_gap == 0 or any(
+                r is not None and id(r) not in at for r in fed)
+            again = (stepping and self._can_pipeline(stepping) and not (
+                replan and any(k for _, k in self._plans(stepping, commit=False))))
             if again:
                 if fed == q.rows:
                     inputs = q.tokens
