@@ -352,6 +352,9 @@ class BatchRow:
         # (context length, source, tokens): what a free source would have proposed when the
         # batch kept the row plain, compared with what the row commits next (`watch`)
         self.watching: tuple[int, str, list[int]] | None = None
+        # (source, k) the batch's last plan kept plain for this row: watched again after each
+        # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
+        self.watch_for: tuple[str, int] | None = None
         self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
@@ -439,6 +442,19 @@ class BatchRow:
         self.key, propose_key, verify_key = mx.random.split(self.key, 3)
         return propose_key, verify_key
 
+    def first_token(self, logits: mx.array) -> None:
+        """The row's first token, drawn from the logits after its prompt (computed by its
+        prefill) as a plain step of the batch draws it (`verify_chain`, with the key its
+        first step would take); read at the row's first `next`."""
+        _, verify_key = self.step_keys()
+        empty = mx.array([], mx.uint32)
+        token = verify_chain(logits[None], empty, None, self.sampling, verify_key)[1].item()
+        self.context.append(token)
+        if self.proposer is not None:
+            self.proposer.update(self.context, 0)
+        self.stats.record_step("", 0, 0, 1)
+        self.pending = [token]
+
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
         """Tell the row's policy (and its shadow) how a step went: a speculative step from
         `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0)."""
@@ -457,24 +473,29 @@ class BatchRow:
         count how many would have been accepted (`AdaptiveK.observe_acceptance`). Without
         this a source kept off by the batch's cost is never measured again, and an estimate
         too low to pay keeps it off for good."""
-        if self.watching is not None or not k or self.proposer is None:
+        self.watch_for = (source, k) if k and self.proposer is not None else None
+        self._start_watch()
+
+    def _start_watch(self) -> None:
+        if self.watching is not None or self.watch_for is None:
             return
+        source, k = self.watch_for
         tokens = self.proposer.peek(self.context, k, source)
         if tokens:
             self.watching = (len(self.context), source, tokens)
 
     def _check_watch(self) -> None:
-        if self.watching is None:
-            return
-        start, source, tokens = self.watching
-        seen = self.context[start : start + len(tokens)]
-        n = common_prefix_len(seen, tokens)
-        if n == len(seen) < len(tokens):
-            return  # all matched so far, not all seen yet
-        self.watching = None
-        for policy in (self.policy, self.shadow):
-            if isinstance(policy, AdaptiveK):
-                policy.observe_acceptance(source, len(tokens), n)
+        if self.watching is not None:
+            start, source, tokens = self.watching
+            seen = self.context[start : start + len(tokens)]
+            n = common_prefix_len(seen, tokens)
+            if n == len(seen) < len(tokens):
+                return  # all matched so far, not all seen yet
+            self.watching = None
+            for policy in (self.policy, self.shadow):
+                if isinstance(policy, AdaptiveK):
+                    policy.observe_acceptance(source, len(tokens), n)
+        self._start_watch()
 
     def __iter__(self) -> Iterator[StepOutput]:
         return self
@@ -512,7 +533,8 @@ class BatchSpeculator:
                  pipeline: bool = True, solo: bool = True):
         """`policy`: the batch's policy choosing every row's k (default a fresh
         `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
-        plans, as if alone. `pipeline`: run stretches where no row proposes pipelined, as
+        plans, as if alone (a joining row's first step too, not its prefill's token, see
+        `open`). `pipeline`: run stretches where no row proposes pipelined, as
         `engine.plain_decode` does for one request (see `_plain_stretch`)."""
         self.model = model
         self.policy = None if row_plans else (policy or BatchPolicy())
@@ -560,25 +582,38 @@ class BatchSpeculator:
              prompt_cache: PromptCache | None = None, mode: str | None = None,
              policy=None) -> BatchRow:
         """`Engine.stream_steps`'s set-up (same checks, same prefill), then the request joins
-        the batch. Iterate the returned row for its outputs; close it to leave."""
+        the batch. Iterate the returned row for its outputs; close it to leave.
+
+        A row joining other rows takes its first token from its prefill (the prompt's last
+        token fed with it, as mlx-lm's batch does), drawn as a plain step draws it: so it
+        does not wait a step for its first token, and its first step in the batch is its
+        second token."""
         req = engine.prepare(prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                              prediction=prediction, num_draft=num_draft,
                              prompt_cache=prompt_cache, mode=mode, policy=policy)
-        engine.begin(req)
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
-        if not plain_attention(pc.cache) or (proposer is not None and proposer.uses_trees):
+        if proposer is not None and proposer.uses_trees:
             raise MlxspecError("this request cannot run in the batched step")
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        num_draft or MAX_NUM_DRAFT, req.stops, seeded=seed is not None)
+        # (`row_plans`: every step as alone, the first one too)
+        engine.begin(req, through_last=self.policy is not None and not self._goes_solo(row))
+        if not plain_attention(pc.cache):
+            raise MlxspecError("this request cannot run in the batched step")
+        if req.first_logits is not None:
+            row.first_token(req.first_logits)
         self._join(row)
         return row
 
     # -- membership
+    def _goes_solo(self, row: BatchRow) -> bool:
+        return not self.rows and self.solo and (not row.pinned
+                                                or isinstance(row.policy, AdaptiveK))
+
     def _join(self, row: BatchRow) -> None:
-        if not self.rows and self.solo and (not row.pinned
-                                            or isinstance(row.policy, AdaptiveK)):
+        if self._goes_solo(row):
             # Alone, a row runs the engine's own loop (`speculative_decode`, `plain_decode`),
             # the fastest for one request (batched steps with one row: 0.93x; this: 0.99x,
             # `bench/bench_batch_of_one.py [--no-solo]`), on its own cache, until another
@@ -918,9 +953,11 @@ class BatchSpeculator:
                                 pipelined=pipelined)
         for r, (source, offer), k in zip(rows, offers, ks):
             if k:
-                r.watching = None  # measured by the step itself
+                r.watching = r.watch_for = None  # measured by the step itself
             elif not offer.draft:
                 r.watch(source, offer.cap)
+            else:
+                r.watch_for = None  # a draft's tokens cost forwards: not watched
         return [(source, k) for (source, _), k in zip(offers, ks)]
 
     def _span(self) -> int:

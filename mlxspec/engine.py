@@ -196,6 +196,9 @@ class Request:
     stats: Stats
     key: mx.array
     num_draft: int | None
+    # the target's last-position logits over the whole prompt, when `begin(through_last=True)`
+    # fed the prompt's last token with its prefill (then the cache holds the whole prompt)
+    first_logits: mx.array | None = None
 
 
 @dataclass
@@ -452,11 +455,15 @@ class Engine:
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
-    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None) -> None:
-        """Prefill a prepared request and start its proposer (timed as prefill)."""
+    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None,
+              through_last: bool = False) -> None:
+        """Prefill a prepared request and start its proposer (timed as prefill).
+        `through_last`: where there is a prompt to prefill, feed its last token in the same
+        forward and keep the logits after it (`req.first_logits`): the first token then needs
+        no forward of its own (the batched step's joiners: `batch_step.BatchSpeculator.open`)."""
         start = time.perf_counter()
-        req.stats.cached_tokens = self.prefill(req.tokens, req.pc, req.proposer,
-                                               progress=progress)
+        req.stats.cached_tokens, req.first_logits = self._prefill(
+            req.tokens, req.pc, req.proposer, progress=progress, through_last=through_last)
         if req.proposer is not None:  # a draft model prefills here: prefill time
             req.proposer.reset(req.tokens, req.sampling)
         req.stats.prefill_seconds = time.perf_counter() - start
@@ -484,20 +491,32 @@ class Engine:
         """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
         new tokens in this call (the server prefills long prompts between other requests'
         steps). Returns the prompt tokens that were reused from the cache."""
+        return self._prefill(tokens, pc, proposer, limit, progress)[0]
+
+    def _prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
+                 limit: int | None = None, progress: Callable[[int, int], None] | None = None,
+                 through_last: bool = False) -> tuple[int, mx.array | None]:
+        """`prefill`, and with `through_last` (and no limit) the last prompt token fed too
+        where anything is left to prefill: the cache then holds all of `tokens` and the
+        logits after it are returned (evaluated with the cache), else None."""
         kind = self.cache_kind(proposer)
         target = tokens[:-1]
         keep = pc.reuse_prefix(target, kind)
         if keep == 0:
             pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
         todo = target[keep:] if limit is None else target[keep : keep + limit]
-        done = 0
+        through_last = through_last and limit is None and bool(todo)
+        if through_last:
+            todo, target = todo + tokens[-1:], tokens
+        done, logits = 0, None
         pc.tokens = target[:keep]
         try:
             while done < len(todo):
                 chunk = todo[done : done + self.prefill_step_size]
-                self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
-                mx.eval([c.state for c in caches.leaves(pc.cache)])
+                out = self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
                 done += len(chunk)
+                logits = out[0, -1] if through_last and done == len(todo) else None
+                mx.eval([c.state for c in caches.leaves(pc.cache)], logits)
                 pc.tokens = target[: keep + done]
                 if progress is not None:
                     progress(done, len(todo))
@@ -508,7 +527,7 @@ class Engine:
             pc.remember()
             if proposer is not None:  # a proposer that drafts on the target's own cache
                 proposer.bind_cache(pc.cache)
-        return keep
+        return keep, logits
 
 
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],

@@ -330,7 +330,8 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     for i in range(3):
         opener(i)()
     drain(rows, outs, close_at={0: 9}, join={4: opener(3), 11: opener(4)})
-    assert outs[0] == want[0][:9]
+    # (an output may carry two tokens: a row that did not read before the next step)
+    assert outs[0] == want[0][: len(outs[0])] and 9 <= len(outs[0]) < len(want[0])
     assert outs[1:] == want[1:]
     # one stretch: rows joining, reaching their ends and leaving do not break it
     assert batch.pipelined > 10 and batch.steps - batch.pipelined == 1
@@ -341,7 +342,7 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
                        fresh[0].keys[..., : len(context) - 1, :], atol=1e-4).item()
 
     # A row that joins while a step is queued, read before the others (as a server may):
-    # no tokens yet, then it joins the next step.
+    # its first token at once (from its prefill, no step run for it), then it joins the next.
     batch = BatchSpeculator(target)
     first = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:2]]
     got = [[] for _ in reqs[:3]]
@@ -349,8 +350,10 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
         for i, r in enumerate(first):
             got[i].extend(next(r).tokens)
     assert batch.queued is not None
+    steps = batch.steps
     late = batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2])
-    assert next(late).tokens == []
+    got[2].extend(next(late).tokens)
+    assert len(got[2]) == 1 and batch.steps == steps
     drain(first + [late], got)
     assert got == alone(base, [(p, "none", n, kw) for p, _, n, kw in reqs[:3]])
 
@@ -636,10 +639,11 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
         est = [e for source, e in policy.sources.items() if source.startswith("prediction")]
         return sum(e.reached[0] for e in est), sum(e.accepted[0] for e in est)
 
+    # at least three watches each (decayed counts: three are 2.97)
     reached, accepted = measured(right)  # (a repeated n-gram may point elsewhere)
-    assert reached >= 3 and accepted / reached > 0.6
+    assert reached > 2.5 and accepted / reached > 0.6
     reached, accepted = measured(wrong)
-    assert reached >= 3 and accepted / reached < 0.2
+    assert reached > 2.5 and accepted / reached < 0.2
 
 
 # ----------------------------------------------------------------------------- T > 0
