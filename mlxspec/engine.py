@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -199,6 +200,14 @@ class Request:
     # the target's last-position logits over the whole prompt, when `begin(through_last=True)`
     # fed the prompt's last token with its prefill (then the cache holds the whole prompt)
     first_logits: mx.array | None = None
+
+
+class Prefilled(NamedTuple):
+    """What `Engine.prefill` did: the prompt tokens reused from the cache, and the logits
+    after the whole prompt when it was asked to feed the last token too (else None)."""
+
+    reused: int
+    logits: mx.array | None
 
 
 @dataclass
@@ -462,7 +471,7 @@ class Engine:
         forward and keep the logits after it (`req.first_logits`): the first token then needs
         no forward of its own (the batched step's joiners: `batch_step.BatchSpeculator.open`)."""
         start = time.perf_counter()
-        req.stats.cached_tokens, req.first_logits = self._prefill(
+        req.stats.cached_tokens, req.first_logits = self.prefill(
             req.tokens, req.pc, req.proposer, progress=progress, through_last=through_last)
         if req.proposer is not None:  # a draft model prefills here: prefill time
             req.proposer.reset(req.tokens, req.sampling)
@@ -487,18 +496,12 @@ class Engine:
 
     def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
                 limit: int | None = None, progress: Callable[[int, int], None] | None = None,
-                ) -> int:
+                through_last: bool = False) -> Prefilled:
         """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
         new tokens in this call (the server prefills long prompts between other requests'
-        steps). Returns the prompt tokens that were reused from the cache."""
-        return self._prefill(tokens, pc, proposer, limit, progress)[0]
-
-    def _prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
-                 limit: int | None = None, progress: Callable[[int, int], None] | None = None,
-                 through_last: bool = False) -> tuple[int, mx.array | None]:
-        """`prefill`, and with `through_last` (and no limit) the last prompt token fed too
-        where anything is left to prefill: the cache then holds all of `tokens` and the
-        logits after it are returned (evaluated with the cache), else None."""
+        steps). `through_last` (no limit): where anything is left to prefill, the last
+        prompt token is fed too, the cache then holds all of `tokens` and the logits after it
+        come back (evaluated with the cache)."""
         kind = self.cache_kind(proposer)
         target = tokens[:-1]
         keep = pc.reuse_prefix(target, kind)
@@ -527,7 +530,7 @@ class Engine:
             pc.remember()
             if proposer is not None:  # a proposer that drafts on the target's own cache
                 proposer.bind_cache(pc.cache)
-        return keep, logits
+        return Prefilled(keep, logits)
 
 
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],

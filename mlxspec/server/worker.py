@@ -438,7 +438,7 @@ class Worker(threading.Thread):
         if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
             return False
         start = time.perf_counter()
-        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
+        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk).reused
         job.prefilled_here += len(pc.tokens) - kept
         job.prefill_seconds += time.perf_counter() - start
         return True
