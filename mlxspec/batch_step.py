@@ -807,14 +807,22 @@ class BatchSpeculator:
         if None in fed:
             for c in self.cache:
                 c.trim_rows([1 if r is None else 0 for r in fed])
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
         # Sampled rows: unseeded ones with the same sampling draw together (one categorical,
         # exact in distribution); a seeded one with its own key, as `verify_chain` draws a
         # plain step, whatever else is in the batch.
         groups: dict[SamplingParams, list[int]] = {}
+        greedy = False
         for b, r in enumerate(fed):
             if r is not None and not r.sampling.greedy:
                 groups.setdefault(None if r.seeded else r.sampling, []).append(b)
+            elif r is not None:
+                greedy = True
+        if len(groups) == 1 and not greedy and None not in groups:
+            # every row unseeded with one sampling (free text): one draw over all slots, an
+            # empty slot's token unused
+            (sampling,) = groups
+            return sample(probs_from_logits(logits, sampling), None).astype(mx.uint32)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
         if not groups:
             return tokens
         rows, drawn = [], []
