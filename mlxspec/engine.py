@@ -41,6 +41,10 @@ from .step import decode_step
 from .stopstrings import find_stop
 
 DEFAULT_NUM_DRAFT = 4
+# `prefill(through_last=True)` feeds the last prompt token with the prefill only when fewer
+# tokens than this are left to prefill: the model's head then runs over every position of that
+# chunk (a long prompt would pay it over thousands, on a vocabulary of 150 k for real models)
+THROUGH_LAST_MAX = 64
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
 
 
@@ -467,9 +471,10 @@ class Engine:
     def begin(self, req: Request, progress: Callable[[int, int], None] | None = None,
               through_last: bool = False) -> None:
         """Prefill a prepared request and start its proposer (timed as prefill).
-        `through_last`: where there is a prompt to prefill, feed its last token in the same
-        forward and keep the logits after it (`req.first_logits`): the first token then needs
-        no forward of its own (the batched step's joiners: `batch_step.BatchSpeculator.open`)."""
+        `through_last`: where a short prompt is left to prefill (`prefill`), feed its last
+        token in the same forward and keep the logits after it (`req.first_logits`): the
+        first token then needs no forward of its own (the batched step's joiners:
+        `batch_step.BatchSpeculator.open`)."""
         start = time.perf_counter()
         req.stats.cached_tokens, req.first_logits = self.prefill(
             req.tokens, req.pc, req.proposer, progress=progress, through_last=through_last)
@@ -499,16 +504,16 @@ class Engine:
                 through_last: bool = False) -> Prefilled:
         """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
         new tokens in this call (the server prefills long prompts between other requests'
-        steps). `through_last` (no limit): where anything is left to prefill, the last
-        prompt token is fed too, the cache then holds all of `tokens` and the logits after it
-        come back (evaluated with the cache)."""
+        steps). `through_last` (no limit): where 1 to THROUGH_LAST_MAX - 1 tokens are left to
+        prefill, the last prompt token is fed with them, the cache then holds all of `tokens`
+        and the logits after it come back (evaluated with the cache)."""
         kind = self.cache_kind(proposer)
         target = tokens[:-1]
         keep = pc.reuse_prefix(target, kind)
         if keep == 0:
             pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
         todo = target[keep:] if limit is None else target[keep : keep + limit]
-        through_last = through_last and limit is None and bool(todo)
+        through_last = through_last and limit is None and 0 < len(todo) < THROUGH_LAST_MAX
         if through_last:
             todo, target = todo + tokens[-1:], tokens
         done, logits = 0, None

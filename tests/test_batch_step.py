@@ -311,6 +311,25 @@ def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(pair):
     assert run(REQUESTS[3:7]) == first
 
 
+def test_prefill_through_last_gives_the_first_logits_only_for_a_short_prompt(pair):
+    """A joiner's first token comes from its prefill (`Engine.prefill(through_last=True)`):
+    the logits after the whole prompt, the cache holding all of it; where many tokens are
+    left to prefill, nothing (the head would run over the whole last chunk)."""
+    from mlxspec.engine import THROUGH_LAST_MAX
+
+    target, _ = pair
+    engine = make_engine(target, mode="none")
+    prompt = list(range(3, 40))
+    pc = PromptCache()
+    reused, logits = engine.prefill(prompt, pc, None, through_last=True)
+    assert reused == 0 and pc.tokens == prompt and caches.offset(pc.cache) == len(prompt)
+    assert mx.allclose(logits, target(mx.array([prompt]))[0, -1], atol=1e-4).item()
+    longer = list(range(3, 3 + THROUGH_LAST_MAX + 1))
+    pc = PromptCache()
+    reused, logits = engine.prefill(longer, pc, None, through_last=True)
+    assert logits is None and pc.tokens == longer[:-1]
+
+
 def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     """Where no row proposes, the next batched forward is queued before the tokens are read
     back. Outputs equal each request alone while rows join, finish and leave mid-stretch; the
