@@ -61,9 +61,9 @@ OPTIMISTIC = 0.9
 # ----------------------------------------------------------------------------- the cache
 
 # Every layer of a batch holds the same lengths, so a step's position arrays (RoPE offsets, the
-# slots its new entries go to) are made once for all layers, not once per layer: on a small
-# model the per-op cost of these tiny arrays is a few percent of the step. Keyed by the
-# lengths themselves, so that caches of other batches (a draft's) simply miss.
+# slots its new entries go to) are made once for all layers, not once per layer (on a small
+# model a step is mostly per-op cost). Keyed by the lengths themselves, so that caches of
+# other batches (a draft's) simply miss.
 _positions: dict = {}
 
 
@@ -555,8 +555,8 @@ class BatchSpeculator:
         self._last_probe = -self.probe_gap
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
         # In a plain stretch the batch asks its policy again only every `replan_gap` steps (and
-        # when a row joins): asked every step, the policy's Python is ~2 % of a plain step
-        # that nothing hides (`async_eval` returns only near the end of the forward on CPU).
+        # when a row joins): asked every step, the policy's Python runs where nothing hides it
+        # (`async_eval` returns only near the end of the forward on MLX's CPU backend).
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
