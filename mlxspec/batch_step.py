@@ -485,16 +485,17 @@ class BatchRow:
             self.watching = (len(self.context), source, tokens)
 
     def _check_watch(self) -> None:
-        if self.watching is not None:
-            start, source, tokens = self.watching
-            seen = self.context[start : start + len(tokens)]
-            n = common_prefix_len(seen, tokens)
-            if n == len(seen) < len(tokens):
-                return  # all matched so far, not all seen yet
-            self.watching = None
-            for policy in (self.policy, self.shadow):
-                if isinstance(policy, AdaptiveK):
-                    policy.observe_acceptance(source, len(tokens), n)
+        if self.watching is None:
+            return  # (no lookup per step: a source that offered nothing waits for a plan)
+        start, source, tokens = self.watching
+        seen = self.context[start : start + len(tokens)]
+        n = common_prefix_len(seen, tokens)
+        if n == len(seen) < len(tokens):
+            return  # all matched so far, not all seen yet
+        self.watching = None
+        for policy in (self.policy, self.shadow):
+            if isinstance(policy, AdaptiveK):
+                policy.observe_acceptance(source, len(tokens), n)
         self._start_watch()
 
     def __iter__(self) -> Iterator[StepOutput]:
