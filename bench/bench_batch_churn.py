@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_server import free_workload  # noqa: E402  (imports mlxspec: OpenBLAS before mlx.core)
-from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.generate import BatchGenerator, StopSequences  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 import mlxspec  # noqa: E402
@@ -58,13 +58,16 @@ def ours(batch, slots, prompts, rows: int, max_tokens: int, mode: str) -> float:
     return n / (time.perf_counter() - start)
 
 
-def theirs(model, prompts, rows: int, max_tokens: int) -> float:
+def theirs(model, prompts, rows: int, max_tokens: int, eos: list[int]) -> float:
     gen = BatchGenerator(model, completion_batch_size=max(8, rows), prefill_batch_size=8)
     sampler = make_sampler(1.0)
+    # as the server's plain batch: a request ends at an end-of-sequence token, as ours do
+    stop = StopSequences([[t] for t in eos] or None)
     todo, live, n = list(prompts), 0, 0
     start = time.perf_counter()
     while todo and live < rows:
-        gen.insert([todo.pop(0)], max_tokens=[max_tokens], samplers=[sampler])
+        gen.insert([todo.pop(0)], max_tokens=[max_tokens], samplers=[sampler],
+                   stop_sequences=[stop])
         live += 1
     while live:
         for r in gen.next()[1]:
@@ -72,7 +75,8 @@ def theirs(model, prompts, rows: int, max_tokens: int) -> float:
             if r.finish_reason:
                 live -= 1
                 if todo:
-                    gen.insert([todo.pop(0)], max_tokens=[max_tokens], samplers=[sampler])
+                    gen.insert([todo.pop(0)], max_tokens=[max_tokens], samplers=[sampler],
+                               stop_sequences=[stop])
                     live += 1
     gen.close()
     return n / (time.perf_counter() - start)
@@ -92,7 +96,8 @@ def main(argv=None) -> None:
     slots = [engine.clone() for _ in range(args.rows)]
     batch = BatchSpeculator(engine.model)
     run_ours = lambda: ours(batch, slots, prompts, args.rows, args.max_tokens, args.mode)  # noqa: E731
-    run_theirs = lambda: theirs(engine.model, prompts, args.rows, args.max_tokens)  # noqa: E731
+    eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+    run_theirs = lambda: theirs(engine.model, prompts, args.rows, args.max_tokens, eos)  # noqa: E731
     run_ours(), run_theirs()  # warm-up
     ratios = []
     for i in range(args.repeat):

@@ -101,10 +101,15 @@ class BatchCost:
 
     def add(self, rows: int, width: int, proposed: int, draft_forwards: int,
             seconds: float, span: int = 0, synced: bool = True) -> None:
+        values = features(rows, width, proposed, draft_forwards, span, synced)
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
-            seconds = min(seconds, self.outlier * self.time(rows, width, proposed,
-                                                            draft_forwards, span, synced))
-        x = np.array(features(rows, width, proposed, draft_forwards, span, synced))
+            if not self._terms:
+                self.coef()
+            # the fit as of the last solve: a plain stretch adds a step every few ms but
+            # asks the fit only every few steps, so the solve waits for that
+            estimate = sum(c * v for c, v in zip(self._terms, values))
+            seconds = min(seconds, self.outlier * estimate)
+        x = np.array(values)
         d = self.decay
         self.xx = self.xx * d + np.outer(x, x)
         self.xt = self.xt * d + x * seconds

@@ -55,6 +55,11 @@ from .stats import Stats
 from .step import StepResult, verify_chain
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
+# A joining row whose prompt has at most this many tokens left to prefill prefills with the
+# other joiners of its round, its last token too (`BatchSpeculator._open_pending`): the
+# model's head runs over every position of that forward (on a vocabulary of 150 k for real
+# models), so a longer one is prefilled alone, in chunks, before it joins.
+GROUP_PREFILL_MAX = 64
 # the acceptance at which a probed arm is judged: a probe is forced only where it could pay
 OPTIMISTIC = 0.9
 
@@ -184,6 +189,16 @@ class RaggedKVCache:
         self.values[b : b + 1, :, :n, :] = v
         self.lengths[b] = n
 
+    def row_view(self, b: int) -> KVCache:
+        """A single-request cache over row b's entries (views of the batch's buffers, for
+        `put_row` into another batch: not to be updated in place)."""
+        n = self.lengths[b]
+        out = KVCache()
+        if n:
+            out.keys, out.values = self.keys[b : b + 1, :, :n, :], self.values[b : b + 1, :, :n, :]
+            out.offset = n
+        return out
+
     def take_row(self, b: int) -> KVCache:
         """A single-request cache holding row b (its own copy, evaluated: no view keeps the
         batch's buffer from being updated in place); the slot is left empty."""
@@ -205,6 +220,12 @@ class RaggedKVCache:
         elif not rows:
             self.keys = self.values = None
         self.lengths = [self.lengths[b] for b in rows]
+
+    def add_empty_rows(self, n: int) -> None:
+        """n more rows, empty: one copy of the buffers for all of them."""
+        self.lengths.extend([0] * n)
+        if self.keys is not None:
+            self.keys, self.values = self._grown(self.keys, n), self._grown(self.values, n)
 
     def add_row(self, c: KVCache) -> None:
         """Append a row holding what the single-request cache `c` holds."""
@@ -356,6 +377,8 @@ class BatchRow:
         # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
         self.watch_for: tuple[str, int] | None = None
         self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
+        # (request, tokens reused, start): opened, its prompt not prefilled yet (`open`)
+        self.opening: tuple | None = None
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -442,13 +465,16 @@ class BatchRow:
         self.key, propose_key, verify_key = mx.random.split(self.key, 3)
         return propose_key, verify_key
 
-    def first_token(self, logits: mx.array) -> None:
-        """The row's first token, drawn from the logits after its prompt (computed by its
-        prefill) as a plain step of the batch draws it (`verify_chain`, with the key its
-        first step would take); read at the row's first `next`."""
+    def first_draw(self, logits: mx.array) -> mx.array:
+        """The row's first token (lazy, shape (1,)), drawn from the logits after its prompt
+        as a plain step of the batch draws it (`verify_chain`, with the key its first step
+        would take)."""
         _, verify_key = self.step_keys()
         empty = mx.array([], mx.uint32)
-        token = verify_chain(logits[None], empty, None, self.sampling, verify_key)[1].item()
+        return verify_chain(logits[None], empty, None, self.sampling, verify_key)[1].reshape(1)
+
+    def commit_first(self, token: int) -> None:
+        """The first token is the row's first output (read at its first `next`)."""
         self.context.append(token)
         if self.proposer is not None:
             self.proposer.update(self.context, 0)
@@ -504,7 +530,9 @@ class BatchRow:
     def __next__(self) -> StepOutput:
         if self.closed or self.finished:
             raise StopIteration
-        if self.pending is None and not self.exhausted:
+        if self.opening is not None:
+            self.batch._open_pending()
+        if self.pending is None and not self.exhausted and self.error is None:
             queued = self.batch.queued
             if queued is not None and self not in queued.rows:
                 self.pending = []  # joined while a step was queued: it starts at the next one
@@ -560,6 +588,7 @@ class BatchSpeculator:
         # (`async_eval` returns only near the end of the forward on MLX's CPU backend).
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
+        self.opening: list[BatchRow] = []  # opened, to prefill together (`_open_pending`)
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
 
     @staticmethod
@@ -597,25 +626,106 @@ class BatchSpeculator:
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
         if proposer is not None and proposer.uses_trees:
             raise MlxspecError("this request cannot run in the batched step")
+        if engine.model is not self.model:
+            raise MlxspecError("a row of another model cannot join this batch")
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        num_draft or MAX_NUM_DRAFT, req.stops, seeded=seed is not None)
-        # (`row_plans`: every step as alone, the first one too)
-        engine.begin(req, through_last=self.policy is not None and not self._goes_solo(row))
+        start = time.perf_counter()
+        keep = engine.reuse(tokens, pc, proposer)
         if not plain_attention(pc.cache):
             raise MlxspecError("this request cannot run in the batched step")
-        if req.first_logits is not None:
-            row.first_token(req.first_logits)
-        self._join(row)
+        if self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
+            # (`row_plans`: every step as alone, the first one too)
+            engine.begin(req)
+            self._join(row)
+        else:
+            row.opening = (req, keep, start)
+            self.opening.append(row)
         return row
+
+    def _open_pending(self) -> None:
+        """The rows opened since the last step prefill together, in one forward over what
+        their prompts have not cached (the last token too): each row's first token comes
+        from it, drawn as a plain step draws it, and the rows join the batch. One forward
+        and one wait for a round's joiners, not one each: on MLX's CPU backend a forward of
+        a few tokens costs most of a batched step, and each wait stalls the whole batch."""
+        group = [r for r in self.opening if not r.closed]
+        self.opening = []
+        if not group:
+            return
+        if len(group) == 1 and self._goes_solo(group[0]):
+            row = group[0]
+            req, _, start = row.opening
+            row.opening = None
+            try:  # alone: the engine's own loop, from a prefill of all but the last token
+                row.engine.begin(req)
+            except Exception as e:
+                row.error = e
+                row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+                return
+            self._join(row)
+            return
+        try:
+            firsts = self._prefill_group(group)
+        except Exception as e:
+            for r in group:
+                r.opening, r.error = None, e
+                r.pc.cache, r.pc.tokens, r.pc.checkpoint = None, [], None
+            return
+        # Room for the group (and a lone row moving in) at once: a row joining past the
+        # widest batch so far copies every layer's buffers. Written after the wait above, when
+        # no queued step holds a view of them: in place, not copied again.
+        self._make_room(len(group) + sum(1 for r in self.rows if r.solo is not None),
+                        len(group[0].pc.cache))
+        for r, token in zip(group, firsts):
+            req, keep, start = r.opening
+            r.opening = None
+            r.pc.tokens = list(r.context)
+            r.stats.cached_tokens = keep
+            r.engine.start_proposer(req, start)
+            r.commit_first(token)
+            self._join(r, may_go_solo=False)
+
+    def _make_room(self, n: int, layers: int) -> None:
+        """At least n empty slots."""
+        need = n - self.slots.count(None)
+        if need <= 0:
+            return
+        if self.cache is None:
+            self.cache = [RaggedKVCache() for _ in range(layers)]
+        for c in self.cache:
+            c.add_empty_rows(need)
+        self.slots.extend([None] * need)
+
+    def _prefill_group(self, group: list[BatchRow]) -> list[int]:
+        """One forward over the group's uncached prompt tokens (right-padded to one width);
+        each row's pc.cache then holds its whole prompt; returns the rows' first tokens."""
+        todo = [r.context[r.opening[1] :] for r in group]  # never empty: the last token
+        width = max(len(t) for t in todo)
+        layers = [RaggedKVCache() for _ in group[0].pc.cache]
+        for i, r in enumerate(group):
+            for ragged, c in zip(layers, r.pc.cache):
+                ragged.put_row(i, c)
+        # padding (the last token again) comes after a row's own tokens: no real position
+        # attends to it, and it is trimmed at once
+        inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
+        logits = self.model(inputs, cache=layers)
+        last = logits[mx.arange(len(group)), mx.array([len(t) - 1 for t in todo])]
+        drawn = mx.concatenate([r.first_draw(last[i]) for i, r in enumerate(group)])
+        for c in layers:
+            c.trim_rows([width - len(t) for t in todo])
+        for i, r in enumerate(group):
+            r.pc.cache = [c.row_view(i) for c in layers]
+        return drawn.tolist()  # the group's one wait
 
     # -- membership
     def _goes_solo(self, row: BatchRow) -> bool:
         return not self.rows and self.solo and (not row.pinned
                                                 or isinstance(row.policy, AdaptiveK))
 
-    def _join(self, row: BatchRow) -> None:
-        if self._goes_solo(row):
+    def _join(self, row: BatchRow, may_go_solo: bool = True) -> None:
+        if may_go_solo and self._goes_solo(row):
             # Alone, a row runs the engine's own loop (`speculative_decode`, `plain_decode`),
             # the fastest for one request (batched steps with one row: 0.93x; this: 0.99x,
             # `bench/bench_batch_of_one.py [--no-solo]`), on its own cache, until another
@@ -648,6 +758,12 @@ class BatchSpeculator:
         layers = row.pc.cache
         if self.cache is None:
             self.cache = [RaggedKVCache() for _ in layers]
+        else:
+            # Written in place only where nothing else holds the buffers: evaluated here (every
+            # caller has just waited for the batch's work, so this costs no wait) the row's
+            # copy below is one row's; otherwise MLX copies every layer's whole buffers, on
+            # the server ~7 ms a join at 8 rows (`bench/bench_server.py`, 8 clients).
+            mx.eval([c.state for c in self.cache])
         if len(layers) != len(self.cache):
             raise MlxspecError("a row of another model cannot join this batch")
         b = self.slots.index(None) if None in self.slots else len(self.slots)
@@ -668,6 +784,9 @@ class BatchSpeculator:
             row.draft = draft
 
     def _leave(self, row: BatchRow) -> None:
+        if row in self.opening:  # closed before its prefill: its cache holds what it reused
+            self.opening.remove(row)
+            row.opening = None
         if row not in self.rows:
             return
         if row.solo is not None:  # its loop's `finally` restores the cache invariant
@@ -727,6 +846,7 @@ class BatchSpeculator:
     def step(self) -> None:
         """One batched speculative step for every waiting row (a row whose previous output
         was not read yet sits this one out, its cache untouched: a zero-length row)."""
+        self._open_pending()
         if self.queued is not None:
             self._deliver_queued()
             return

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,10 +40,6 @@ from .step import decode_step
 from .stopstrings import find_stop
 
 DEFAULT_NUM_DRAFT = 4
-# `prefill(through_last=True)` feeds the last prompt token with the prefill only when fewer
-# tokens than this are left to prefill: the model's head then runs over every position of that
-# chunk (a long prompt would pay it over thousands, on a vocabulary of 150 k for real models)
-THROUGH_LAST_MAX = 64
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
 
 
@@ -201,17 +196,6 @@ class Request:
     stats: Stats
     key: mx.array
     num_draft: int | None
-    # the target's last-position logits over the whole prompt, when `begin(through_last=True)`
-    # fed the prompt's last token with its prefill (then the cache holds the whole prompt)
-    first_logits: mx.array | None = None
-
-
-class Prefilled(NamedTuple):
-    """What `Engine.prefill` did: the prompt tokens reused from the cache, and the logits
-    after the whole prompt when it was asked to feed the last token too (else None)."""
-
-    reused: int
-    logits: mx.array | None
 
 
 @dataclass
@@ -468,19 +452,19 @@ class Engine:
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
-    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None,
-              through_last: bool = False) -> None:
-        """Prefill a prepared request and start its proposer (timed as prefill).
-        `through_last`: where a short prompt is left to prefill (`prefill`), feed its last
-        token in the same forward and keep the logits after it (`req.first_logits`): the
-        first token then needs no forward of its own (the batched step's joiners:
-        `batch_step.BatchSpeculator.open`)."""
+    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None) -> None:
+        """Prefill a prepared request and start its proposer (timed as prefill)."""
         start = time.perf_counter()
-        req.stats.cached_tokens, req.first_logits = self.prefill(
-            req.tokens, req.pc, req.proposer, progress=progress, through_last=through_last)
-        if req.proposer is not None:  # a draft model prefills here: prefill time
+        req.stats.cached_tokens = self.prefill(req.tokens, req.pc, req.proposer,
+                                               progress=progress)
+        self.start_proposer(req, start)
+
+    def start_proposer(self, req: Request, prefill_start: float) -> None:
+        """The prompt is cached: start the request's proposer (a draft model prefills here:
+        prefill time, counted from `prefill_start`)."""
+        if req.proposer is not None:
             req.proposer.reset(req.tokens, req.sampling)
-        req.stats.prefill_seconds = time.perf_counter() - start
+        req.stats.prefill_seconds = time.perf_counter() - prefill_start
 
     def cache_kind(self, proposer: Proposer | None) -> str:
         if proposer is not None and proposer.cache_kind != "kv":
@@ -499,32 +483,32 @@ class Engine:
             return make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
         return caches.make_cache(self.model)
 
-    def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
-                limit: int | None = None, progress: Callable[[int, int], None] | None = None,
-                through_last: bool = False) -> Prefilled:
-        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
-        new tokens in this call (the server prefills long prompts between other requests'
-        steps). `through_last` (no limit): where 1 to THROUGH_LAST_MAX - 1 tokens are left to
-        prefill, the last prompt token is fed with them, the cache then holds all of `tokens`
-        and the logits after it come back (evaluated with the cache)."""
+    def reuse(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None) -> int:
+        """Bring `pc` back to its longest reusable prefix of tokens[:-1] (a fresh cache when
+        none); how many tokens it keeps."""
         kind = self.cache_kind(proposer)
-        target = tokens[:-1]
-        keep = pc.reuse_prefix(target, kind)
+        keep = pc.reuse_prefix(tokens[:-1], kind)
         if keep == 0:
             pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
+        pc.tokens = tokens[:keep]
+        return keep
+
+    def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
+                limit: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> int:
+        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
+        new tokens in this call (the server prefills long prompts between other requests'
+        steps). Returns how many tokens were reused."""
+        keep = self.reuse(tokens, pc, proposer)
+        target = tokens[:-1]
         todo = target[keep:] if limit is None else target[keep : keep + limit]
-        through_last = through_last and limit is None and 0 < len(todo) < THROUGH_LAST_MAX
-        if through_last:
-            todo, target = todo + tokens[-1:], tokens
-        done, logits = 0, None
-        pc.tokens = target[:keep]
+        done = 0
         try:
             while done < len(todo):
                 chunk = todo[done : done + self.prefill_step_size]
-                out = self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
+                self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
                 done += len(chunk)
-                logits = out[0, -1] if through_last and done == len(todo) else None
-                mx.eval([c.state for c in caches.leaves(pc.cache)], logits)
+                mx.eval([c.state for c in caches.leaves(pc.cache)])
                 pc.tokens = target[: keep + done]
                 if progress is not None:
                     progress(done, len(todo))
@@ -535,7 +519,7 @@ class Engine:
             pc.remember()
             if proposer is not None:  # a proposer that drafts on the target's own cache
                 proposer.bind_cache(pc.cache)
-        return Prefilled(keep, logits)
+        return keep
 
 
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],

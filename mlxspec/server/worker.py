@@ -333,6 +333,11 @@ class Worker(threading.Thread):
         while not self._stopping:
             try:
                 self._admit(block=not self.spec_jobs and not self.batch_jobs)
+                # Every new job opens before any job steps: the batched step's joiners of
+                # one round then prefill together, in one forward (batch_step.py).
+                for job in list(self.spec_jobs):
+                    if job.gen is None and self._live(job):
+                        self._guarded(job, self._open_job)
                 for job in list(self.spec_jobs):
                     self._step_engine(job)
                 if self.batch_jobs:
@@ -438,7 +443,7 @@ class Worker(threading.Thread):
         if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
             return False
         start = time.perf_counter()
-        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk).reused
+        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
         job.prefilled_here += len(pc.tokens) - kept
         job.prefill_seconds += time.perf_counter() - start
         return True
@@ -448,35 +453,54 @@ class Worker(threading.Thread):
         slot, mode = job.slot, job.req.mode
         return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
 
-    def _step_engine(self, job: Job) -> None:
+    def _live(self, job: Job) -> bool:
+        """Whether the job goes on; a cancelled or ended one is closed or finished here."""
         if job.cancelled.is_set():
             self._count_cancel(job)
             self._close_engine_job(job)
-            return
+            return False
         reason = self._end_reason(job)
         if reason is not None:  # the partial answer, its cache kept
             self._finish_engine(job, reason, job.stats)
-            return
+            return False
+        return True
+
+    def _open_job(self, job: Job) -> bool:
+        """Open the job's generation unless a chunk of its long prompt was prefilled instead
+        (then it opens in a later round); whether it is open."""
+        if self._prefill_chunk(job):
+            return False
+        self._open_generation(job)
+        return True
+
+    def _guarded(self, job: Job, work) -> tuple[bool, object]:
+        """(True, work(job)), or (False, None) where it raised: the job fails as its
+        generation failing does (StopIteration is the caller's)."""
         try:
-            if job.gen is None:
-                if self._prefill_chunk(job):
-                    return
-                self._open_generation(job)
-            out = next(job.gen)
+            return True, work(job)
         except StopIteration:
-            self._finish_engine(job, "length", None)
-            return
+            raise
         except MlxspecError as e:
             if getattr(e, "fatal", False):  # --distributed: a rank was lost; the process ends
                 job.cache = None
                 self._fail(job, ApiError(503, str(e), code="rank_lost"))
-                return
-            self._fail(job, ApiError(400, str(e)))
-            return
+            else:
+                self._fail(job, ApiError(400, str(e)))
         except Exception as e:
             log.error("generation failed:\n%s", traceback.format_exc())
             job.cache = None  # possibly half-updated: not kept
             self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+        return False, None
+
+    def _step_engine(self, job: Job) -> None:
+        if job.gen is None or not self._live(job):  # not open yet: see `_loop`
+            return
+        try:
+            ok, out = self._guarded(job, lambda j: next(j.gen))
+        except StopIteration:
+            self._finish_engine(job, "length", None)
+            return
+        if not ok:
             return
         job.stats = out.stats
         if job.req.warmup:  # prefilled and cached; the token is not wanted
