@@ -614,11 +614,11 @@ class BatchSpeculator:
         """`Engine.stream_steps`'s set-up (same checks, same prefill), then the request joins
         the batch. Iterate the returned row for its outputs; close it to leave.
 
-        A row joining other rows whose prompt left to prefill is short takes its first token
-        from its prefill (the prompt's last token fed with it, `Engine.prefill`), drawn as a
-        plain step draws it: so it does not wait a step for its first token, and its first
-        step in the batch is its second token. (A long one joins the next step with its last
-        prompt token, as before: the model's head would run over all of its last chunk.)"""
+        A prompt with at most GROUP_PREFILL_MAX tokens left to prefill is prefilled at the
+        batch's next step or the row's first read, whichever comes first, together with every
+        other row opened meanwhile (`_open_pending`); its first token comes from that
+        prefill. A longer one is prefilled here, in chunks, and joins the next step with its
+        last prompt token (the model's head would run over all of its last chunk)."""
         req = engine.prepare(prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                              prediction=prediction, num_draft=num_draft,
