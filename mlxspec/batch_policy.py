@@ -76,6 +76,7 @@ class BatchCost:
     prior_seconds: float = 0.0  # decayed sum of the prior's unit-scale predictions for them
     _coef: np.ndarray | None = None
     _terms: tuple[float, ...] = ()  # _coef as floats: `time` is asked ~10 times a step
+    _unsolved: int = 0  # steps added since the last solve
 
     def scale(self) -> float:
         """Seconds per unit of the prior (1.0 before any step: only ratios matter then)."""
@@ -89,6 +90,7 @@ class BatchCost:
             self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
             self._coef[0] = max(self._coef[0], 0.1 * prior[0])
             self._terms = tuple(float(c) for c in self._coef)
+            self._unsolved = 0
         return self._coef
 
     def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0,
@@ -103,10 +105,10 @@ class BatchCost:
             seconds: float, span: int = 0, synced: bool = True) -> None:
         values = features(rows, width, proposed, draft_forwards, span, synced)
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
-            if not self._terms:
+            if not self._terms or self._unsolved >= 16:
                 self.coef()
-            # the fit as of the last solve: a plain stretch adds a step every few ms but
-            # asks the fit only every few steps, so the solve waits for that
+            # the fit as of the last solve (at most 16 steps old): a plain stretch adds a
+            # step every few ms but asks the fit only every few steps
             estimate = sum(c * v for c, v in zip(self._terms, values))
             seconds = min(seconds, self.outlier * estimate)
         x = np.array(values)
@@ -116,6 +118,7 @@ class BatchCost:
         self.seconds = self.seconds * d + seconds
         self.prior_seconds = self.prior_seconds * d + float(np.dot(self.prior, x))
         self._coef = None
+        self._unsolved += 1
 
 
 @dataclass

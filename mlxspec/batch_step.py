@@ -60,6 +60,9 @@ GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 # model's head runs over every position of that forward (on a vocabulary of 150 k for real
 # models), so a longer one is prefilled alone, in chunks, before it joins.
 GROUP_PREFILL_MAX = 64
+# ... and one with more than this cached prefills on its own cache, in a forward of its own
+# (the group's forward would first copy its whole prefix into the group's buffers)
+GROUP_CACHED_MAX = 256
 # the acceptance at which a probed arm is judged: a probe is forced only where it could pay
 OPTIMISTIC = 0.9
 
@@ -377,7 +380,7 @@ class BatchRow:
         # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
         self.watch_for: tuple[str, int] | None = None
         self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
-        # (request, tokens reused, start): opened, its prompt not prefilled yet (`open`)
+        # (request, tokens reused, seconds that took): opened, not prefilled yet (`open`)
         self.opening: tuple | None = None
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
@@ -532,6 +535,8 @@ class BatchRow:
             raise StopIteration
         if self.opening is not None:
             self.batch._open_pending()
+            if self.opening is not None:  # a bug, not a bad request
+                raise RuntimeError("a batched row was read before its prefill ran")
         if self.pending is None and not self.exhausted and self.error is None:
             queued = self.batch.queued
             if queued is not None and self not in queued.rows:
@@ -631,6 +636,8 @@ class BatchSpeculator:
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        num_draft or MAX_NUM_DRAFT, req.stops, seeded=seed is not None)
+        if any(r.pc is pc for r in self.opening + self.rows):
+            raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
         keep = engine.reuse(tokens, pc, proposer)
         if not plain_attention(pc.cache):
@@ -639,53 +646,64 @@ class BatchSpeculator:
             # (`row_plans`: every step as alone, the first one too)
             engine.begin(req)
             self._join(row)
-        else:
-            row.opening = (req, keep, start)
+        else:  # (request, tokens reused, seconds that took)
+            row.opening = (req, keep, time.perf_counter() - start)
             self.opening.append(row)
         return row
 
     def _open_pending(self) -> None:
-        """The rows opened since the last step prefill together, in one forward over what
-        their prompts have not cached (the last token too): each row's first token comes
-        from it, drawn as a plain step draws it, and the rows join the batch. One forward
-        and one wait for a round's joiners, not one each: on MLX's CPU backend a forward of
-        a few tokens costs most of a batched step, and each wait stalls the whole batch."""
+        """The rows opened since the last step prefill together, what their prompts have not
+        cached (the last token too), with one wait: each row's first token comes from it,
+        drawn as a plain step draws it, and the rows join the batch. One forward and one wait
+        for a round's joiners, not one each: on MLX's CPU backend a forward of a few tokens
+        costs most of a batched step, and each wait stalls the whole batch."""
         group = [r for r in self.opening if not r.closed]
         self.opening = []
         if not group:
             return
         if len(group) == 1 and self._goes_solo(group[0]):
             row = group[0]
-            req, _, start = row.opening
+            req = row.opening[0]
             row.opening = None
             try:  # alone: the engine's own loop, from a prefill of all but the last token
                 row.engine.begin(req)
+                self._join(row)
             except Exception as e:
-                row.error = e
-                row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
-                return
-            self._join(row)
+                self._fail_open(row, e)
             return
+        start = time.perf_counter()
         try:
             firsts = self._prefill_group(group)
-        except Exception as e:
+        except Exception as e:  # the state of every row's cache is unknown
             for r in group:
-                r.opening, r.error = None, e
-                r.pc.cache, r.pc.tokens, r.pc.checkpoint = None, [], None
+                self._fail_open(r, e)
             return
+        spent = time.perf_counter() - start
         # Room for the group (and a lone row moving in) at once: a row joining past the
-        # widest batch so far copies every layer's buffers. Written after the wait above, when
-        # no queued step holds a view of them: in place, not copied again.
+        # widest batch so far copies every layer's buffers.
         self._make_room(len(group) + sum(1 for r in self.rows if r.solo is not None),
                         len(group[0].pc.cache))
         for r, token in zip(group, firsts):
-            req, keep, start = r.opening
+            req, keep, reused_in = r.opening
             r.opening = None
-            r.pc.tokens = list(r.context)
-            r.stats.cached_tokens = keep
-            r.engine.start_proposer(req, start)
-            r.commit_first(token)
-            self._join(r, may_go_solo=False)
+            try:  # a failure here is this row's alone
+                r.pc.tokens = list(r.context)
+                r.stats.cached_tokens = keep
+                r.engine.start_proposer(req, reused_in + spent)
+                r.commit_first(token)
+                self._join(r, may_go_solo=False)
+            except Exception as e:
+                self._fail_open(r, e)
+
+    def _fail_open(self, row: BatchRow, e: BaseException) -> None:
+        """A row whose prefill or join failed: it reports `e` at its next read; its cache,
+        in whatever state, is not reused."""
+        row.opening, row.error = None, e
+        if row in self.slots and row not in self.rows:  # written in, not yet a member
+            self.rows.append(row)
+        if row in self.rows:
+            self._leave(row)
+        row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
 
     def _make_room(self, n: int, layers: int) -> None:
         """At least n empty slots."""
@@ -699,25 +717,42 @@ class BatchSpeculator:
         self.slots.extend([None] * need)
 
     def _prefill_group(self, group: list[BatchRow]) -> list[int]:
-        """One forward over the group's uncached prompt tokens (right-padded to one width);
-        each row's pc.cache then holds its whole prompt; returns the rows' first tokens."""
-        todo = [r.context[r.opening[1] :] for r in group]  # never empty: the last token
-        width = max(len(t) for t in todo)
-        layers = [RaggedKVCache() for _ in group[0].pc.cache]
+        """The group's uncached prompt tokens through the target: rows with little cached
+        (at most GROUP_CACHED_MAX tokens) in one forward, right-padded to one width, on a
+        cache of their own; a row with more, alone on its own cache (copying its prefix would
+        cost more than the forward it saves). Each row's pc.cache then holds its whole prompt;
+        returns the rows' first tokens, read back with one wait."""
+        drawn: list[mx.array | None] = [None] * len(group)
+        together = [i for i, r in enumerate(group) if r.opening[1] <= GROUP_CACHED_MAX]
         for i, r in enumerate(group):
-            for ragged, c in zip(layers, r.pc.cache):
-                ragged.put_row(i, c)
-        # padding (the last token again) comes after a row's own tokens: no real position
-        # attends to it, and it is trimmed at once
-        inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
-        logits = self.model(inputs, cache=layers)
-        last = logits[mx.arange(len(group)), mx.array([len(t) - 1 for t in todo])]
-        drawn = mx.concatenate([r.first_draw(last[i]) for i, r in enumerate(group)])
-        for c in layers:
-            c.trim_rows([width - len(t) for t in todo])
-        for i, r in enumerate(group):
-            r.pc.cache = [c.row_view(i) for c in layers]
-        return drawn.tolist()  # the group's one wait
+            if i not in together:
+                todo = r.context[r.opening[1] :]
+                logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
+                drawn[i] = r.first_draw(logits[0, -1])
+        if together:
+            rows = [group[i] for i in together]
+            todo = [r.context[r.opening[1] :] for r in rows]  # never empty: the last token
+            width = max(len(t) for t in todo)
+            layers = [RaggedKVCache() for _ in rows[0].pc.cache]
+            # the longest cached prefix first: its buffers then fit every row (one allocation)
+            order = sorted(range(len(rows)), key=lambda i: -rows[i].opening[1])
+            for c in layers:
+                c.add_empty_rows(len(rows))
+            for i in order:
+                for ragged, c in zip(layers, rows[i].pc.cache):
+                    ragged.put_row(i, c)
+            # padding (the last token again) comes after a row's own tokens: no real position
+            # attends to it, and it is trimmed at once
+            inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
+            logits = self.model(inputs, cache=layers)
+            last = logits[mx.arange(len(rows)), mx.array([len(t) - 1 for t in todo])]
+            for j, i in enumerate(together):
+                drawn[i] = group[i].first_draw(last[j])
+            for c in layers:
+                c.trim_rows([width - len(t) for t in todo])
+            for j, r in enumerate(rows):
+                r.pc.cache = [c.row_view(j) for c in layers]
+        return mx.concatenate(drawn).tolist()  # the group's one wait
 
     # -- membership
     def _goes_solo(self, row: BatchRow) -> bool:

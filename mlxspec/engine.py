@@ -457,14 +457,15 @@ class Engine:
         start = time.perf_counter()
         req.stats.cached_tokens = self.prefill(req.tokens, req.pc, req.proposer,
                                                progress=progress)
-        self.start_proposer(req, start)
+        self.start_proposer(req, time.perf_counter() - start)
 
-    def start_proposer(self, req: Request, prefill_start: float) -> None:
-        """The prompt is cached: start the request's proposer (a draft model prefills here:
-        prefill time, counted from `prefill_start`)."""
+    def start_proposer(self, req: Request, prefill_seconds: float) -> None:
+        """The prompt is cached (in `prefill_seconds`): start the request's proposer (a draft
+        model prefills here: prefill time too)."""
+        start = time.perf_counter()
         if req.proposer is not None:
             req.proposer.reset(req.tokens, req.sampling)
-        req.stats.prefill_seconds = time.perf_counter() - prefill_start
+        req.stats.prefill_seconds = prefill_seconds + time.perf_counter() - start
 
     def cache_kind(self, proposer: Proposer | None) -> str:
         if proposer is not None and proposer.cache_kind != "kv":

@@ -335,31 +335,36 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     whole prompt, read without a batched step, and its cache then holds the whole prompt. A
     prompt with more than GROUP_PREFILL_MAX tokens left prefills alone, at `open`. Outputs
     equal each request alone."""
-    from mlxspec.batch_step import GROUP_PREFILL_MAX
+    from mlxspec.batch_step import GROUP_CACHED_MAX, GROUP_PREFILL_MAX
 
     target, _ = pair
     counted = Counting(target)
     base = make_engine(counted, mode="none")
     long_prompt = list(range(1, GROUP_PREFILL_MAX + 3))
+    much_cached = [(7 * i) % 250 + 1 for i in range(GROUP_CACHED_MAX + 10)]
     reqs = [(list(range(3, 40)), "none", 9, {}), ([7, 1, 9], "none", 7, {}),
             ([5], "none", 6, {}), (list(range(50, 85)), "none", 8, {}),
-            (long_prompt, "none", 5, {})]
+            (much_cached, "none", 6, {}), (long_prompt, "none", 5, {})]
     want = alone(base, reqs)
-    cached = PromptCache()  # holds the first 30 tokens of the fourth prompt
-    base.clone().prefill(reqs[3][0][:31], cached, None)
+    cached = [PromptCache(), PromptCache()]  # 30 tokens of the fourth prompt; all but 4 of
+    base.clone().prefill(reqs[3][0][:31], cached[0], None)  # the fifth
+    base.clone().prefill(much_cached[:-3], cached[1], None)
     batch = BatchSpeculator(counted)
     counted.calls.clear()
-    rows = [batch.open(base.clone(), p, max_tokens=n, prompt_cache=cached if i == 3 else None)
+    rows = [batch.open(base.clone(), p, max_tokens=n,
+                       prompt_cache=cached[i - 3] if i in (3, 4) else None)
             for i, (p, _, n, _) in enumerate(reqs)]
     assert counted.calls == [(1, len(long_prompt) - 1)]  # the long one, at open
-    assert rows[4].opening is None and all(r.opening is not None for r in rows[:4])
+    assert rows[5].opening is None and all(r.opening is not None for r in rows[:5])
     outs = [list(next(rows[0]).tokens)]
-    # one forward: 37, 3, 1 and 35 - 30 tokens, padded to the widest
-    assert counted.calls[1:] == [(4, 37)] and batch.steps == 0
-    outs += [list(next(r).tokens) for r in rows[1:4]]
-    assert [o[0] for o in outs] == [greedy_path(target, p, 1)[0] for p, _, _, _ in reqs[:4]]
+    # the row with much cached alone on its own cache (4 tokens), the others in one forward:
+    # 37, 3, 1 and 35 - 30 tokens, padded to the widest
+    assert counted.calls[1:] == [(1, 4), (4, 37)] and batch.steps == 0
+    outs += [list(next(r).tokens) for r in rows[1:5]]
+    assert [o[0] for o in outs] == [greedy_path(target, p, 1)[0] for p, _, _, _ in reqs[:5]]
     assert batch.steps == 0 and rows[3].stats.cached_tokens == 30
-    for row, (p, _, _, _) in zip(rows, reqs[:4]):
+    assert rows[4].stats.cached_tokens == len(much_cached) - 4
+    for row, (p, _, _, _) in zip(rows, reqs[:5]):
         b = batch.slots.index(row)
         assert batch.cache[0].lengths[b] == len(p)
         fresh = prefilled(base, p + [0])  # holds p
@@ -368,6 +373,39 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     outs.append([])
     drain(rows, outs)
     assert outs == want
+
+
+def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair):
+    """Of the rows opened in one round, one closes before the prefill (its prompt cache then
+    holds what it reused) and one fails after it (its read raises the error, its cache is not
+    kept); the others decode as alone, and the batch holds only them."""
+    target, _ = pair
+    base = make_engine(target, mode="none")
+    reqs = [([7, 1, 9], "none", 8, {}), (list(range(3, 20)), "none", 7, {}),
+            ([40, 41, 42, 43], "none", 9, {}), ([5, 6], "none", 6, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    pcs = [PromptCache() for _ in reqs]
+    base.clone().prefill(reqs[1][0][:10], pcs[1], None)
+    failing = base.clone()
+
+    def broken(req, seconds):
+        raise MemoryError("no memory for the draft")
+
+    failing.start_proposer = broken
+    engines = [base.clone(), base.clone(), failing, base.clone()]
+    rows = [batch.open(e, p, max_tokens=n, prompt_cache=pc)
+            for e, (p, _, n, _), pc in zip(engines, reqs, pcs)]
+    rows[1].close()
+    assert pcs[1].tokens == reqs[1][0][:9] and caches.offset(pcs[1].cache) == 9
+    outs = [list(next(rows[0]).tokens), [], [], []]
+    with pytest.raises(MemoryError, match="no memory"):
+        next(rows[2])
+    assert pcs[2].cache is None and pcs[2].tokens == []
+    rows[2].close()
+    assert batch.rows == [rows[0], rows[3]] and rows[2] not in batch.slots
+    drain([rows[0], rows[3]], [outs[0], outs[3]])
+    assert outs[0] == want[0] and outs[3] == want[3]
 
 
 def test_plain_stretches_run_pipelined_and_stay_exact(pair):
