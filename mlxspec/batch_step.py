@@ -539,10 +539,16 @@ class BatchRow:
                 raise RuntimeError("a batched row was read before its prefill ran")
         if self.pending is None and not self.exhausted and self.error is None:
             queued = self.batch.queued
-            if queued is not None and self not in queued.rows:
-                self.pending = []  # joined while a step was queued: it starts at the next one
+            if queued is not None and self not in queued.rows and any(
+                    r is not None and r.wants for r in queued.rows):
+                # joined while a step was queued: it starts at the next one, which a row of
+                # the queued step runs when read (where none is left, this row runs it)
+                self.pending = []
             else:
                 self.batch.step()
+                queued = self.batch.queued
+                if self.pending is None and queued is not None and self in queued.rows:
+                    self.pending = []  # the step it ran was queued before it joined
         if self.error is not None:
             raise self.error
         out = next(self.detok)

@@ -375,6 +375,33 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     assert outs == want
 
 
+def test_a_joiner_whose_queued_step_lost_every_row_still_decodes(pair):
+    """A row joins while a plain step is queued for others, and all of those leave before
+    reading it: the joiner runs the queued step itself (it used to answer empty outputs for
+    ever, the server's worker spinning)."""
+    target, _ = pair
+    base = make_engine(target, mode="none")
+    reqs = [(list(range(3, 30)), "none", 20, {}), ([7, 1, 9, 4], "none", 20, {}),
+            ([50, 60, 70], "none", 12, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:2]]
+    outs = [[], [], []]
+    drain(rows, outs, rounds=3)
+    assert batch.queued is not None
+    rows.append(batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2]))
+    outs[2].extend(next(rows[2]).tokens)  # its prefill's token; not in the queued step
+    assert rows[2] not in batch.queued.rows
+    rows[0].close()
+    rows[1].close()
+    for _ in range(reqs[2][2] + 2):  # bounded: a livelock fails here, not hangs
+        try:
+            outs[2].extend(next(rows[2]).tokens)
+        except StopIteration:
+            break
+    assert outs[2] == want[2]
+
+
 def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair):
     """Of the rows opened in one round, one closes before the prefill (its prompt cache then
     holds what it reused) and one fails after it (its read raises the error, its cache is not
