@@ -75,24 +75,25 @@ OPTIMISTIC = 0.9
 _positions: dict = {}
 
 
-def _offset_array(lengths: list[int]) -> mx.array:
-    key = tuple(lengths)
-    hit = _positions.get("offset")
+def _remembered(name: str, key: tuple, make) -> mx.array:
+    """make(), or what it made last time for the same key."""
+    hit = _positions.get(name)
     if hit is None or hit[0] != key:
-        hit = (key, mx.array(lengths, mx.int32))
-        _positions["offset"] = hit
+        hit = _positions[name] = (key, make())
     return hit[1]
+
+
+def _offset_array(lengths: list[int]) -> mx.array:
+    return _remembered("offset", tuple(lengths), lambda: mx.array(lengths, mx.int32))
 
 
 def _slots_array(lengths: list[int], n: int, shape: tuple) -> mx.array:
     """Where each row's n new entries go, broadcast to the (B, heads, n, dim) of `shape`."""
-    key = (tuple(lengths), n, shape)
-    hit = _positions.get("slots")
-    if hit is None or hit[0] != key:
+    def make():
         slots = (_offset_array(lengths)[:, None] + mx.arange(n)[None])[:, None, :, None]
-        hit = (key, mx.broadcast_to(slots, shape))
-        _positions["slots"] = hit
-    return hit[1]
+        return mx.broadcast_to(slots, shape)
+
+    return _remembered("slots", (tuple(lengths), n, shape), make)
 
 
 class RaggedKVCache:
@@ -205,12 +206,9 @@ class RaggedKVCache:
     def take_row(self, b: int) -> KVCache:
         """A single-request cache holding row b (its own copy, evaluated: no view keeps the
         batch's buffer from being updated in place); the slot is left empty."""
-        n = self.lengths[b]
-        out = KVCache()
-        if n:
-            out.keys = mx.contiguous(self.keys[b : b + 1, :, :n, :])
-            out.values = mx.contiguous(self.values[b : b + 1, :, :n, :])
-            out.offset = n
+        out = self.row_view(b)
+        if out.offset:
+            out.keys, out.values = mx.contiguous(out.keys), mx.contiguous(out.values)
             mx.eval(out.keys, out.values)
         self.lengths[b] = 0
         return out
@@ -729,12 +727,14 @@ class BatchSpeculator:
         cost more than the forward it saves). Each row's pc.cache then holds its whole prompt;
         returns the rows' first tokens, read back with one wait."""
         drawn: list[mx.array | None] = [None] * len(group)
-        together = [i for i, r in enumerate(group) if r.opening[1] <= GROUP_CACHED_MAX]
+        together = []
         for i, r in enumerate(group):
-            if i not in together:
-                todo = r.context[r.opening[1] :]
-                logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
-                drawn[i] = r.first_draw(logits[0, -1])
+            if r.opening[1] <= GROUP_CACHED_MAX:
+                together.append(i)
+                continue
+            todo = r.context[r.opening[1] :]
+            logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
+            drawn[i] = r.first_draw(logits[0, -1])
         if together:
             rows = [group[i] for i in together]
             todo = [r.context[r.opening[1] :] for r in rows]  # never empty: the last token

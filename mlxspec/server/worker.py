@@ -465,13 +465,11 @@ class Worker(threading.Thread):
             return False
         return True
 
-    def _open_job(self, job: Job) -> bool:
+    def _open_job(self, job: Job) -> None:
         """Open the job's generation unless a chunk of its long prompt was prefilled instead
-        (then it opens in a later round); whether it is open."""
-        if self._prefill_chunk(job):
-            return False
-        self._open_generation(job)
-        return True
+        (then it opens in a later round)."""
+        if not self._prefill_chunk(job):
+            self._open_generation(job)
 
     def _guarded(self, job: Job, work) -> tuple[bool, object]:
         """(True, work(job)), or (False, None) where it raised: the job fails as its
