@@ -28,9 +28,10 @@ def _local_snapshot(repo: str) -> Path | None:
         return None
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """A local directory, a Hugging Face repo id (cache first, then download), or None for the
-    bundled default model."""
+def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) -> Path:
+    """A local directory, a GGUF source (a file, a folder holding one, `ollama:NAME`, a named
+    model such as `smollm2`: converted once to a cached mlx-lm folder), a Hugging Face repo id
+    (cache first, then download), or None for the bundled default model."""
     if model is None:
         from .models import bundled_model_path
 
@@ -38,10 +39,16 @@ def resolve_model_path(model: str | None) -> Path:
             return bundled_model_path("target")
         except FileNotFoundError as e:
             raise MlxspecError(str(e)) from None
+    from .gguf import model_folder
+
+    converted = model_folder(model, weights=gguf_weights)
+    if converted is not None:
+        return converted
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
-            raise MlxspecError(f"{model}: not a model directory (no config.json in it)")
+            raise MlxspecError(f"{model}: not a model directory (no config.json or GGUF file "
+                               "in it)")
         return path
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -73,11 +80,12 @@ def resolve_model_path(model: str | None) -> Path:
             f"(`hf download {model}`) or pass a local model directory.") from None
 
 
-def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
+def load_model(model: str | None, *, gguf_weights: str | None = None
+               ) -> tuple[nn.Module, Any, dict, str]:
     """(model, tokenizer, config, name) via mlx-lm; on the CPU backend computed in float32."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, gguf_weights=gguf_weights)
     try:
         net, tokenizer, config = mlx_lm_load(str(path), return_config=True)
     except (FileNotFoundError, ValueError) as e:
@@ -130,8 +138,11 @@ def load_draft(source: str | Path, engine: Engine) -> nn.Module:
 
 def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
          num_draft: int | None = None, max_context: int | None = None, adaptive: bool = False,
-         **mode_options) -> Engine:
-    """Load a target (path, repo id, or None for the bundled model) and an optional draft.
+         gguf_weights: str | None = None, **mode_options) -> Engine:
+    """Load a target (path, GGUF file, `ollama:NAME`, `smollm2`, repo id, or None for the
+    bundled model) and an optional draft. `gguf_weights` ("auto", "quantized", "float32",
+    "float16") sets how a GGUF file's weights are converted (default: float32 on the CPU
+    backend, kept quantized on Metal and CUDA).
 
     With the bundled target and no `draft`, the bundled draft is loaded when a mode first needs
     it (`mode="draft"` now, or `set_mode("draft")` later), as `mlxspec chat`'s /mode does."""
@@ -151,10 +162,10 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     pair_draft = None
     if pair is not None:  # a folder holding target/ and draft/: used like the bundled pair
         model, pair_draft = str(pair[0]), pair[1]
-    target_path = resolve_model_path(model)
+    target_path = resolve_model_path(model, gguf_weights=gguf_weights)
     draft_path = None
     if draft is not None:
-        draft_path = resolve_model_path(draft)
+        draft_path = resolve_model_path(draft, gguf_weights=gguf_weights)
     elif pair_draft is not None:
         draft_path = pair_draft
     elif model is None:
@@ -168,7 +179,9 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     elif mode == "draft":
         raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
     check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
-    net, tokenizer, config, name = load_model(model)
+    # The resolved folder (a GGUF source's conversion), named as the user named it.
+    net, tokenizer, config, name = load_model(str(target_path) if model else None)
+    name = model or name
     # Engine settings (the KV-cache kind) go to the engine, the rest to the mode's proposer.
     engine_options = {k: mode_options.pop(k) for k in ("kv", "kv_group_size", "kv_buffer_size",
                                                       "prefill_step_size") if k in mode_options}

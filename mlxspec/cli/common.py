@@ -67,12 +67,31 @@ def stack(fn, *decorators):
     return fn
 
 
+def _set_gguf_weights(ctx, param, value):
+    """Read where GGUF files are resolved (and by every rank of a --distributed run)."""
+    if value is not None:
+        os.environ["MLXSPEC_GGUF_WEIGHTS"] = value
+    return value
+
+
+GGUF_WEIGHTS_HELP = ("How a GGUF model's weights are converted: float32 (the default on the CPU "
+                     "backend, its fast path), quantized (the default on Metal/CUDA: Q4_0/Q4_1/"
+                     "Q8_0 kept, other types re-quantized) or float16.")
+
+
 def model_options(fn):
     return stack(
         fn,
         click.option("--model", "-m", default=None,
-                     help="Model directory, a folder holding target/ and draft/ (a pair from "
-                          "mlxspec train), or a Hugging Face repo id (default: the bundled model)."),
+                     help="Model directory, a GGUF file (or a folder holding one), "
+                          "ollama:NAME[:TAG] (a model Ollama pulled), smollm2 (a real 135 M "
+                          "chat model, fetched once), a folder holding target/ and draft/ (a "
+                          "pair from mlxspec train), or a Hugging Face repo id (default: the "
+                          "bundled model)."),
+        click.option("--gguf-weights", type=click.Choice(["auto", "quantized", "float32",
+                                                          "float16"]),
+                     default=None, envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False,
+                     callback=_set_gguf_weights, help=GGUF_WEIGHTS_HELP),
         click.option("--draft-model", default=None,
                      help="Draft model for --mode draft (default with the bundled model or a pair: "
                           "its draft)."),

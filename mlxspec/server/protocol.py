@@ -542,8 +542,11 @@ class RequestParser:
                 raise bad(f"input_extra[{i}]: 'filename' and 'text' must be strings",
                           f"input_extra[{i}]")
         if self.fim is None:
-            raise bad("this model has no fill-in-the-middle tokens, so /infill cannot be served",
-                      "input_prefix")
+            # llama.cpp's answer for a model without FIM tokens, word for word: editors
+            # (llama.vim, llama.vscode) match on it.
+            raise ApiError(501, "Infill is not supported by this model: prefix token is "
+                           "missing. suffix token is missing. middle token is missing. ",
+                           type="not_supported_error")
         n_predict = body.get("n_predict", body.get("max_tokens"))
         n = n_predict if isinstance(n_predict, int) and n_predict > 0 else self.config.default_max_tokens
         ids, truncated = build_fim_prompt(
