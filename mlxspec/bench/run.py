@@ -68,6 +68,9 @@ def measure_bandwidth(mb: int = 256) -> float:
 class Progress:
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.done, self.enabled, self.start = total, 0, enabled, time.perf_counter()
+        if enabled:  # shown at once: a real model's first prompt can take a while
+            sys.stderr.write(f"\r[{'':<30}] 0/{total}")
+            sys.stderr.flush()
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -120,13 +123,14 @@ def summarize(runs: dict[str, list[Run]], weights: int) -> dict[str, dict]:
 
 
 def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts: int,
-                  max_tokens: int, temperatures: list[float], seed: int = 0,
+                  max_tokens: int | None, temperatures: list[float], seed: int = 0,
                   show_progress: bool = True) -> dict:
     results = {}
     plan = []
     for w in workloads:
         for temp in ([1.0] if w == "free" else temperatures):
-            plan.append((w, temp, build_workload(w, n_prompts, max_tokens, seed)))
+            plan.append((w, temp, build_workload(w, n_prompts, max_tokens, seed,
+                                                 engine.tokenizer)))
     progress = Progress(sum(len(items) for *_, items in plan) * len(runners), show_progress)
     weights = weight_bytes(engine.model)
     for w, temp, items in plan:
@@ -139,6 +143,7 @@ def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts
                                                      item.prediction))
                 progress.step(f"{w} t={temp:g} {runner.label}")
         results[f"{w}@{temp:g}"] = {"workload": w, "temperature": temp,
+                                    "max_tokens": max(it.max_tokens for it in items),
                                     "modes": summarize(runs, weights)}
     progress.close()
     return results
@@ -148,7 +153,7 @@ def lossless_audit(engine: Engine, modes: list[str], n_prompts: int, max_tokens:
                    seed: int = 0, show_progress: bool = True) -> dict:
     """Every speculative mode against `none`, token by token, at temperature 0. A divergence is
     reported with the reference's top-2 logit gap at that step (> 1e-3 in float32: a bug)."""
-    items = build_workload("mixed", n_prompts, max_tokens, seed)
+    items = build_workload("mixed", n_prompts, max_tokens, seed, engine.tokenizer)
     modes = [m for m in modes if m not in ("none",) + PEERS and ":" not in m]
     progress = Progress(len(items), show_progress)
     report = {"prompts": len(items), "modes": {m: {"identical": 0, "divergences": []} for m in modes}}

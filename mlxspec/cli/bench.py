@@ -41,13 +41,19 @@ def report_written(written: list[Path]) -> None:
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
                    "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
-@click.option("--workloads", default="completion,fim,edit,doc-qa,chat,free", show_default=True,
-              help="Comma-separated workloads; with --distributed also 'predicted' (edit prompts "
-                   "whose predicted output is the answer with one token changed).")
+@click.option("--workloads", default=None,
+              help="Comma-separated workloads (default: all the model has). The bundled model "
+                   "(and models `mlxspec train` writes): completion, fim, edit, doc-qa, chat, "
+                   "free. Any other model, through its own chat template: edit, rewrite, quote, "
+                   "chat, free, completion (plain code), fim only with FIM tokens. 'mixed': all, "
+                   "shuffled. With --distributed also 'predicted' (edit prompts whose predicted "
+                   "output is the answer with one token changed).")
 @click.option("--prompts", "n_prompts", type=int, default=20, show_default=True,
               callback=in_range(1), help="Prompts per workload.")
-@click.option("--max-tokens", type=int, default=64, show_default=True, callback=in_range(1),
-              help="Tokens generated per prompt.")
+@click.option("--max-tokens", type=int, default=None, callback=in_range(1),
+              help="Tokens generated per prompt (default 64; the bundled model's edit and doc-qa "
+                   "at least 256 and 128). With a chat-template model it caps every workload; "
+                   "without it edit/rewrite 256, quote/chat/free 128, completion 64.")
 @click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. '0,1' ('free' always uses 1).")
 @click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
               callback=in_range(1, MAX_NUM_DRAFT), help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}).")
@@ -73,7 +79,11 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
           audit_prompts, quick, out_dir, seed, from_json, distributed=None,
           collective_delay="0"):
     """Benchmark speculation modes and mlx-lm on held-out workloads."""
+    from ..bench.workloads import DEFAULT_MAX_TOKENS
+
     if distributed and from_json is None:
+        workloads = workloads or "completion,fim,edit,doc-qa,chat,free"
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         return bench_distributed(model, draft_model, modes, workloads, n_prompts, max_tokens,
                                  num_draft, quick, out_dir, seed, distributed, collective_delay)
     if from_json is not None:
@@ -98,7 +108,13 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         run_workloads,
         write_outputs,
     )
-    from ..bench.workloads import WORKLOADS
+    from ..bench.workloads import (
+        CHAT_WORKLOADS,
+        WORKLOADS,
+        check_workloads,
+        workload_kind,
+        workloads_for,
+    )
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
@@ -109,16 +125,18 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
             raise MlxspecError(f"unknown mode {m!r} in --modes (MODE, MODE:k=N or MODE:adaptive)")
     if "none" not in mode_list:
         mode_list.insert(0, "none")  # the reference every ratio is taken against
-    workload_list = [w.strip() for w in workloads.split(",") if w.strip()]
-    for w in workload_list:
-        if w not in WORKLOADS + ("mixed",):
-            raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}, mixed")
+    workload_list = [w.strip() for w in (workloads or "").split(",") if w.strip()]
+    known = tuple(dict.fromkeys(WORKLOADS + CHAT_WORKLOADS))
+    for w in workload_list:  # before loading; which ones the model has is checked once loaded
+        if w not in known + ("mixed",):
+            raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(known)}, mixed")
     try:
         temperatures = [float(t) for t in temps.split(",")]
     except ValueError:
         raise MlxspecError(f"--temps must be comma-separated numbers, got {temps!r}") from None
     if quick:
-        n_prompts, max_tokens, audit_prompts = min(n_prompts, 3), min(max_tokens, 32), min(audit_prompts, 10)
+        n_prompts, audit_prompts = min(n_prompts, 3), min(audit_prompts, 10)
+        max_tokens = min(max_tokens or DEFAULT_MAX_TOKENS, 32)
         click.echo(f"note: --quick runs {n_prompts} prompts per workload: a smoke run; its "
                    "speedup ratios are too noisy to read (use --prompts 8 or more for figures)",
                    err=True)
@@ -129,13 +147,26 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
     with_draft = wants_draft and (draft_model is not None or model is None)
     engine = load_engine(model, draft_model if with_draft else None,
                          "draft" if with_draft else "none", num_draft)
+    if workload_list:
+        check_workloads(workload_list, engine.tokenizer, engine.name)
+    else:
+        workload_list = list(workloads_for(engine.tokenizer))
     runners = make_runners(engine, mode_list, num_draft)
+    no_draft = [m for m in mode_list if m.partition(":")[0] in ("draft", "mlx_lm_spec")]
+    if engine.draft_model is None and no_draft:
+        also = "; auto proposes from n-grams only" if any(
+            m.partition(":")[0] == "auto" for m in mode_list) else ""
+        click.echo(f"note: no draft model (--draft-model): {', '.join(no_draft)} skipped{also}",
+                   err=True)
     click.echo(f"machine: {machine_summary()}", err=True)
     click.echo(f"runners: {', '.join(r.label for r in runners)}", err=True)
+    click.echo(f"workloads: {', '.join(workload_list)} ({workload_kind(engine.tokenizer)})",
+               err=True)
     results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures, seed)
     report = {"machine": machine_summary(), "machine_info": backend.machine_info(),
               "model": engine.name, "num_draft": num_draft, "max_tokens": max_tokens,
-              "prompts_per_workload": n_prompts, "results": results}
+              "prompts_per_workload": n_prompts, "workloads": workload_kind(engine.tokenizer),
+              "results": results}
     if audit_prompts:
         report["audit"] = lossless_audit(engine, [r.label for r in runners], audit_prompts, seed=seed)
     written = write_outputs(out, report)
