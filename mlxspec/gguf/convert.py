@@ -158,25 +158,16 @@ def model_config(reader, tensor_names: set[str]) -> dict:
                                       else head_dim),
         })
         config["rope_theta"] = get("rope.freq_base", 1_000_000.0)
-    eos = _stop_ids(reader)
+    from .tokenizer import stop_token_ids
+
+    eos = stop_token_ids({k: field_value(reader, k) for k in reader.fields
+                          if k.startswith("tokenizer.ggml.")})
     if eos:
         config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None:
         config["bos_token_id"] = bos
     return config
-
-
-def _stop_ids(reader) -> list[int]:
-    """EOS plus the end-of-turn token where the file names a different one (chat models stop
-    there: `<|eot_id|>`, `<end_of_turn>`, `<|im_end|>`)."""
-    ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id"):
-        value = field_value(reader, key)
-        if value is not None and value not in ids:
-            ids.append(int(value))
-    return ids
 
 
 def _llama3_rope_scaling(reader, config: dict, head_dim: int) -> dict:
@@ -257,7 +248,13 @@ def _dequantized(t) -> np.ndarray:
     """A tensor in float32 and numpy's (out, in) order, as ggml dequantizes it."""
     import gguf
 
-    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    try:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise MlxspecError(
+            f"GGUF tensor {t.name} has type {t.tensor_type.name}, which cannot be dequantized "
+            f"(supported: {', '.join(FLOAT_TYPES + MLX_NATIVE_QUANTS)}, Q5_0/Q5_1, the k-quants "
+            "Q2_K-Q8_K and the IQ types the gguf package reads)") from None
     shape = tuple(int(d) for d in reversed(t.shape))
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
@@ -268,7 +265,35 @@ def _requantized_bits(kind: str) -> int:
     return 8 if digits and int(digits[0]) >= 5 else 4
 
 
-def read_tensors(path: Path, reader, weights: str, quiet: bool) -> dict[str, Any]:
+def _affine_triple(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0, Q4_1 or Q8_0 tensor as MLX's affine (packed uint32, scales, biases), group 32,
+    exactly (w = scale · code + bias), read from the raw blocks."""
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    kind = t.tensor_type.name
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+    block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = raw.reshape(rows, -1, block)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        scales, biases = d, (d.astype(np.float32) * -128).astype(np.float16)
+        packed = codes.reshape(rows, -1).view(np.uint32)  # 4 codes per word, element i at 8i
+        return packed, scales, biases
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        nibbles = blocks[..., 4:]
+        scales, biases = d, m
+    else:
+        nibbles = blocks[..., 2:]
+        scales, biases = d, (d.astype(np.float32) * -8).astype(np.float16)
+    # ggml: byte j holds element j (low nibble) and element j + 16 (high nibble)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1, 8)
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    packed = (codes.astype(np.uint32) << shifts).sum(axis=-1, dtype=np.uint32)
+    return packed.reshape(rows, -1), scales, biases
+
+
+def read_tensors(reader, weights: str, quiet: bool) -> dict[str, Any]:
     """GGUF name → mx.array (a quantized tensor as name.weight/.scales/.biases)."""
     import mlx.core as mx
 
@@ -278,19 +303,17 @@ def read_tensors(path: Path, reader, weights: str, quiet: bool) -> dict[str, Any
         for t in reader.tensors:
             out[t.name] = mx.array(_dequantized(t)).astype(dtype)
         return out
-    try:
-        native = mx.load(str(path))
-    except Exception as e:
-        raise MlxspecError(f"{path}: MLX cannot read the GGUF tensors ({e})") from None
     requantized: dict[str, int] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         stem = t.name.rpartition(".")[0]
         if kind in MLX_NATIVE_QUANTS:
-            for part in ("weight", "scales", "biases"):
-                out[f"{stem}.{part}"] = native[f"{stem}.{part}"]
+            packed, scales, biases = _affine_triple(t)
+            out[f"{stem}.weight"] = mx.array(packed)
+            out[f"{stem}.scales"], out[f"{stem}.biases"] = mx.array(scales), mx.array(biases)
         elif kind in FLOAT_TYPES:
-            out[t.name] = native[t.name]
+            w = _dequantized(t)
+            out[t.name] = mx.array(w).astype(mx.float32 if kind == "F32" else mx.float16)
         else:
             w = mx.array(_dequantized(t))
             if w.ndim == 2 and w.shape[1] % 32 == 0:
@@ -353,18 +376,22 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, weights: str
          f"{'/'.join(kinds)}) to {weights} weights in {out}", quiet)
     start = time.perf_counter()
     meta = {k: field_value(reader, k) for k in reader.fields
-            if k.startswith("tokenizer.")}
+            if k.startswith("tokenizer.") or k in ("general.architecture",
+                                                   f"{arch}.context_length")}
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write_tokenizer(meta, tmp)
-        mlx_weights = to_mlx_weights(read_tensors(src, reader, weights, quiet), config, arch)
+        mlx_weights = to_mlx_weights(read_tensors(reader, weights, quiet), config, arch)
         if weights == "quantized" and any(k.endswith(".scales") for k in mlx_weights):
             config["quantization"] = {"group_size": 32, "bits": 4}  # bits per layer inferred
         mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights,
                             metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "source.json").write_text(json.dumps(
+            {"source": str(src.resolve()), "weights": weights,
+             "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -416,7 +443,4 @@ def cached_conversion(src: str | os.PathLike, *, weights: str | None = None,
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     convert_gguf(src, out, weights=weights, quiet=quiet)
-    (out / "source.json").write_text(json.dumps(
-        {"source": str(src.resolve()), "weights": weights,
-         "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
     return out
