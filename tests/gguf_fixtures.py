@@ -363,7 +363,7 @@ def reference_logits(path: Path, tokens: list[int]) -> np.ndarray:
     eps = float(kv("attention.layer_norm_rms_epsilon"))
     base = float(kv("rope.freq_base", 10000.0))
     neox = arch != "llama"  # llama.cpp: LLAMA_ROPE_TYPE_NORM for llama, NEOX for the others
-    n_swa = int(kv("sliding_window", 0)) if arch == "gemma3" else 0
+    n_swa = int(kv("attention.sliding_window", 0)) if arch == "gemma3" else 0
     softcap = float(kv("final_logit_softcapping", 0.0)) if arch == "gemma3" and not n_swa else 0.0
     if arch == "gemma3":
         # llama.cpp scales Q itself (f_attention_scale) and passes kq_scale 1.
