@@ -31,6 +31,15 @@ src/llama-hparams.cpp, src/models/gemma3.cpp):
   None). Final-logit softcap: the key `gemma3.final_logit_softcapping` is written only when the
   HF config sets it (no released Gemma 3 does), and the graph applies it only on the non-SWA
   path (a file without sliding_window); the SWA graph never soft-caps.
+
+mlx-lm equivalents (checked in test_gguf_fixtures.py): llama -> `llama` with rope_traditional
+False on HF (unpermuted) q/k, or True on the file's permuted q/k; qwen2/qwen3 -> same names;
+gemma3 -> `gemma3_text` with norms (file - 1), rope_theta = freq_base, rope_local_base_freq
+10000, sliding_window = the key, sliding_window_pattern 6 (1 when the file has no window),
+query_pre_attn_scalar = key_length (n_embd / n_head for 62 layers). Two mlx-lm differences:
+gemma3_text needs num_hidden_layers >= sliding_window_pattern (it indexes cache[pattern - 1]),
+so a file of < 6 layers (all local in llama.cpp) has no exact mlx-lm config; and it rounds the
+embedding scale sqrt(hidden) to bfloat16 (exact for hidden 64, not for e.g. 1152).
 """
 
 from __future__ import annotations
