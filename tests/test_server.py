@@ -625,8 +625,12 @@ def test_model_without_fim_tokens_and_api_key(llama_pair):
         status, payload, _ = post(srv.url, "/v1/completions",
                                {"prompt": "def f(", "suffix": "):\n", "max_tokens": 4}, headers=auth)
         assert status == 400 and "fill-in-the-middle" in json.loads(payload)["error"]["message"]
-        status, _, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []), headers=auth)
-        assert status == 400
+        # llama.cpp's answer for a model without FIM tokens (editors match on it)
+        status, payload, _ = post(srv.url, "/infill", llama_vim_body("a", "b", "c", []),
+                                  headers=auth)
+        error = json.loads(payload)["error"]
+        assert status == 501 and error["type"] == "not_supported_error"
+        assert error["message"].startswith("Infill is not supported by this model: prefix token")
         status, _, _ = post(srv.url, "/v1/completions", {"prompt": "abc", "max_tokens": 4})
         assert status == 401
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
