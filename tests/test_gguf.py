@@ -294,20 +294,30 @@ REAL_PROMPTS = [
 def test_smollm2_every_mode_is_token_identical(smollm2_gguf, smollm2_cache, monkeypatch,
                                                weights):
     """The real model, chat-templated prompts: every mode's greedy tokens equal `none`'s, in
-    float32 and kept in float16. (No draft model exists for SmolLM2.)"""
+    float32 and kept in float16. (No draft model exists for SmolLM2. QuantSpec's reference is
+    the target reading its 8-bit KV view, checked in float32: in float16 its kernels take
+    ~35 s here, and its half-precision exactness is tested on small models.)"""
     from mlxspec import backend
 
     monkeypatch.setenv("MLXSPEC_CACHE", str(smollm2_cache))
     monkeypatch.setattr(backend, "compute_dtype", lambda: None)
     engine = load(str(smollm2_gguf), mode="none", gguf_weights=weights)
     tok = engine.tokenizer
-    max_tokens = 40 if weights == "float32" else 16
-    for text in REAL_PROMPTS:
+    # float16 matmuls skip BLAS on the CPU (several times slower): one prompt, fewer tokens
+    max_tokens = 40 if weights == "float32" else 12
+    for text in REAL_PROMPTS if weights == "float32" else REAL_PROMPTS[:1]:
         prompt = tok.apply_chat_template([{"role": "user", "content": text}],
                                          add_generation_prompt=True)
         engine.set_mode("none")
         want = engine.generate(prompt, max_tokens=max_tokens).tokens
-        for mode in ("ngram", "lookahead", "quantspec", "auto"):
+        for mode in ("ngram", "lookahead", "auto"):
             engine.set_mode(mode)
             got = engine.generate(prompt, max_tokens=max_tokens).tokens
             assert got == want, (weights, mode, text[:30])
+    if weights == "float32":
+        reference = load(str(smollm2_gguf), mode="none", kv="hierarchical")
+        quantspec = load(str(smollm2_gguf), mode="quantspec")
+        prompt = tok.apply_chat_template([{"role": "user", "content": REAL_PROMPTS[0]}],
+                                         add_generation_prompt=True)
+        want = reference.generate(prompt, max_tokens=max_tokens).tokens
+        assert quantspec.generate(prompt, max_tokens=max_tokens).tokens == want
