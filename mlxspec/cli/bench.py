@@ -11,8 +11,10 @@ from ..errors import MlxspecError
 from ..proposers import MODES
 from .common import (
     MAX_NUM_DRAFT,
+    MODEL_HELP,
     distributed_option,
     exits_cleanly,
+    gguf_weights_option,
     in_range,
     load_engine,
     resolve_pair,
@@ -36,7 +38,8 @@ def report_written(written: list[Path]) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", default=None, help="Target (default: the bundled model).")
+@click.option("--model", "-m", default=None, help=MODEL_HELP)
+@gguf_weights_option
 @click.option("--draft-model", default=None, help="Draft (default with the bundled model: its draft).")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "

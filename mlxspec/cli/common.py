@@ -79,19 +79,24 @@ GGUF_WEIGHTS_HELP = ("How a GGUF model's weights are converted: float32 (the def
                      "Q8_0 kept, other types re-quantized) or float16.")
 
 
+MODEL_HELP = ("Model directory, a GGUF file (or a folder holding one), ollama:NAME[:TAG] (a "
+              "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), a folder "
+              "holding target/ and draft/ (a pair from mlxspec train), or a Hugging Face repo "
+              "id (default: the bundled model).")
+
+
+def gguf_weights_option(fn):
+    return click.option("--gguf-weights", type=click.Choice(["auto", "quantized", "float32",
+                                                             "float16"]),
+                        default=None, envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False,
+                        callback=_set_gguf_weights, help=GGUF_WEIGHTS_HELP)(fn)
+
+
 def model_options(fn):
     return stack(
         fn,
-        click.option("--model", "-m", default=None,
-                     help="Model directory, a GGUF file (or a folder holding one), "
-                          "ollama:NAME[:TAG] (a model Ollama pulled), smollm2 (a real 135 M "
-                          "chat model, fetched once), a folder holding target/ and draft/ (a "
-                          "pair from mlxspec train), or a Hugging Face repo id (default: the "
-                          "bundled model)."),
-        click.option("--gguf-weights", type=click.Choice(["auto", "quantized", "float32",
-                                                          "float16"]),
-                     default=None, envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False,
-                     callback=_set_gguf_weights, help=GGUF_WEIGHTS_HELP),
+        click.option("--model", "-m", default=None, help=MODEL_HELP),
+        gguf_weights_option,
         click.option("--draft-model", default=None,
                      help="Draft model for --mode draft (default with the bundled model or a pair: "
                           "its draft)."),

@@ -10,7 +10,7 @@ import click
 
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import distributed_option, exits_cleanly, load_engine
+from .common import MODEL_HELP, distributed_option, exits_cleanly, gguf_weights_option, load_engine
 
 # Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
 # else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
@@ -26,8 +26,8 @@ def parse_size(text: str) -> int:
 
 
 @click.command()
-@click.option("--model", "-m", default=None,
-              help="Model directory or Hugging Face repo id (default: the bundled model).")
+@click.option("--model", "-m", default=None, help=MODEL_HELP)
+@gguf_weights_option
 @click.option("--draft-model", default=None, help="Draft model for --mode draft.")
 @click.option("--mode", type=click.Choice(MODES), default=DEFAULT_MODE, show_default=True,
               help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
