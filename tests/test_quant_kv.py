@@ -239,7 +239,9 @@ def test_batching_does_not_change_results():
             done += n
         outs.append(mx.concatenate(logits, axis=1))
     for o in outs[1:]:
-        assert mx.allclose(o, outs[0], atol=1e-4).item()
+        # float32 sums in another order (and past 128 tokens a 4-bit code flipped by that: seen
+        # 6e-4 on an AMD EPYC); a wrong position rule moves logits by O(1)
+        assert mx.allclose(o, outs[0], atol=2e-3).item()
 
 
 # ----------------------------------------------------------------------------- exactness, growth
