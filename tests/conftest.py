@@ -141,3 +141,20 @@ def model_dirs(tmp_path_factory):
     train_tiny_tokenizer(d, vocab=290)
     dirs["other-tokenizer"] = d
     return dirs
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's real GGUF file, fetched once into the user's cache (`.ci/run`
+    fetches it; elsewhere, offline, the tests that need it skip)."""
+    import os
+
+    from mlxspec.errors import MlxspecError
+    from mlxspec.gguf.sources import named_model_gguf
+
+    try:
+        return named_model_gguf("smollm2", quiet=True)
+    except MlxspecError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2 not available: {e}")

@@ -5,7 +5,6 @@ line, the conversion cache, `mlxspec convert`, `ollama:NAME`, and the real SmolL
 from __future__ import annotations
 
 import json
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -251,20 +250,6 @@ def test_an_ollama_model_loads_from_its_store(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the real model
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    """The real SmolLM2 file, fetched once into the user's cache (CI fetches it; elsewhere
-    offline, skipped)."""
-    from mlxspec.gguf.sources import named_model_gguf
-
-    try:
-        return named_model_gguf("smollm2", quiet=True)
-    except MlxspecError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"SmolLM2 not available: {e}")
 
 
 @pytest.fixture(scope="module")

