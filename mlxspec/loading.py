@@ -80,12 +80,11 @@ def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) ->
             f"(`hf download {model}`) or pass a local model directory.") from None
 
 
-def load_model(model: str | None, *, gguf_weights: str | None = None
-               ) -> tuple[nn.Module, Any, dict, str]:
+def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
     """(model, tokenizer, config, name) via mlx-lm; on the CPU backend computed in float32."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    path = resolve_model_path(model, gguf_weights=gguf_weights)
+    path = resolve_model_path(model)
     try:
         net, tokenizer, config = mlx_lm_load(str(path), return_config=True)
     except (FileNotFoundError, ValueError) as e:

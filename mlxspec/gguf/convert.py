@@ -158,15 +158,6 @@ def model_config(reader, tensor_names: set[str]) -> dict:
                                       else head_dim),
         })
         config["rope_theta"] = get("rope.freq_base", 1_000_000.0)
-    from .tokenizer import stop_token_ids
-
-    eos = stop_token_ids({k: field_value(reader, k) for k in reader.fields
-                          if k.startswith("tokenizer.ggml.")})
-    if eos:
-        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
-    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-    if bos is not None:
-        config["bos_token_id"] = bos
     return config
 
 
@@ -360,7 +351,7 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, weights: str
     """Write `src` (a GGUF file) as an mlx-lm model folder `out`; returns `out`."""
     import mlx.core as mx
 
-    from .tokenizer import write_tokenizer
+    from .tokenizer import stop_token_ids, write_tokenizer
 
     src, out = Path(src), Path(out)
     weights = resolve_weights_mode(weights)
@@ -378,6 +369,11 @@ def convert_gguf(src: str | os.PathLike, out: str | os.PathLike, *, weights: str
     meta = {k: field_value(reader, k) for k in reader.fields
             if k.startswith("tokenizer.") or k in ("general.architecture",
                                                    f"{arch}.context_length")}
+    eos = stop_token_ids(meta)  # EOS and the end-of-turn tokens llama.cpp stops at
+    if eos:
+        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    if meta.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = meta["tokenizer.ggml.bos_token_id"]
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -436,7 +432,8 @@ def cached_conversion(src: str | os.PathLike, *, weights: str | None = None,
     from .sources import cache_root
 
     src = Path(src)
-    open_gguf(src)  # bad files fail here, before hashing
+    if not is_gguf_file(src):  # before hashing it; the full checks run on converting
+        raise MlxspecError(f"{src}: not a GGUF file (it does not start with 'GGUF')")
     weights = resolve_weights_mode(weights)
     key = f"{file_sha256(src)[:24]}-{weights}-v{CONVERTER_VERSION}"
     out = cache_root() / "gguf" / key
