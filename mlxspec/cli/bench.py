@@ -24,10 +24,9 @@ from .common import (
 def default_out_dir() -> Path:
     """Where a run's files go without --out: the user's cache, never the current directory
     (which is often a source checkout)."""
-    import os
+    from ..gguf.sources import cache_root
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "mlxspec" / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    return cache_root() / "bench" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def report_written(written: list[Path]) -> None:
@@ -68,7 +67,7 @@ def report_written(written: list[Path]) -> None:
                    "too noisy to read (use --prompts 8 or more for figures).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for bench.json, bench.md and plots (default: "
-                   "~/.cache/mlxspec/bench/DATE, or under $XDG_CACHE_HOME).")
+                   "~/.cache/mlxspec/bench/DATE, or under $MLXSPEC_CACHE or $XDG_CACHE_HOME).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
