@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import MlxspecError
 
-MODES = ("none", "ngram", "draft", "quantspec", "lookahead", "auto")
+MODES = ("none", "ngram", "draft", "quantspec", "lookahead", "suffix", "auto")
 
 
 def make_proposer(mode: str, model, draft_model=None, **options):
@@ -33,6 +33,10 @@ def make_proposer(mode: str, model, draft_model=None, **options):
         from .lookahead import LookaheadProposer
 
         return LookaheadProposer(model, **options)
+    if mode == "suffix":
+        from .suffix import SuffixProposer
+
+        return SuffixProposer(**options)
     if mode == "auto":
         from .auto import AutoProposer
 

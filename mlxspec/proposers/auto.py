@@ -1,7 +1,8 @@
 """`auto`: step by step, the proposal source expected to pay.
 
-Sources: the prompt / prediction n-gram match (free to propose; what edits, RAG and code copy)
-and the draft model, if one is loaded. Which one, and k, is decided by the engine's one policy
+Sources: the prompt / prediction n-gram match (free to propose; what edits, RAG and code copy),
+the text of earlier requests and answers (`suffix.py`, arms `suffix:N`; what editors, agents
+and chat repeat across requests) and the draft model, if one is loaded. Which one, and k, is decided by the engine's one policy
 (`AdaptiveK`), from what each source offers this step and its measured acceptance and cost;
 a plain step when none is expected to beat plain decoding.
 """
@@ -14,14 +15,18 @@ from ..sampling import SamplingParams
 from .base import Proposal, Proposer
 from .draft import DraftModelProposer
 from .ngram import NgramProposer
+from .suffix import _OWN, SuffixProposer
 
 
 class AutoProposer(Proposer):
     name = "auto"
     adaptive = True  # the engine gives it an AdaptiveK policy whatever `adaptive` says
 
-    def __init__(self, model, draft_model=None, min_ngram: int = 1, max_ngram: int = 4):
+    def __init__(self, model, draft_model=None, min_ngram: int = 1, max_ngram: int = 4,
+                 suffix: bool = True, store=_OWN):
         self.ngram = NgramProposer(min_ngram=min_ngram, max_ngram=max_ngram)
+        # The current request's own text is prompt lookup's: the suffix source reads the store.
+        self.suffix = SuffixProposer(store=store, local=False) if suffix else None
         # The draft is not prefilled with each prompt: most requests may never probe it, and a
         # prefill left lazy would be computed, with every other one chained to it, at the next
         # probe. Its first proposal in a request catches up on the context instead.
@@ -31,13 +36,28 @@ class AutoProposer(Proposer):
     def set_prediction(self, tokens: list[int] | None) -> None:
         self.ngram.set_prediction(tokens)
 
+    def set_store(self, store) -> None:
+        """The suffix source's store from the next generation on (None: none)."""
+        if self.suffix is not None:
+            self.suffix.set_store(store)
+
+    def finish(self) -> None:
+        if self.suffix is not None:
+            self.suffix.finish()
+
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.ngram.reset(prompt, sampling)
+        if self.suffix is not None:
+            self.suffix.reset(prompt, sampling)
         if self.draft is not None:
             self.draft.reset(prompt, sampling)
 
     def available(self, context: list[int], cap: int) -> dict[str, int]:
         offered = self.ngram.available(context, cap)
+        if self.suffix is not None:
+            # Both offered when both match: the policy takes the one whose measured
+            # acceptance and length pay more (a long suffix match usually).
+            offered.update(self.suffix.available(context, cap))
         if self.draft is not None and cap > 0:
             offered["draft"] = cap
         return offered
@@ -46,12 +66,20 @@ class AutoProposer(Proposer):
                 source: str | None = None) -> Proposal | None:
         if source == "draft" and self.draft is not None:
             return self.draft.propose(context, num_draft, key)
+        if source and source.startswith("suffix") and self.suffix is not None:
+            return self.suffix.propose(context, num_draft, key, source)
         return self.ngram.propose(context, num_draft, key)
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
-        return None if source == "draft" else self.ngram.peek(context, num_draft, source)
+        if source == "draft":
+            return None
+        if source.startswith("suffix") and self.suffix is not None:
+            return self.suffix.peek(context, num_draft, source)
+        return self.ngram.peek(context, num_draft, source)
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self.ngram.update(context, num_accepted)
+        if self.suffix is not None:
+            self.suffix.update(context, num_accepted)
         if self.draft is not None:
             self.draft.update(context, num_accepted)

@@ -110,5 +110,10 @@ class Proposer:
         proposal's tokens were accepted. Roll back any private state past the accepted part.
         Also called (num_accepted = 0, no proposal) after every token of a plain stretch."""
 
+    def finish(self) -> None:
+        """The generation has ended (its last `update` had the committed sequence): a source
+        that learns across requests (`suffix`) keeps its text now. Also done, for the previous
+        generation, by the next `reset`."""
+
     def stats(self) -> dict:
         return {}
