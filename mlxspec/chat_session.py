@@ -134,8 +134,13 @@ class ChatSession:
 
     def __init__(self, engine, *, system: str | None = None, max_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = 0):
+                 seed: int | None = 0, suffix_store=None):
+        from .suffix_store import SuffixIndex
+
         self.engine = engine
+        # Every turn's prompt and reply, for the suffix source of `auto` and `suffix` (the
+        # session's one store whatever the mode; --suffix-cache gives a loaded one).
+        self.suffix_store = suffix_store if suffix_store is not None else SuffixIndex()
         self.system = system or None
         self.messages: list[dict] = []  # user and assistant turns
         self.settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -192,6 +197,9 @@ class ChatSession:
             self.messages.pop()
             raise
         seed = None if self.seed is None else self.seed + len(self.turn_stats)
+        proposer = self.engine.proposer
+        if hasattr(proposer, "set_store"):
+            proposer.set_store(self.suffix_store)
         steps = self.engine.stream_steps(tokens, seed=seed, **self.settings)
         pieces: list[str] = []
         out_tokens: list[int] = []
@@ -207,6 +215,8 @@ class ChatSession:
                 yield out
         finally:
             steps.close()  # the engine's cache bookkeeping runs now, not at garbage collection
+            if proposer is not None:
+                proposer.finish()  # this turn's text is in the store for the next one
             if last is None:  # nothing was generated (an error): the turn did not happen
                 self.messages.pop()
             else:

@@ -197,9 +197,12 @@ class EditResult:
 def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
               max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
               top_k: int = 0, seed: int | None = 0, mode: str | None = None,
-              canonical: bool = True, on_step: Callable | None = None) -> EditResult:
+              canonical: bool = True, on_step: Callable | None = None,
+              suffix_store=None) -> EditResult:
     """Ask `engine`'s model to apply `instruction` to `text` (or to its `lines` A:B), with the
-    original as the predicted output. The whole edited text comes back in the result."""
+    original as the predicted output. The whole edited text comes back in the result.
+    `suffix_store`: the store of earlier requests the suffix source reads and keeps this
+    edit in (default: the proposer's own, shared by the edits of this engine)."""
     from .chat_session import add_turn_end_tokens, render_chat
 
     if not instruction or not instruction.strip():
@@ -233,13 +236,20 @@ def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
     pieces: list[str] = []
     tokens: list[int] = []
     out = None
-    for out in engine.stream_steps(prompt, max_tokens=max_tokens, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, seed=seed, prediction=prediction,
-                                   mode=mode):
-        pieces.append(out.text)
-        tokens.extend(out.tokens)
-        if on_step is not None:
-            on_step(out)
+    proposer = engine.proposer if mode in (None, engine.mode) else engine.proposer_for(mode)
+    if suffix_store is not None and hasattr(proposer, "set_store"):
+        proposer.set_store(suffix_store)
+    try:
+        for out in engine.stream_steps(prompt, max_tokens=max_tokens, temperature=temperature,
+                                       top_p=top_p, top_k=top_k, seed=seed,
+                                       prediction=prediction, mode=mode):
+            pieces.append(out.text)
+            tokens.extend(out.tokens)
+            if on_step is not None:
+                on_step(out)
+    finally:
+        if proposer is not None:
+            proposer.finish()  # this edit's text is in the store for the next one
     reply = "".join(pieces)
     new_body = indent(reply.strip("\n"), prefix) if prefix else reply.strip("\n")
     edited = "".join(all_lines[:start]) + new_body + trailing + "".join(all_lines[end:])

@@ -20,8 +20,11 @@ from .common import (
     exits_cleanly,
     load_engine,
     model_options,
+    open_suffix_cache,
     resolve_pair,
     sampling_options,
+    save_suffix_cache,
+    suffix_cache_option,
 )
 from .statsline import dim, stats_line
 
@@ -285,10 +288,11 @@ def bundled_draft_path() -> str | None:
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
+@suffix_cache_option
 @distributed_option
 @exits_cleanly
 def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system,
-         distributed=None):
+         suffix_cache=None, distributed=None):
     """Chat with a model (default: the bundled one). /help lists the commands."""
     # Ctrl-C must interrupt a reply even when started from a shell that launched us with SIGINT
     # ignored (a background job of a non-interactive shell inherits SIG_IGN).
@@ -301,8 +305,9 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None
     click.echo(describe_model(engine, time.perf_counter() - start), err=True)
+    stores, store = open_suffix_cache(suffix_cache, engine)
     session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
-                          top_p=top_p, top_k=top_k, seed=seed)
+                          top_p=top_p, top_k=top_k, seed=seed, suffix_store=store)
     check_chat_template(engine.tokenizer)  # fail now, not at the first message
     pair_draft = resolve_pair(model, draft_model, mode)[2]  # -m FOLDER with target/ + draft/
     draft_source = draft_model or pair_draft or (bundled_draft_path() if model is None else None)
@@ -312,3 +317,4 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
         ChatREPL(session, draft_source=draft_source).run()
     finally:
         save_readline(history)
+        save_suffix_cache(suffix_cache, stores)

@@ -218,3 +218,31 @@ def mode_kwargs(mode: str, *, tree=False, tree_budget=16, window=None, ngram_siz
         return {"group_size": int(group_size), "buffer_size": buffer_size,
                 "weight_bits": int(weight_bits), "quantize": quantize_layers}
     return {}
+
+
+def suffix_cache_option(fn):
+    return click.option(
+        "--suffix-cache", default=None, metavar="FILE",
+        help="Earlier requests and answers for the suffix source (modes auto, suffix): read "
+             "from FILE at start if it exists, written back at exit.")(fn)
+
+
+def open_suffix_cache(path: str | None, engine):
+    """(stores, the one store of this process) for `chat` and `edit`: loaded from `path`
+    when given and present; a damaged or foreign file is one error, before any work."""
+    from ..suffix_store import SuffixStores, load, tokenizer_fingerprint
+
+    stores = SuffixStores(fingerprint=tokenizer_fingerprint(engine.tokenizer))
+    if path:
+        load(stores, path)
+    return stores, stores.get("")
+
+
+def save_suffix_cache(path: str | None, stores) -> None:
+    from ..suffix_store import save
+
+    if path and stores is not None:
+        try:
+            save(stores, path)
+        except OSError as e:
+            click.echo(f"error: cannot write --suffix-cache {path}: {e.strerror or e}", err=True)

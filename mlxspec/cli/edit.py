@@ -22,7 +22,16 @@ from ..editing import (
     write_atomic,
 )
 from ..errors import MlxspecError
-from .common import distributed_option, exits_cleanly, in_range, load_engine, model_options
+from .common import (
+    distributed_option,
+    exits_cleanly,
+    in_range,
+    load_engine,
+    model_options,
+    open_suffix_cache,
+    save_suffix_cache,
+    suffix_cache_option,
+)
 from .statsline import dim, stats_dict, stats_line
 
 
@@ -86,18 +95,19 @@ class Progress:
 @click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
               help="0 disables top-k.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@suffix_cache_option
 @distributed_option
 @exits_cleanly
 def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
          model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-         distributed=None):
+         suffix_cache=None, distributed=None):
     """Edit FILE as --instruction says, with the original text as the predicted output.
 
     Prints a unified diff (nothing written) unless --write; see docs/COMMANDS.md."""
     try:
         _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
               model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-              distributed)
+              distributed, suffix_cache)
     except MlxspecError as e:
         if as_json:  # a refusal is still one JSON object on stdout
             click.echo(json.dumps({"path": file, "error": str(e), "written": False,
@@ -115,7 +125,7 @@ def backup_note(backup, suffix: str) -> str:
 
 def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
           model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-          distributed=None):
+          distributed=None, suffix_cache=None):
     src = None
 
     def read():
@@ -139,13 +149,16 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
                              distributed=distributed)
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None
+    stores, store = (open_suffix_cache(suffix_cache, engine) if suffix_cache
+                     else (None, None))
     progress = Progress(enabled=not as_json and sys.stderr.isatty())
     try:
         result = edit_text(engine, src.text, instruction, lines=line_range, max_tokens=max_tokens,
                            temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                           canonical=not verbatim, on_step=progress)
+                           canonical=not verbatim, on_step=progress, suffix_store=store)
     finally:
         progress.done()
+    save_suffix_cache(suffix_cache, stores)
     diff = unified_diff(src.text, result.edited, src.shown)
 
     error = None

@@ -10,7 +10,14 @@ import click
 
 from ..errors import MlxspecError
 from ..proposers import MODES
-from .common import MODEL_HELP, distributed_option, exits_cleanly, gguf_weights_option, load_engine
+from .common import (
+    MODEL_HELP,
+    distributed_option,
+    exits_cleanly,
+    gguf_weights_option,
+    in_range,
+    load_engine,
+)
 
 # Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
 # else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
@@ -104,13 +111,26 @@ def parse_size(text: str) -> int:
                    "batched forward, each row choosing its own k; --no-batch-spec: one forward "
                    "per request, round robin. Exact either way; a seeded sampled request may "
                    "draw differently in the batch than alone.")
+@click.option("--suffix-scope", type=click.Choice(["request", "client", "global"]),
+              default="client", show_default=True,
+              help="Whose earlier requests and answers the suffix source (modes auto, suffix) "
+                   "proposes from: the same client (the API key a request presents, else its "
+                   "address), everyone, or none. Output is exact either way; see docs/SERVER.md.")
+@click.option("--suffix-cache", default=None, metavar="FILE",
+              help="Load the suffix stores from FILE at start (if it exists) and write them "
+                   "back at shutdown.")
+@click.option("--suffix-budget", type=int, default=1 << 20, show_default=True,
+              callback=in_range(1),
+              help="Tokens of earlier requests kept for the suffix source, all scopes together "
+                   "(least recently used out first; about 30-60 bytes each).")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
           max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
-          write_timeout, request_timeout, shutdown_grace, batch_spec=True, distributed=None):
+          write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
+          suffix_cache=None, suffix_budget=1 << 20, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -142,7 +162,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             allowed_hosts=tuple(h for h in allowed_hosts if h), api_key=api_key or None,
             log_prompts=log_prompts, max_connections=max_connections,
             read_timeout=read_timeout, write_timeout=write_timeout,
-            request_timeout=request_timeout)
+            request_timeout=request_timeout, suffix_scope=suffix_scope,
+            suffix_cache=suffix_cache, suffix_budget=suffix_budget)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if sharded:  # mlx-lm's batched decoding would run collectives the other ranks never see

@@ -22,11 +22,22 @@ from pathlib import Path
 
 from .. import __version__
 from ..engine import Engine
+from ..errors import MlxspecError
 from ..proposers import MODES
+from ..suffix_store import (
+    DEFAULT_BUDGET,
+    SuffixStores,
+    scope_key,
+    tokenizer_fingerprint,
+)
+from ..suffix_store import load as load_suffix
+from ..suffix_store import save as save_suffix
 from . import protocol as P
 from .metrics import Metrics
 from .protocol import ApiError, RequestParser, ServerConfig, Usage
 from .worker import SPEC_MAX_CONCURRENCY, Delta, Done, Failed, Job, Worker
+
+SUFFIX_SCOPES = ("request", "client", "global")
 
 log = logging.getLogger("mlxspec.server")
 
@@ -158,9 +169,19 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  log_prompts: bool = False, max_connections: int = 512,
                  read_timeout: float = 30.0, write_timeout: float = 30.0,
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
-                 batch_spec: bool = True):
+                 batch_spec: bool = True, suffix_scope: str = "client",
+                 suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None):
         if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
             spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
+        # Earlier requests' text for the suffix source, one store per scope: `client` (the
+        # API key a request presents, else its address), `global` or `request` (none kept).
+        if suffix_scope not in SUFFIX_SCOPES:
+            raise MlxspecError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, "
+                               f"got {suffix_scope!r}")
+        self.suffix_scope, self.suffix_cache = suffix_scope, suffix_cache
+        self.suffix = SuffixStores(suffix_budget, tokenizer_fingerprint(engine.tokenizer))
+        if suffix_cache:
+            load_suffix(self.suffix, suffix_cache)  # a bad file: one error line, before listening
         host = address[0]
         if ":" in host:
             self.address_family = socket.AF_INET6
@@ -203,7 +224,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
                              metrics=self.metrics, request_timeout=request_timeout,
-                             batch_spec=batch_spec)
+                             batch_spec=batch_spec, suffix=self.suffix)
         coord = getattr(engine, "coord", None)
         if coord is not None:  # --distributed: a lost rank fails the requests, then we exit
             coord.on_lost = self.worker.fail_all
@@ -221,6 +242,16 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self._closing.set()
         self.worker.stop()
         self.worker.join(timeout=10)
+        self.save_suffix()
+
+    def save_suffix(self) -> None:
+        """Write the suffix stores to --suffix-cache (after the worker has stopped)."""
+        if self.suffix_cache and not self.worker.is_alive():
+            try:
+                save_suffix(self.suffix, self.suffix_cache)
+            except OSError as e:
+                log.error("cannot write --suffix-cache %s: %s", self.suffix_cache,
+                          e.strerror or e)
 
     # -- connections
     def open_connections(self) -> int:
@@ -314,6 +345,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self._closing.set()
         self.worker.stop()
         self.worker.join(timeout=10)
+        self.save_suffix()
         return finished
 
     def handle_error(self, request, client_address) -> None:  # quiet about vanished clients
@@ -522,6 +554,13 @@ class Handler(BaseHTTPRequestHandler):
                                   type="authentication_error"), "other", close=True)
         return False
 
+    def _presented_key(self) -> str | None:
+        """The API key the request carries (Authorization: Bearer, or x-api-key), if any."""
+        auth = self.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer ") and auth[7:].strip():
+            return auth[7:].strip()
+        return self.headers.get("x-api-key") or None
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         srv = self.server
@@ -625,6 +664,8 @@ class Handler(BaseHTTPRequestHandler):
             if self.server.log_prompts:
                 log.info("%s %s request: %s", self.address_string(), path, dumps(body))
             req = getattr(self.server.parser, "fim_completion" if kind == "fim" else kind)(body)
+            req.suffix_scope = scope_key(self.server.suffix_scope, self._presented_key(),
+                                         self.client_address[0])
             job = self.server.worker.submit(req) if req.n_cmpl == 1 else self._submit_many(req)
         except ApiError as e:
             self._send_error(e, path, close=e.status in (408, 411, 413))

@@ -158,6 +158,8 @@ class GenRequest:
     prediction: list[int] | None = None
     mode: str | None = None
     num_draft: int | None = None
+    use_suffix: bool = True  # "speculative": {"suffix": false}: no proposals from, nor into, the store
+    suffix_scope: str | None = None  # whose earlier text it may draw on (set by the handler)
     warmup: bool = False  # n_predict 0: prefill and cache the prompt, generate nothing
     t_max_predict_ms: float | None = None
     truncated: bool = False  # the prompt was shortened to fit the context
@@ -346,6 +348,9 @@ class RequestParser:
         num_draft = None
         if spec.get("num_draft") is not None:
             num_draft = _number(spec, "num_draft", None, int, 1, cfg.max_num_draft)
+        use_suffix = spec.get("suffix", True)
+        if not isinstance(use_suffix, bool):
+            raise bad("'speculative.suffix' must be true or false", "speculative.suffix")
         t_max = body.get("t_max_predict_ms")
         t_max = _number(body, "t_max_predict_ms", None, float) if t_max is not None else None
         fields = body.get("response_fields")
@@ -360,7 +365,7 @@ class RequestParser:
             min_p=_number(body, "min_p", 0.0, float, 0.0, 0.999999),
             seed=seed, stop=_stops(body), stream=stream,
             include_usage=bool(so.get("include_usage", False)), mode=mode,
-            num_draft=num_draft, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
+            num_draft=num_draft, use_suffix=use_suffix, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
             response_fields=fields, model=cfg.model_name, context_limited=limited, n_ctx=ctx,
             n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl)
 

@@ -36,6 +36,7 @@ from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
 from ..stopstrings import StopMatcher
+from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
@@ -204,9 +205,12 @@ class Worker(threading.Thread):
                  max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
-                 batch_spec: bool = True):
+                 batch_spec: bool = True, suffix: SuffixStores | None = None):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
+        # Earlier requests' text per scope, for the suffix source (`auto`, `suffix`); read and
+        # written on this thread only.
+        self.suffix = suffix if suffix is not None else SuffixStores()
         self.spec_max_concurrency = spec_max_concurrency
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -400,6 +404,7 @@ class Worker(threading.Thread):
 
     def _open_generation(self, job: Job) -> None:
         r = job.req
+        self._bind_suffix(job)
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
@@ -523,6 +528,18 @@ class Worker(threading.Thread):
         return bool(t) and job.first_token > 0 and "\n" in job.text_so_far and (
             time.perf_counter() - job.first_token) * 1000 > t
 
+    def _bind_suffix(self, job: Job) -> None:
+        """The store of the request's scope for its suffix source (none: opted out, or
+        `--suffix-scope request`)."""
+        try:
+            proposer = self._proposer(job)
+        except Exception:  # the engine reports a bad mode itself
+            return
+        if hasattr(proposer, "set_store"):
+            r = job.req
+            use = r.use_suffix and r.suffix_scope is not None
+            proposer.set_store(self.suffix.get(r.suffix_scope) if use else None)
+
     def _close_engine_job(self, job: Job) -> None:
         try:
             if job.gen is not None:
@@ -530,6 +547,14 @@ class Worker(threading.Thread):
         except Exception:
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
+        if job.gen is not None and job.slot is not None:
+            try:  # the prompt and answer go into the scope's store now, not at its next use
+                proposer = self._proposer(job)
+                if proposer is not None:
+                    proposer.finish()
+                    self.suffix.trim()
+            except Exception:
+                log.error("keeping a request's text failed:\n%s", traceback.format_exc())
         if job in self.spec_jobs:
             self.spec_jobs.remove(job)
         self.cache.put(job.cache)
