@@ -197,7 +197,7 @@ class ChatSession:
             self.messages.pop()
             raise
         seed = None if self.seed is None else self.seed + len(self.turn_stats)
-        proposer = self.engine.proposer
+        proposer = getattr(self.engine, "proposer", None)
         if hasattr(proposer, "set_store"):
             proposer.set_store(self.suffix_store)
         steps = self.engine.stream_steps(tokens, seed=seed, **self.settings)

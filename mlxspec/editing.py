@@ -236,7 +236,9 @@ def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
     pieces: list[str] = []
     tokens: list[int] = []
     out = None
-    proposer = engine.proposer if mode in (None, engine.mode) else engine.proposer_for(mode)
+    proposer = getattr(engine, "proposer", None)
+    if mode not in (None, getattr(engine, "mode", None)) and hasattr(engine, "proposer_for"):
+        proposer = engine.proposer_for(mode)
     if suffix_store is not None and hasattr(proposer, "set_store"):
         proposer.set_store(suffix_store)
     try:

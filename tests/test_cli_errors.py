@@ -65,7 +65,7 @@ def test_usage_error_in_a_real_process():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "error: Invalid value for '--mode': 'banana' is not one of 'none', 'ngram', 'draft', "
-        "'quantspec', 'lookahead', 'auto'. (see `mlxspec generate --help`)"]
+        "'quantspec', 'lookahead', 'suffix', 'auto'. (see `mlxspec generate --help`)"]
 
 
 def test_help_and_version_still_exit_0():
