@@ -179,8 +179,10 @@ def test_proposer_offers_arms_by_match_length():
     index.add(text)
     p = SuffixProposer(store=index, local=False)
     p.reset([1], SamplingParams())
-    assert p.available([1] + text[:5], 8) == {"suffix:4": 5}  # spec_factor x match length
-    assert p.available([1] + text[:20], 8) == {"suffix:16": 8}
+    # The offer grows with the match: spec_factor (2) x its length, within the cap.
+    assert p.available([1] + text[:5], 16) == {"suffix:4": 10}
+    p.reset([1], SamplingParams())
+    assert p.available([1] + text[:20], 16) == {"suffix:16": 16}
     assert p.available(text[:40], 8) == {"suffix:32": 8}
     assert p.propose(text[:40], 3, None).tokens.tolist() == text[40:43]
     assert p.peek(text[:40], 2, "suffix:32") == text[40:42]

@@ -102,7 +102,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, store: SuffixIndex | None = _OWN, local: bool = True,
                  tree: bool = False, budget: int = 16, min_prob: float = 0.1,
-                 spec_factor: float = 1.0):
+                 spec_factor: float = 2.0):
         if budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
         if not 0.0 < min_prob <= 1.0:
