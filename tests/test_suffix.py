@@ -235,8 +235,14 @@ def test_sampled_output_is_exact(tree):
     """T > 0, against the exact distribution (test_exact_sampling's chi-square), with a store
     whose documents continue the prompt several ways and that every run adds its answer to."""
     from families import build
-    from test_exact_sampling import PROMPT, RUNS, VOCAB, exact_distribution, min_pvalue, \
-        sample_counts
+    from test_exact_sampling import (
+        PROMPT,
+        RUNS,
+        VOCAB,
+        exact_distribution,
+        min_pvalue,
+        sample_counts,
+    )
 
     target = build("llama", seed=7, scale=1.5, vocab_size=VOCAB)
     store = SuffixIndex()
