@@ -30,7 +30,7 @@ from .loading import (  # noqa: F401  (re-exported: the public API predates load
     load_model,
     resolve_model_path,
 )
-from .policy import AdaptiveK, FixedK
+from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK
 from .proposers import make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
@@ -38,10 +38,6 @@ from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step
 from .stopstrings import find_stop
-
-DEFAULT_NUM_DRAFT = 4
-AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
-
 
 # ----------------------------------------------------------------------------- the loop
 

@@ -30,6 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
+AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
+
 
 @dataclass
 class FixedK:

@@ -96,3 +96,28 @@ def test_default_output_is_the_user_cache_not_the_current_directory(monkeypatch,
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_out_dir().parent == tmp_path / "home" / ".cache" / "mlxspec" / "bench"
+
+
+@pytest.mark.parametrize("k_args, fixed_k, auto_cap", [([], 4, 8), (["-k", "6"], 6, 6)])
+def test_bench_runs_auto_at_its_own_cap(model_dirs, tmp_path, monkeypatch, k_args, fixed_k,
+                                        auto_cap):
+    """Without -k the fixed-k modes propose 4 and auto adapts up to 8, as `generate` does (a
+    bench that loaded the engine with -k 4 capped auto at 4 and under-reported it)."""
+    import mlxspec.bench.run as run
+
+    seen = {}
+
+    def fake_run_workloads(engine, runners, *args, **kwargs):
+        for r in runners:
+            policy = engine.policy_for(engine.proposer_for(r.mode))
+            seen[r.label] = r.num_draft or policy.max_k, policy.max_k
+        return {}
+
+    monkeypatch.setattr(run, "run_workloads", fake_run_workloads)
+    result = CliRunner().invoke(main, [
+        "bench", "-m", str(model_dirs["llama"]), "--modes", "ngram,auto", "--workloads",
+        "free", "--audit", "0", "--out", str(tmp_path), *k_args])
+    assert result.exit_code == 0, result.output
+    assert seen["ngram"][0] == fixed_k and seen["auto"] == (auto_cap, auto_cap)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["num_draft"] == fixed_k and report["auto_max_k"] == auto_cap

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import MlxspecError
+from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT
 from ..proposers import MODES
 from .common import (
     MAX_NUM_DRAFT,
@@ -57,8 +58,11 @@ def report_written(written: list[Path]) -> None:
                    "at least 256 and 128). With a chat-template model it caps every workload; "
                    "without it edit/rewrite 256, quote/chat/free 128, completion 64.")
 @click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. '0,1' ('free' always uses 1).")
-@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=4, show_default=True,
-              callback=in_range(1, MAX_NUM_DRAFT), help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}).")
+@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
+              callback=in_range(1, MAX_NUM_DRAFT),
+              help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default {DEFAULT_NUM_DRAFT}, and "
+                   f"auto chooses up to {AUTO_MAX_K}, as `generate` does). Given, it also caps "
+                   "auto's k.")
 @click.option("--audit", "audit_prompts", type=int, default=200, show_default=True,
               callback=in_range(0), help="Prompts in the lossless audit (0 skips it).")
 @click.option("--quick", is_flag=True,
@@ -153,7 +157,7 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
         check_workloads(workload_list, engine.tokenizer, engine.name)
     else:
         workload_list = list(workloads_for(engine.tokenizer))
-    runners = make_runners(engine, mode_list, num_draft)
+    runners = make_runners(engine, mode_list, num_draft or DEFAULT_NUM_DRAFT)
     no_draft = [m for m in mode_list if m.partition(":")[0] in ("draft", "mlx_lm_spec")]
     if engine.draft_model is None and no_draft:
         also = "; auto proposes from n-grams only" if any(
@@ -166,7 +170,8 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
                err=True)
     results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures, seed)
     report = {"machine": machine_summary(), "machine_info": backend.machine_info(),
-              "model": engine.name, "num_draft": num_draft, "max_tokens": max_tokens,
+              "model": engine.name, "num_draft": num_draft or DEFAULT_NUM_DRAFT,
+              "auto_max_k": num_draft or AUTO_MAX_K, "max_tokens": max_tokens,
               "prompts_per_workload": n_prompts, "workloads": workload_kind(engine.tokenizer),
               "results": results}
     if audit_prompts:
@@ -229,7 +234,7 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
     click.echo(f"modes: {', '.join(mode_list)}; delays per collective: "
                f"{', '.join(f'{d:g} ms' for d in delays)}", err=True)
     report = guarded(run_distributed)(engine, mode_list, workload_list, n_prompts, max_tokens,
-                                      num_draft, delays, seed)
+                                      num_draft or DEFAULT_NUM_DRAFT, delays, seed)
     report.update({"machine": machine_summary(), "machine_info": backend.machine_info(),
                    "model": engine.name, "ranks": engine.coord.size,
                    "strategy": engine.coord.strategy, "num_draft": num_draft,
