@@ -562,6 +562,8 @@ class BatchRow:
         self.closed = True
         self.detok.close()
         self.batch._leave(self)
+        if self.proposer is not None:
+            self.proposer.finish()  # the answer is in the suffix store for the next request
 
 
 class BatchSpeculator:

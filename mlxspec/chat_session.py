@@ -214,9 +214,9 @@ class ChatSession:
                     finish = out.finish_reason
                 yield out
         finally:
-            steps.close()  # the engine's cache bookkeeping runs now, not at garbage collection
-            if proposer is not None:
-                proposer.finish()  # this turn's text is in the store for the next one
+            # the engine's cache bookkeeping runs now, not at garbage collection (and this
+            # turn's text goes into the suffix store for the next one)
+            steps.close()
             if last is None:  # nothing was generated (an error): the turn did not happen
                 self.messages.pop()
             else:

@@ -241,17 +241,14 @@ def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
         proposer = engine.proposer_for(mode)
     if suffix_store is not None and hasattr(proposer, "set_store"):
         proposer.set_store(suffix_store)
-    try:
-        for out in engine.stream_steps(prompt, max_tokens=max_tokens, temperature=temperature,
-                                       top_p=top_p, top_k=top_k, seed=seed,
-                                       prediction=prediction, mode=mode):
-            pieces.append(out.text)
-            tokens.extend(out.tokens)
-            if on_step is not None:
-                on_step(out)
-    finally:
-        if proposer is not None:
-            proposer.finish()  # this edit's text is in the store for the next one
+    # The engine puts this edit's text into the suffix store when the generation ends.
+    for out in engine.stream_steps(prompt, max_tokens=max_tokens, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, seed=seed,
+                                   prediction=prediction, mode=mode):
+        pieces.append(out.text)
+        tokens.extend(out.tokens)
+        if on_step is not None:
+            on_step(out)
     reply = "".join(pieces)
     new_body = indent(reply.strip("\n"), prefix) if prefix else reply.strip("\n")
     edited = "".join(all_lines[:start]) + new_body + trailing + "".join(all_lines[end:])

@@ -400,6 +400,8 @@ class Engine:
                 yield from self._detokenize(steps, stats, stops, start)
             finally:
                 steps.close()
+                if proposer is not None:
+                    proposer.finish()  # the answer is in the suffix store for the next request
                 pc.tokens = context[:-1]
                 # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
                 # the cache holding other tokens than `context`: then it must not be reused.

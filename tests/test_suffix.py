@@ -255,6 +255,27 @@ def test_sampled_output_is_exact(tree):
     assert sum(drafted) > 0
 
 
+def test_a_generation_enters_the_store_when_it_ends(tiny):
+    """Through the Python API alone (no server, chat or edit around it), both single and
+    batched: the prompt and answer are in the store when the generation ends, not at the next
+    request's start."""
+    from mlxspec.batch_step import BatchSpeculator
+
+    store = SuffixIndex()
+    engine = make_engine(tiny, "suffix", store=store)
+    r = engine.generate(PROMPTS[0], max_tokens=12)
+    assert len(r.tokens) == 12
+    assert store.documents() == [engine.encode(PROMPTS[0]) + r.tokens]
+    batch = BatchSpeculator(engine.model)
+    rows = [batch.open(engine.clone(), p, max_tokens=12) for p in PROMPTS[1:]]
+    answers = [[t for out in row for t in out.tokens] for row in rows]
+    for row in rows:
+        row.close()
+    assert sorted(store.documents()) == sorted(
+        [engine.encode(PROMPTS[0]) + r.tokens] +
+        [engine.encode(p) + a for p, a in zip(PROMPTS[1:], answers)])
+
+
 def test_chat_turns_share_the_store(tiny):
     from mlxspec.chat_session import ChatSession
 

@@ -548,11 +548,8 @@ class Worker(threading.Thread):
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
         if job.gen is not None and job.slot is not None:
-            try:  # the prompt and answer go into the scope's store now, not at its next use
-                proposer = self._proposer(job)
-                if proposer is not None:
-                    proposer.finish()
-                    self.suffix.trim()
+            try:  # the engine put the prompt and answer into the scope's store: keep the budget
+                self.suffix.trim()
             except Exception:
                 log.error("keeping a request's text failed:\n%s", traceback.format_exc())
         if job in self.spec_jobs:
