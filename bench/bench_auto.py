@@ -3,6 +3,9 @@
 
     python bench/bench_auto.py --modes none,ngram,auto --workloads completion@0,free@0,free@1 \
         --prompts 8 --rounds 3
+    python bench/bench_auto.py -m smollm2 --modes none,ngram,ngram:k=8,auto --rounds 2
+
+Without -k the fixed-k modes propose 4 tokens and `auto` adapts k up to 8, as `generate` does.
 
 Every prompt runs every mode (the order rotates per prompt); `--rounds` repeats the whole set,
 so that each prompt has several paired ratios. The report is the median over prompts and
@@ -20,34 +23,45 @@ import time
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.bench.run import make_runners
-from mlxspec.bench.workloads import build_workload
-from mlxspec.engine import Engine
+from mlxspec.bench.workloads import build_workload, uses_bundled_formats, workloads_for
+from mlxspec.engine import Engine, PromptCache
+from mlxspec.policy import DEFAULT_NUM_DRAFT
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="none,ngram,auto")
-    ap.add_argument("--workloads", default="completion@0,fim@0,edit@0,doc-qa@0,chat@0,free@0,free@1")
+    ap.add_argument("-m", "--model", default=None, help="default: the bundled pair")
+    ap.add_argument("--workloads", default=None,
+                    help="default: the bundled model's completion@0,fim@0,edit@0,doc-qa@0,"
+                         "chat@0,free@0,free@1; another model's chat workloads at 0, free@1")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("-k", "--num-draft", type=int, default=4)
+    ap.add_argument("-k", "--num-draft", type=int, default=None,
+                    help=f"default {DEFAULT_NUM_DRAFT}; given, it also caps auto's k")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the raw per-prompt figures here")
     args = ap.parse_args(argv)
 
-    # With its draft, as `mlxspec bench` loads it when a mode needs one.
-    engine = mlxspec.load(None, mode="draft", num_draft=args.num_draft)
+    # The bundled pair with its draft, as `mlxspec bench` loads it when a mode needs one.
+    engine = mlxspec.load(args.model, mode="draft" if args.model is None else "none",
+                          num_draft=args.num_draft)
     if not isinstance(engine, Engine):
-        raise SystemExit("could not load the bundled pair")
-    runners = make_runners(engine, args.modes.split(","), args.num_draft)
+        raise SystemExit(f"could not load {args.model or 'the bundled pair'}")
+    if args.workloads is None:
+        bundled = uses_bundled_formats(engine.tokenizer)
+        args.workloads = ("completion@0,fim@0,edit@0,doc-qa@0,chat@0,free@0,free@1" if bundled
+                          else ",".join(f"{w}@{1 if w == 'free' else 0}"
+                                        for w in workloads_for(engine.tokenizer)))
+    runners = make_runners(engine, args.modes.split(","), args.num_draft or DEFAULT_NUM_DRAFT)
     labels = [r.label for r in runners]
     report, raw = {}, {}
     start = time.perf_counter()
     for spec in args.workloads.split(","):
         name, _, temp = spec.partition("@")
         temp = float(temp or 0)
-        items = build_workload(name, args.prompts, args.max_tokens, args.seed)
+        items = build_workload(name, args.prompts, args.max_tokens, args.seed, engine.tokenizer)
         tps = {label: [] for label in labels}  # [round][prompt]
         tokens = {label: 0 for label in labels}
         for rnd in range(args.rounds):
@@ -56,8 +70,10 @@ def main(argv=None) -> int:
             for i, item in enumerate(items):
                 prompt = engine.encode(item.prompt)
                 shift = (i + rnd) % len(runners)
+                shared = PromptCache()  # the prompt prefilled once for our modes (untimed)
                 for runner in runners[shift:] + runners[:shift]:
-                    run = runner.run(prompt, item.max_tokens, temp, args.seed + i, item.prediction)
+                    run = runner.run(prompt, item.max_tokens, temp, args.seed + i, item.prediction,
+                                     prompt_cache=shared)
                     tps[runner.label][rnd].append(run.tps)
                     tokens[runner.label] += len(run.tokens)
             sys.stderr.write(f"\r{spec} round {rnd + 1}/{args.rounds} "

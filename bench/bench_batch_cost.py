@@ -76,7 +76,7 @@ def forward_costs(model) -> None:
         for b in (1, 2, 4, 8):
             lengths = [span - 5 * i for i in range(b)]
             cache = ragged(layers, heads, dim, lengths, dtype)
-            for w in (1, 3, 5):
+            for w in (1, 3, 5, 9):
                 def step(b=b, w=w, cache=cache):
                     out = model(mx.zeros((b, w), mx.uint32), cache=cache)
                     mx.eval(mx.argmax(out, axis=-1))
