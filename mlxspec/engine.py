@@ -10,9 +10,11 @@ as soon as the proposer offers something the policy wants.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +32,7 @@ from .loading import (  # noqa: F401  (re-exported: the public API predates load
     load_model,
     resolve_model_path,
 )
-from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK
+from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, read_states, write_states
 from .proposers import make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
@@ -38,6 +40,9 @@ from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step
 from .stopstrings import find_stop
+
+log = logging.getLogger("mlxspec")
+
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -266,6 +271,10 @@ class Engine:
         self.prompt_cache = PromptCache()
         self._proposers: dict = {}
         self._policies: dict = {}
+        self._policy_modes: dict = {}  # id(proposer) -> its mode's name, for `save_policies`
+        # Where adaptive policies start from and are kept between processes (the CLI sets it:
+        # `cli.common.load_engine(remember=True)`); None: every engine starts from the priors.
+        self.policy_file: Path | None = None
         self._recurrent: bool | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
         self.num_draft_set = num_draft is not None
@@ -327,8 +336,41 @@ class Engine:
                 policy = AdaptiveK(max_k=self.num_draft)
             else:
                 policy = FixedK(self.num_draft)
+            mode = getattr(proposer, "name", "none")
+            if isinstance(policy, AdaptiveK) and self.policy_file is not None:
+                state = read_states(self.policy_file).get(mode)
+                if state:
+                    policy.resume(state)
             self._policies[id(proposer)] = policy
+            self._policy_modes[id(proposer)] = mode
         return self._policies[id(proposer)]
+
+    def keep_policies(self, path: Path | None) -> None:
+        """Start the adaptive policies (those made already too, before they measured anything)
+        from what earlier processes kept at `path`, and keep this one's there
+        (`save_policies`)."""
+        self.policy_file = path
+        if path is None:
+            return
+        states = read_states(path)
+        for key, policy in self._policies.items():
+            state = states.get(self._policy_modes[key])
+            if isinstance(policy, AdaptiveK) and not policy.sources and state:
+                policy.resume(state)
+
+    def save_policies(self) -> None:
+        """Keep what the adaptive policies measured at `policy_file`, for the next process on
+        this machine to start from (a first request then proposes as well as a tenth)."""
+        if self.policy_file is None:
+            return
+        states = {self._policy_modes[key]: policy.snapshot()
+                  for key, policy in self._policies.items()
+                  if isinstance(policy, AdaptiveK) and policy.sources}
+        if states:
+            try:
+                write_states(self.policy_file, states)
+            except OSError as e:  # measurements only: never fail a command over them
+                log.warning("could not keep the policy at %s (%s)", self.policy_file, e)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -28,7 +28,11 @@ dozen); soon again after a probe that was all accepted.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -231,6 +235,46 @@ class AdaptiveK:
                 best_k -= 1
         return best_source, best_k
 
+    # -- across processes
+    STATE_VERSION = 1
+
+    def snapshot(self) -> dict:
+        """What was measured (acceptance per arm and position, step costs, the plain rate), as
+        JSON-able data for `resume` in a later process on this machine."""
+        return {"version": self.STATE_VERSION, "max_k": self.max_k,
+                "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()},
+                "costs": {g: [c.w, c.k, c.kk, c.t, c.kt] for g, c in self.costs.items()},
+                "plain": [self.plain_time, self.plain_weight]}
+
+    def resume(self, state: dict, weight: float = 8.0) -> bool:
+        """Start from an earlier process's `snapshot`, every estimate scaled down to at most
+        `weight` observations so that this process's own measurements take over within a few
+        steps. The plain rate is measured again first (it moves most with the machine's
+        load). False, and nothing changed, for a snapshot of another version or shape."""
+        try:
+            if state.get("version") != self.STATE_VERSION:
+                return False
+            sources = {}
+            for arm, (reached, accepted) in state["sources"].items():
+                reached = [float(x) for x in reached][: self.max_k]
+                accepted = [float(x) for x in accepted][: len(reached)]
+                scale = min(1.0, weight / reached[0]) if reached and reached[0] > 0 else 1.0
+                sources[str(arm)] = SourceEstimate([r * scale for r in reached],
+                                                   [a * scale for a in accepted])
+            costs = {}
+            for group, sums in state["costs"].items():
+                w, k, kk, t, kt = (float(x) for x in sums)
+                scale = min(1.0, weight / w) if w > 0 else 1.0
+                costs[str(group)] = CostEstimate(w * scale, k * scale, kk * scale, t * scale,
+                                                 kt * scale)
+            plain_time = float(state["plain"][0])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            return False
+        self.sources, self.costs = sources, costs
+        self.plain_time, self.plain_weight = plain_time, min(float(state["plain"][1]), 1.0)
+        self._memo.clear()
+        return True
+
     # -- learning
     def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
         """`tokens` decoded by the pipelined plain loop; `seconds` (when given) is their
@@ -316,3 +360,33 @@ class AdaptiveK:
             loss = max(loss, lost)
             interval = max(interval, min(loss / self.probe_budget, 4 * self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)
+
+
+# ----------------------------------------------------------------------------- across processes
+
+
+def read_states(path: Path) -> dict[str, dict]:
+    """The policies' snapshots kept at `path` by an earlier process, by mode ({} when there
+    are none; a damaged file is said once and ignored: it only holds measurements)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        states = data["policies"]
+        if not isinstance(states, dict):
+            raise TypeError("policies is not an object")
+        return states
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logging.getLogger("mlxspec").warning("ignoring the policy file %s (%s)", path, e)
+        return {}
+
+
+def write_states(path: Path, states: dict[str, dict]) -> None:
+    """Keep `states` at `path` (merged into what is there; written whole, then renamed, so a
+    reader never sees half a file)."""
+    path = Path(path)
+    merged = {**read_states(path), **states}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"policies": merged}))
+    os.replace(tmp, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlxspec  # noqa: F401  (loads OpenBLAS before mlx.core)
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,6 +13,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 REPO = Path(__file__).resolve().parent.parent
+# Commands run by the tests start from the priors: what one test's run measured must not
+# change how another's proposes (test_policy_file turns it back on in its own cache).
+os.environ["MLXSPEC_POLICY_CACHE"] = "0"
 
 
 def tiny_args(model_type: str = "llama", vocab: int = 256, hidden: int = 64, layers: int = 2,

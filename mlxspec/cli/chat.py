@@ -301,6 +301,7 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
     try:
         # --distributed: only rank 0 returns here (reads stdin, prints); the others follow it
         engine = load_engine(model, draft_model, mode, num_draft, distributed=distributed,
+                             remember=True,
                              **({"interactive": True} if distributed else {}))
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import hashlib
 import os
+import re
 import sys
+from pathlib import Path
 
 import click
 
@@ -151,8 +155,24 @@ def distributed_option(fn):
              "parallel (alone: what the architecture supports). See docs/SEVERAL_MACS.md.")(fn)
 
 
+def policy_file(engine) -> Path | None:
+    """Where the adaptive policies' measurements are kept between runs of a command: per model
+    and backend, under the cache root (`MLXSPEC_POLICY_CACHE=0`: nowhere)."""
+    if os.environ.get("MLXSPEC_POLICY_CACHE", "1") == "0":
+        return None
+    from .. import backend
+    from ..gguf.sources import cache_root
+
+    name = str(engine.name)
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or name)[:40]
+    return cache_root() / "policy" / f"{slug}-{digest}-{backend.device_name()}.json"
+
+
 def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
-                distributed: str | None = None, **options):
+                distributed: str | None = None, remember: bool = False, **options):
+    """The engine for a command. `remember`: its adaptive policies start from what earlier runs
+    of the command measured on this machine, and keep what this run measures (at exit)."""
     from .. import backend
     from ..engine import load
 
@@ -171,6 +191,9 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
         click.echo(f"loading {model or 'the bundled model'} (backend {backend.device_name()}, "
                    f"BLAS {backend.blas_in_use})", err=True)
     engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, **options)
+    if remember:
+        engine.keep_policies(policy_file(engine))
+        atexit.register(engine.save_policies)
     return engine
 
 

@@ -146,7 +146,7 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
         read()
     try:
         engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
-                             distributed=distributed)
+                             distributed=distributed, remember=True)
     except FileNotFoundError as e:  # no bundled model
         raise MlxspecError(str(e)) from None
     stores, store = (open_suffix_cache(suffix_cache, engine) if suffix_cache

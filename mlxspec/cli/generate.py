@@ -74,7 +74,7 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
     else:
         prompt = read_prompt()
     engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
-                         distributed=distributed, **options)
+                         distributed=distributed, remember=True, **options)
     if chat:
         prompt = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
