@@ -336,14 +336,17 @@ class Engine:
                 policy = AdaptiveK(max_k=self.num_draft)
             else:
                 policy = FixedK(self.num_draft)
-            mode = getattr(proposer, "name", "none")
-            if isinstance(policy, AdaptiveK) and self.policy_file is not None:
-                state = read_states(self.policy_file).get(mode)
-                if state:
-                    policy.resume(state)
             self._policies[id(proposer)] = policy
-            self._policy_modes[id(proposer)] = mode
+            self._policy_modes[id(proposer)] = getattr(proposer, "name", "none")
+            if self.policy_file is not None:
+                self._resume_policy(id(proposer), read_states(self.policy_file))
         return self._policies[id(proposer)]
+
+    def _resume_policy(self, key: int, states: dict[str, dict]) -> None:
+        """An adaptive policy that has measured nothing yet starts from its mode's state."""
+        policy, state = self._policies[key], states.get(self._policy_modes[key])
+        if isinstance(policy, AdaptiveK) and not policy.sources and state:
+            policy.resume(state)
 
     def keep_policies(self, path: Path | None) -> None:
         """Start the adaptive policies (those made already too, before they measured anything)
@@ -353,10 +356,8 @@ class Engine:
         if path is None:
             return
         states = read_states(path)
-        for key, policy in self._policies.items():
-            state = states.get(self._policy_modes[key])
-            if isinstance(policy, AdaptiveK) and not policy.sources and state:
-                policy.resume(state)
+        for key in self._policies:
+            self._resume_policy(key, states)
 
     def save_policies(self) -> None:
         """Keep what the adaptive policies measured at `policy_file`, for the next process on

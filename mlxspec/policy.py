@@ -241,7 +241,7 @@ class AdaptiveK:
     def snapshot(self) -> dict:
         """What was measured (acceptance per arm and position, step costs, the plain rate), as
         JSON-able data for `resume` in a later process on this machine."""
-        return {"version": self.STATE_VERSION, "max_k": self.max_k,
+        return {"version": self.STATE_VERSION,
                 "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()},
                 "costs": {g: [c.w, c.k, c.kk, c.t, c.kt] for g, c in self.costs.items()},
                 "plain": [self.plain_time, self.plain_weight]}

@@ -330,7 +330,7 @@ class SuffixStores:
     def tokens(self) -> int:
         return sum(s.live for s in self.scopes.values())
 
-    def trim(self) -> None:
+    def evict_to_budget(self) -> None:
         """Evict until the scopes together hold at most `budget` tokens."""
         total = self.tokens()
         while total > self.budget and self.scopes:
@@ -434,5 +434,5 @@ def load(stores: SuffixStores, path: str | os.PathLike) -> int:
         for n in lengths:
             store.add(flat[at : at + n].tolist())
             at += n
-    stores.trim()
+    stores.evict_to_budget()
     return total

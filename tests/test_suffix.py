@@ -142,7 +142,7 @@ def test_scopes_share_one_budget():
     stores = SuffixStores(budget=100)
     stores.get("a").add(list(range(60)))
     stores.get("b").add(list(range(100, 160)))
-    stores.trim()
+    stores.evict_to_budget()
     assert stores.tokens() <= 100 and "b" in stores.scopes  # a was used least recently
     assert scope_key("request", "k", "1.2.3.4") is None
     assert scope_key("global", "k", "1.2.3.4") == ""

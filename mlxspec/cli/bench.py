@@ -237,7 +237,7 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
                                       num_draft or DEFAULT_NUM_DRAFT, delays, seed)
     report.update({"machine": machine_summary(), "machine_info": backend.machine_info(),
                    "model": engine.name, "ranks": engine.coord.size,
-                   "strategy": engine.coord.strategy, "num_draft": num_draft,
+                   "strategy": engine.coord.strategy, "num_draft": num_draft or DEFAULT_NUM_DRAFT,
                    "max_tokens": max_tokens, "prompts_per_workload": n_prompts})
     out = Path(out_dir).expanduser() if out_dir else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)

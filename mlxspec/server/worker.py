@@ -549,7 +549,7 @@ class Worker(threading.Thread):
             job.cache = None
         if job.gen is not None and job.slot is not None:
             try:  # the engine put the prompt and answer into the scope's store: keep the budget
-                self.suffix.trim()
+                self.suffix.evict_to_budget()
             except Exception:
                 log.error("keeping a request's text failed:\n%s", traceback.format_exc())
         if job in self.spec_jobs:
