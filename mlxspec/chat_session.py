@@ -57,60 +57,37 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 
 
 @dataclass
-class Totals:
+class Totals(Stats):
     """Statistics summed over a session's replies."""
 
     replies: int = 0
     interrupted: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
     by_mode: dict[str, int] = field(default_factory=dict)  # replies per mode
-    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     def add(self, s: Stats, interrupted: bool = False) -> None:
+        super().add(s)
         self.replies += 1
         self.interrupted += int(interrupted)
-        self.prompt_tokens += s.prompt_tokens
-        self.cached_tokens += s.cached_tokens
-        self.generated_tokens += s.generated_tokens
-        self.target_forwards += s.target_forwards
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.prefill_seconds += s.prefill_seconds
-        self.decode_seconds += s.decode_seconds
         self.by_mode[s.mode] = self.by_mode.get(s.mode, 0) + 1
-        for k, v in s.accepted_by_source.items():
-            self.accepted_by_source[k] = self.accepted_by_source.get(k, 0) + v
 
     def to_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["acceptance_rate"] = self.accepted / self.drafted if self.drafted else 0.0
-        d["mean_accepted_length"] = (self.generated_tokens / self.target_forwards
-                                     if self.target_forwards else 0.0)
-        d["generation_tps"] = (self.generated_tokens / self.decode_seconds
-                               if self.decode_seconds else 0.0)
+        d = super().to_dict()
+        del d["mode"]  # by_mode counts the replies of each
         return d
 
     def lines(self) -> list[str]:
-        d = self.to_dict()
         prefilled = self.prompt_tokens - self.cached_tokens
         modes = ", ".join(f"{m} {n}" for m, n in self.by_mode.items()) or "-"
         return [
             f"replies            {self.replies} ({self.interrupted} interrupted; by mode: {modes})",
             f"generated tokens   {self.generated_tokens} in {self.decode_seconds:.2f} s "
-            f"({d['generation_tps']:.1f} tok/s)",
+            f"({self.generation_tps:.1f} tok/s)",
             f"prompt tokens      {self.prompt_tokens}: {prefilled} prefilled in "
             f"{self.prefill_seconds:.2f} s, {self.cached_tokens} reused from the cache",
             f"target forwards    {self.target_forwards} "
-            f"({d['mean_accepted_length']:.2f} tokens per forward)",
+            f"({self.mean_accepted_length:.2f} tokens per forward)",
             f"drafted/accepted   {self.drafted}/{self.accepted} "
-            f"({100 * d['acceptance_rate']:.0f}%)",
+            f"({100 * self.acceptance_rate:.0f}%)",
         ]
 
 

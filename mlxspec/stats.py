@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -43,6 +43,31 @@ class Stats:
     @property
     def generation_tps(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prediction_counts(self) -> tuple[int, int]:
+        """(accepted, rejected) tokens proposed from the predicted output."""
+        accepted = self.accepted_by_source.get("prediction", 0)
+        return accepted, self.drafted_by_source.get("prediction", 0) - accepted
+
+    def add(self, other: Stats) -> None:
+        """Add another generation's counts to these (statistics summed over generations): the
+        lists position by position, the dicts key by key; peak memory is the larger, the mode
+        stays."""
+        for f in fields(Stats):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "mode":
+                continue
+            if f.name == "peak_memory_gb":
+                mine = max(mine, theirs)
+            elif isinstance(mine, list):
+                mine = [a + b for a, b in zip(mine + [0] * (len(theirs) - len(mine)),
+                                              theirs + [0] * (len(mine) - len(theirs)))]
+            elif isinstance(mine, dict):
+                mine = {k: mine.get(k, 0) + theirs.get(k, 0) for k in {**mine, **theirs}}
+            else:
+                mine += theirs
+            setattr(self, f.name, mine)
 
     def record_step(self, source: str, drafted: int, accepted: int, emitted: int) -> None:
         self.target_forwards += 1

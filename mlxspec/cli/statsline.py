@@ -8,13 +8,6 @@ import click
 from ..stats import Stats
 
 
-def prediction_counts(stats: Stats) -> tuple[int, int]:
-    """(accepted, rejected) tokens proposed from the predicted output."""
-    drafted = stats.drafted_by_source.get("prediction", 0)
-    accepted = stats.accepted_by_source.get("prediction", 0)
-    return accepted, drafted - accepted
-
-
 def stats_line(stats: Stats, *, prediction: bool = False, interrupted: bool = False) -> str:
     """generated tokens · tok/s · prompt (new + cached) · drafted/accepted (%) · tok/forward ·
     mode, and with `prediction` the accepted/rejected predicted-output tokens."""
@@ -27,7 +20,7 @@ def stats_line(stats: Stats, *, prediction: bool = False, interrupted: bool = Fa
     elif stats.mode != "none":
         parts.append("drafted 0")
     if prediction:
-        acc, rej = prediction_counts(stats)
+        acc, rej = stats.prediction_counts
         parts.append(f"prediction {acc} accepted {rej} rejected")
     parts.append(f"{stats.mean_accepted_length:.2f} tok/forward ({stats.target_forwards} forwards)")
     parts.append(f"mode {stats.mode}")
@@ -44,7 +37,7 @@ def dim(text: str) -> str:
 def stats_dict(stats: Stats) -> dict:
     """Stats as JSON, with the predicted-output counts OpenAI reports."""
     d = stats.to_dict()
-    acc, rej = prediction_counts(stats)
+    acc, rej = stats.prediction_counts
     d["accepted_prediction_tokens"] = acc
     d["rejected_prediction_tokens"] = rej
     return d

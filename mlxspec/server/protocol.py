@@ -7,11 +7,14 @@ worker, so bad input is answered without ever queueing behind generation.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from ..stats import Stats
 
 
 class ApiError(Exception):
@@ -630,23 +633,33 @@ class IndentStop:
 
 
 @dataclass
-class Usage:
-    """Per-request counts, filled in by the worker when a generation ends."""
+class Usage(Stats):
+    """A request's statistics as the server reports them: the generation's `Stats` and how
+    the worker served it."""
 
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    mode: str = "none"
-    drafted: int = 0
-    accepted: int = 0
-    target_forwards: int = 0
-    prediction_accepted: int = 0
-    prediction_rejected: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
     batched: bool = False  # served by the batch of plain decoding (mlx-lm's BatchGenerator)
     batched_speculative: bool = False  # verified in the batched speculative step
     context_tokens: int = 0  # tokens in the request's KV cache at the end (llama.cpp's tokens_cached)
+
+    @classmethod
+    def from_stats(cls, s: Stats) -> Usage:
+        return cls(**{f.name: copy.copy(getattr(s, f.name)) for f in fields(Stats)})
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.generated_tokens
+
+    @completion_tokens.setter
+    def completion_tokens(self, n: int) -> None:
+        self.generated_tokens = n
+
+    @property
+    def prediction_accepted(self) -> int:
+        return self.prediction_counts[0]
+
+    @property
+    def prediction_rejected(self) -> int:
+        return self.prediction_counts[1]
 
     def openai(self) -> dict:
         return {

@@ -704,12 +704,4 @@ class Worker(threading.Thread):
 _WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
 
 
-def usage_from_stats(s: Stats) -> Usage:
-    pred_drafted = s.drafted_by_source.get("prediction", 0)
-    pred_accepted = s.accepted_by_source.get("prediction", 0)
-    return Usage(
-        prompt_tokens=s.prompt_tokens, completion_tokens=s.generated_tokens,
-        cached_tokens=s.cached_tokens, mode=s.mode, drafted=s.drafted, accepted=s.accepted,
-        target_forwards=s.target_forwards, prediction_accepted=pred_accepted,
-        prediction_rejected=pred_drafted - pred_accepted, prefill_seconds=s.prefill_seconds,
-        decode_seconds=s.decode_seconds)
+usage_from_stats = Usage.from_stats
