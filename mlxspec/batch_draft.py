@@ -21,16 +21,12 @@ whose every layer is a plain `KVCache` join (`joins`); others draft one row at a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 
 from . import caches
-from .proposers.base import Proposal
+from .caches.ragged import RaggedKVCache, plain_attention
+from .proposal import Proposal
 from .proposers.draft import DraftModelProposer
-
-if TYPE_CHECKING:
-    from .batch_step import RaggedKVCache
 
 # pending tokens fed per forward (a row that `auto` kept off the draft for a long stretch)
 FEED_CHUNK = 512
@@ -55,14 +51,10 @@ class BatchDraft:
 
     @staticmethod
     def joins(proposer: DraftModelProposer) -> bool:
-        from .batch_step import plain_attention  # (batch_step imports this module)
-
         return (proposer.cache is not None and plain_attention(proposer.cache)
                 and not proposer._fed_drafts)
 
     def join(self, proposer: DraftModelProposer) -> None:
-        from .batch_step import RaggedKVCache
-
         if self.cache is None:
             self.cache = [RaggedKVCache() for _ in proposer.cache]
         for ragged, c in zip(self.cache, proposer.cache):

@@ -22,18 +22,17 @@ from mlx_lm.generate import wired_limit
 
 from . import backend, caches
 from .errors import MlxspecError
-from .loading import (  # noqa: F401  (re-exported: the public API predates loading.py)
+from .policy import (
+    AUTO_MAX_K,
+    DEFAULT_NUM_DRAFT,
     MAX_NUM_DRAFT,
-    _check_mode,
-    _check_num_draft,
-    check_draft_compatible,
-    load,
-    load_draft,
-    load_model,
-    resolve_model_path,
+    AdaptiveK,
+    FixedK,
+    check_num_draft,
+    read_states,
+    write_states,
 )
-from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, read_states, write_states
-from .proposers import make_proposer
+from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
@@ -42,6 +41,18 @@ from .step import decode_step
 from .stopstrings import find_stop
 
 log = logging.getLogger("mlxspec")
+# Loading lives in loading.py (which builds the Engine); these names are still importable from
+# here, as the public API was before loading.py: resolved when first asked for.
+_FROM_LOADING = ("load", "load_model", "load_draft", "resolve_model_path",
+                 "check_draft_compatible")
+
+
+def __getattr__(name: str):
+    if name in _FROM_LOADING:
+        from . import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -296,9 +307,9 @@ class Engine:
     # -- configuration
     def set_mode(self, mode: str, num_draft: int | None = None, **mode_options) -> None:
         """Switch the speculation mode without reloading the target."""
-        _check_mode(mode)
+        check_mode(mode)
         if num_draft is not None:
-            _check_num_draft(num_draft)
+            check_num_draft(num_draft)
             self.num_draft, self.num_draft_set = num_draft, True
             self._policies.clear()
         self.proposer = self.proposer_for(mode, **mode_options)
@@ -308,13 +319,15 @@ class Engine:
     def proposer_for(self, mode: str, **mode_options) -> Proposer | None:
         """The proposer of `mode` (None for `none`). One per (mode, options), kept: a draft
         model's cache and QuantSpec's weight copies survive switching modes back and forth."""
-        _check_mode(mode)
+        check_mode(mode)
         key = (mode, tuple(sorted(mode_options.items())))
         if key not in self._proposers:
             # The pair's draft (bundled, or a folder's draft/) is loaded when a mode first
             # uses it: `draft`, and `auto`, whose sources include it.
             if (mode in ("draft", "auto") and self.draft_model is None
                     and self.draft_source is not None):
+                from .loading import load_draft
+
                 self.draft_model = load_draft(self.draft_source, self)
             try:
                 proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)
@@ -468,7 +481,7 @@ class Engine:
         if max_tokens < 1:
             raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
         if num_draft is not None:
-            _check_num_draft(num_draft)
+            check_num_draft(num_draft)
         tokens = self.encode(prompt)
         if not tokens:
             raise MlxspecError("the prompt is empty")

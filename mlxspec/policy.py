@@ -34,8 +34,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import MlxspecError
+
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
+MAX_NUM_DRAFT = 64  # the most tokens a step may propose (num_draft, -k)
+
+
+def check_num_draft(num_draft: int) -> None:
+    if not 1 <= num_draft <= MAX_NUM_DRAFT:
+        raise MlxspecError(f"num_draft must be between 1 and {MAX_NUM_DRAFT}, got {num_draft}")
 
 
 @dataclass

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import caches
-from .proposers.base import Proposal
+from .proposal import Proposal
 from .sampling import SamplingParams, probs_from_logits
 from .verify import verify_greedy, verify_sampled
 

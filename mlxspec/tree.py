@@ -35,7 +35,7 @@ import numpy as np
 
 from . import caches
 from .errors import MlxspecError
-from .proposers.base import Proposal
+from .proposal import Proposal
 from .sampling import SamplingParams, probs_from_logits
 from .tree_verify import (
     TreeSpec,

@@ -14,7 +14,8 @@ from conftest import build_model, make_engine
 
 from mlxspec import caches
 from mlxspec.batch_policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
-from mlxspec.batch_step import BatchSpeculator, RaggedKVCache, batch_decode_step
+from mlxspec.batch_step import BatchSpeculator, batch_decode_step
+from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams

@@ -12,7 +12,6 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-import mlxspec.cli.common as common
 from mlxspec.cli.main import main
 
 
@@ -143,12 +142,6 @@ def test_missing_mlxspec_blas_warns():
     assert "MLXSPEC_BLAS=/no/such/libblas.so.3" in json.loads(proc.stdout)["warnings"][0]
     proc = mlxspec_process("doctor")  # unset: no warning
     assert "warning" not in proc.stderr
-
-
-def test_cli_limit_matches_the_engine():
-    from mlxspec import engine
-
-    assert common.MAX_NUM_DRAFT == engine.MAX_NUM_DRAFT
 
 
 # ----------------------------------------------------------------------------- generate

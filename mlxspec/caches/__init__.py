@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .errors import MlxspecError
+from ..errors import MlxspecError
 
 # Speculative tokens a step may feed beyond the committed ones (k + 1 with k <= MAX_NUM_DRAFT,
 # or a tree's nodes): how far back a sliding-window cache must always be able to trim.

@@ -8,10 +8,9 @@ from pathlib import Path
 import click
 
 from ..errors import MlxspecError
-from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT
+from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
 from ..proposers import MODES
 from .common import (
-    MAX_NUM_DRAFT,
     MODEL_HELP,
     distributed_option,
     exits_cleanly,

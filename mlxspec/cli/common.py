@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from ..errors import MlxspecError
+from ..policy import MAX_NUM_DRAFT
 from ..proposers import MODES
 
 
@@ -31,9 +32,6 @@ def exits_cleanly(fn):
             sys.exit(2)
 
     return wrapper
-
-
-MAX_NUM_DRAFT = 64  # the engine's limit (mlxspec.engine.MAX_NUM_DRAFT; tests check they agree)
 
 
 def flag_name(param) -> str:

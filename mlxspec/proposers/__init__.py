@@ -7,8 +7,14 @@ from ..errors import MlxspecError
 MODES = ("none", "ngram", "draft", "quantspec", "lookahead", "suffix", "auto")
 
 
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+
+
 def make_proposer(mode: str, model, draft_model=None, **options):
     """The proposer for `mode` (None for plain decoding)."""
+    check_mode(mode)
     if mode == "none":
         return None
     if mode == "ngram":
@@ -41,4 +47,4 @@ def make_proposer(mode: str, model, draft_model=None, **options):
         from .auto import AutoProposer
 
         return AutoProposer(model, draft_model, **options)
-    raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    raise AssertionError(mode)  # every mode in MODES is handled above

@@ -2,57 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import mlx.core as mx
 
+from ..proposal import Proposal
 from ..sampling import SamplingParams
 
-
-@dataclass
-class Proposal:
-    """Tokens proposed for the target to verify in one forward pass.
-
-    `tokens` (1-D uint32, possibly lazy) is a chain unless `parents` is given: then a tree in
-    topological order, parents[i] the index of node i's parent (-1: the last committed token).
-    `draft_probs` is q per token after the same sampling transforms as p, (len, vocab); None
-    means a deterministic proposal (q one-hot).
-
-    Tree-only fields: `verify[i]` False for nodes that may not be accepted; `want_argmax` node
-    indices whose target argmax the proposer wants back (lookahead's Jacobi window), handed to
-    `on_result(argmax, path)` once after verification, with the accepted node indices.
-    """
-
-    tokens: mx.array
-    draft_probs: mx.array | None = None
-    source: str = ""
-    parents: list[int] | None = None
-    verify: list[bool] | None = None
-    want_argmax: tuple[int, ...] = ()
-    on_result: Callable[[list[int], list[int]], None] | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.tokens, mx.array):
-            self.tokens = mx.array([int(t) for t in self.tokens], mx.uint32)
-        elif self.tokens.dtype != mx.uint32:
-            self.tokens = self.tokens.astype(mx.uint32)
-
-    def __len__(self) -> int:
-        return int(self.tokens.size)
-
-    @property
-    def is_tree(self) -> bool:
-        return self.parents is not None
-
-    def depth(self) -> int:
-        """Draft positions along the longest path (a chain: its length)."""
-        if self.parents is None:
-            return len(self)
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return max(d, default=0)
+__all__ = ["Proposal", "Proposer"]
 
 
 class Proposer:
