@@ -41,19 +41,25 @@ def check_chat_template(tokenizer) -> None:
         raise MlxspecError("this model's tokenizer has no chat template: use `mlxspec generate`")
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The conversation as the model's chat template renders it, ready for the reply."""
+def render_chat(tokenizer, messages: list[dict], *, tools: list | None = None) -> str:
+    """The conversation as the model's chat template renders it, ready for the reply (or, when
+    it ends with an assistant message, continuing that message); `tools` goes to the template.
+    The one place mlxspec renders a chat template: chat, edit, generate --chat, bench and the
+    server's chat endpoints."""
     check_chat_template(tokenizer)
+    cont = messages[-1]["role"] == "assistant"
+    kwargs = dict(add_generation_prompt=not cont, tokenize=False,
+                  **({"continue_final_message": True} if cont else {}),
+                  **({"tools": tools} if tools is not None else {}))
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception:
         # Some templates reject a system role: fold it into the first user message.
-        if not messages or messages[0]["role"] != "system" or len(messages) < 2:
+        if messages[0]["role"] != "system" or len(messages) < 2:
             raise
         system, first, *rest = messages
-        first = {"role": first["role"], "content": system["content"] + "\n\n" + first["content"]}
-        return tokenizer.apply_chat_template([first, *rest], add_generation_prompt=True,
-                                             tokenize=False)
+        first = {**first, "content": system["content"] + "\n\n" + first["content"]}
+        return tokenizer.apply_chat_template([first, *rest], **kwargs)
 
 
 @dataclass

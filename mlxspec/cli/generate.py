@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from ..chat_session import render_chat
 from ..errors import MlxspecError
 from .common import (
     distributed_option,
@@ -76,8 +77,7 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
     engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
                          distributed=distributed, remember=True, **options)
     if chat:
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
     kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     if as_json:
         result = engine.generate(prompt, **kwargs)

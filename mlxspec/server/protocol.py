@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..chat_session import render_chat
 from ..stats import Stats
 
 
@@ -446,18 +447,12 @@ class RequestParser:
                 if key in m:
                     msg[key] = m[key]
             conv.append(msg)
-        kwargs = {}
-        if isinstance(body.get("tools"), list):
-            kwargs["tools"] = body["tools"]
+        tools = body["tools"] if isinstance(body.get("tools"), list) else None
         try:
             with self.lock:
-                text = self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=conv[-1]["role"] != "assistant",
-                    continue_final_message=conv[-1]["role"] == "assistant", tokenize=False,
-                    **kwargs)
+                return render_chat(self.tokenizer, conv, tools=tools)
         except Exception as e:  # a template that rejects the conversation
             raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
-        return text
 
     # -- llama.cpp's utility endpoints (no generation)
     def tokenize(self, body: dict) -> dict:
