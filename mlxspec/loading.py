@@ -11,13 +11,11 @@ import mlx.nn as nn
 
 from . import backend
 from .errors import MlxspecError
-from .proposers import MODES
+from .policy import check_num_draft
+from .proposers import check_mode
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-MAX_NUM_DRAFT = 64
-
 
 def _local_snapshot(repo: str) -> Path | None:
     from huggingface_hub import snapshot_download
@@ -128,7 +126,12 @@ def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
 
 
 def load_draft(source: str | Path, engine: Engine) -> nn.Module:
-    """Load a draft model and check that it shares `engine`'s tokenizer."""
+    """Load a draft model and check that it shares `engine`'s tokenizer (a draft trained by
+    `mlxspec train --draft-for`: that it was trained for this target)."""
+    from .reduced_draft import is_reduced_draft, load_reduced_draft
+
+    if is_reduced_draft(source):
+        return load_reduced_draft(source, engine.model, engine.tokenizer, engine.name)
     draft, draft_tok, _, draft_name = load_model(str(source))
     check_draft_compatible(engine.tokenizer, draft_tok, engine.model, draft, engine.name,
                            draft_name)
@@ -147,9 +150,9 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     it (`mode="draft"` now, or `set_mode("draft")` later), as `mlxspec chat`'s /mode does."""
     from .engine import Engine
 
-    _check_mode(mode)
+    check_mode(mode)
     if num_draft is not None:
-        _check_num_draft(num_draft)
+        check_num_draft(num_draft)
     if adaptive and mode == "none":
         raise MlxspecError("adaptive=True adapts k of a speculative mode, but mode 'none' never "
                            "speculates: pass mode='auto' (or another mode) with it")
@@ -175,8 +178,11 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         except FileNotFoundError as e:
             if mode == "draft":
                 raise MlxspecError(str(e)) from None
+    elif (trained := _trained_draft(model)) is not None:  # `mlxspec train --draft-for -m`
+        draft_path = trained
     elif mode == "draft":
-        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
+        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
+                           f"one trained for it: mlxspec train --draft-for -m {model})")
     check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
     # The resolved folder (a GGUF source's conversion), named as the user named it.
     net, tokenizer, config, name = load_model(str(target_path) if model else None)
@@ -191,15 +197,3 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         engine.draft_model = load_draft(draft_path, engine)
     engine.set_mode(mode, **mode_options)
     return engine
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise MlxspecError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-
-
-def _check_num_draft(num_draft: int) -> None:
-    if not 1 <= num_draft <= MAX_NUM_DRAFT:
-        raise MlxspecError(f"num_draft must be between 1 and {MAX_NUM_DRAFT}, got {num_draft}")
-
-

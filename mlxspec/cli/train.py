@@ -16,7 +16,15 @@ def train(args):
     --out DIR (gets target/ and draft/; use it as `-m DIR`), --target-minutes, --draft-minutes,
     --seed, --corpus DIR (your own .py files), --smoke (a seconds-long check).
     `mlxspec train --help` lists them with their defaults.
+
+    `mlxspec train --draft-for -m MODEL` instead distils a draft for a real target (e.g.
+    smollm2) that `-m MODEL` then finds for --mode draft and auto; `mlxspec train --draft-for
+    --help` lists its options (--minutes, --out, --layers, --head-tokens, --corpus, --smoke).
     """
+    if any(a == "--draft-for" or a.startswith("--draft-for=") for a in args):
+        from ..recipe.distill import main as distill_main
+
+        sys.exit(distill_main(list(args)))
     from ..recipe import main as recipe_main
 
     sys.exit(recipe_main(list(args), prog="mlxspec train"))
