@@ -178,7 +178,7 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         except FileNotFoundError as e:
             if mode == "draft":
                 raise MlxspecError(str(e)) from None
-    elif (trained := _trained_draft(model)) is not None:  # `mlxspec train --draft-for -m`
+    elif (trained := trained_draft(model)) is not None:  # `mlxspec train --draft-for -m`
         draft_path = trained
     elif mode == "draft":
         raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
@@ -197,3 +197,15 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         engine.draft_model = load_draft(draft_path, engine)
     engine.set_mode(mode, **mode_options)
     return engine
+
+
+def trained_draft(model: str) -> Path | None:
+    """A draft trained for `model` by `mlxspec train --draft-for` (shipped under models/drafts/
+    or in the cache), unless MLXSPEC_NO_TRAINED_DRAFT is set."""
+    import os
+
+    if os.environ.get("MLXSPEC_NO_TRAINED_DRAFT", "") not in ("", "0"):
+        return None
+    from .reduced_draft import find_trained_draft
+
+    return find_trained_draft(model)

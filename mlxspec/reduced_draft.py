@@ -83,10 +83,21 @@ def target_embedding(target: nn.Module) -> nn.Module:
     return emb
 
 
-def embedding_fingerprint(target: nn.Module) -> float:
-    """A number that identifies the target's embedding (mean |e| over its first rows)."""
-    rows = target_embedding(target)(mx.arange(FINGERPRINT_ROWS))
-    return float(mx.abs(rows.astype(mx.float32)).mean().item())
+def embedding_fingerprint(target: nn.Module) -> list[float]:
+    """Values that identify the target's embedding: 4 entries of FINGERPRINT_ROWS rows spread
+    over the vocabulary (equal up to rounding for the same weights in another precision)."""
+    vocab = target_embedding(target).weight.shape[0] if hasattr(
+        target_embedding(target), "weight") else FINGERPRINT_ROWS
+    rows = mx.arange(FINGERPRINT_ROWS) * max(1, vocab // FINGERPRINT_ROWS)
+    values = target_embedding(target)(rows)[:, :4].astype(mx.float32)
+    return [round(float(v), 5) for v in values.reshape(-1).tolist()]
+
+
+def same_embedding(a: list[float], b: list[float]) -> bool:
+    a, b = mx.array(a), mx.array(b)
+    if a.shape != b.shape:
+        return False
+    return float(mx.abs(a - b).mean().item()) <= 0.1 * float(mx.abs(a).mean().item()) + 1e-6
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -121,8 +132,7 @@ def check_matches(meta: dict, target: nn.Module, tokenizer, draft_name: str,
     if tokenizer_digest(tokenizer) != meta["tokenizer"]:
         raise MlxspecError(f"draft {draft_name} does not share the tokenizer of target "
                            f"{target_name}")
-    fp = embedding_fingerprint(target)
-    if abs(fp - meta["embedding_fingerprint"]) > 2e-2 * abs(meta["embedding_fingerprint"]):
+    if not same_embedding(embedding_fingerprint(target), meta["embedding_fingerprint"]):
         raise MlxspecError(f"draft {draft_name} was trained for another target (its token "
                            f"embedding differs from {target_name}'s)")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import MlxspecError
+from ..loading import trained_draft as trained_draft_for
 from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
 from ..proposers import MODES
 from .common import (
@@ -148,8 +149,10 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
     out = Path(out_dir).expanduser() if out_dir else default_out_dir()
     model, draft_model, _ = resolve_pair(model, draft_model, "draft")  # -m FOLDER of a pair
     wants_draft = any(m.partition(":")[0] in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
-    # The bundled target comes with its draft; another target needs --draft-model for those rows.
-    with_draft = wants_draft and (draft_model is not None or model is None)
+    # The bundled target comes with its draft, a target with one trained by `mlxspec train
+    # --draft-for` with that; another target needs --draft-model for those rows.
+    with_draft = wants_draft and (draft_model is not None or model is None
+                                  or trained_draft_for(model) is not None)
     engine = load_engine(model, draft_model if with_draft else None,
                          "draft" if with_draft else "none", num_draft)
     if workload_list:

@@ -15,7 +15,6 @@ chat format.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -24,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
 
 
 @dataclass
@@ -97,6 +95,8 @@ def chat_questions(rng: random.Random, n: int) -> list[str]:
     files = training_files()
     rng.shuffle(files)
     for f in files[:200]:
+        if len(functions) >= n:
+            break
         for _, src in extract_functions(read_source(f) or ""):
             if 4 <= src.count("\n") <= 30:
                 functions.append(src)
