@@ -8,8 +8,9 @@ folder holds `config.json` (llama arguments plus an `mlxspec_draft` entry), and
 `model.safetensors` (layers, norm, head, `head_ids`), but no embedding: on loading the draft
 shares the target's embedding module (no copy, no extra memory).
 
-Where a trained draft is found for `-m NAME`: `models/drafts/NAME/` (shipped), then
-`<cache>/drafts/NAME/` (where `mlxspec train --draft-for -m NAME` writes it).
+Where a trained draft is found for `-m NAME`: `models/drafts/NAME/` (shipped; in a wheel under
+share/mlxspec/models/drafts/), then `<cache>/drafts/NAME/` (where `mlxspec train --draft-for
+-m NAME` writes it).
 """
 
 from __future__ import annotations
@@ -194,8 +195,12 @@ def draft_key(model: str) -> str:
     return f"{stem}-{hashlib.sha256(resolved.encode()).hexdigest()[:10]}"
 
 
-def shipped_drafts_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "models" / "drafts"
+def shipped_drafts_dirs() -> list[Path]:
+    """`drafts/` in every folder the bundled models are searched in (a checkout's models/,
+    a wheel's share/mlxspec/models/, $MLXSPEC_MODELS_DIR)."""
+    from .models import candidate_dirs
+
+    return [d / "drafts" for d in candidate_dirs()]
 
 
 def cached_drafts_dir() -> Path:
@@ -209,7 +214,7 @@ def find_trained_draft(model: str | None) -> Path | None:
     if not model:
         return None
     key = draft_key(model)
-    for root in (shipped_drafts_dir(), cached_drafts_dir()):
+    for root in [*shipped_drafts_dirs(), cached_drafts_dir()]:
         if is_reduced_draft(root / key):
             return root / key
     return None
