@@ -27,7 +27,7 @@ import numpy as np
 
 @dataclass
 class DistillConfig:
-    minutes: float = 50.0  # the whole budget: generation + distillation + evaluation
+    minutes: float = 60.0  # the whole budget: generation + distillation + evaluation
     gen_fraction: float = 0.3  # share of the budget spent generating chats with the target
     layers: int = 2
     head_tokens: int = 8192
