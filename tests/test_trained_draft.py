@@ -104,3 +104,31 @@ def test_draft_for_bad_input(model_dirs, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
     assert main(["--draft-for", "-m", str(model_dirs["llama"]), "--layers", "9"]) == 2
     assert "--layers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_shipped_draft_is_token_identical(smollm2_gguf):
+    """`-m smollm2` finds the draft shipped in models/drafts/smollm2 and stays exact."""
+    from mlxspec.loading import load
+    from mlxspec.reduced_draft import shipped_drafts_dirs
+
+    if not any((d / "smollm2" / "config.json").is_file() for d in shipped_drafts_dirs()):
+        pytest.skip("no draft shipped for smollm2")
+    engine = load("smollm2", mode="draft", num_draft=4)
+    assert isinstance(engine.draft_model, ReducedHeadDraft)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Why is the sky blue? Answer in two sentences."}],
+        add_generation_prompt=True)
+    want = engine.generate(prompt, max_tokens=32, mode="none").tokens
+    got = engine.generate(prompt, max_tokens=32)
+    assert got.tokens == want and got.stats.accepted > 0
+
+
+def test_batched_rows_with_a_reduced_head_draft_equal_each_request_alone():
+    """The server's batched draft runs the reduced-head draft as any draft: the batch test of
+    test_batch_step with this draft."""
+    from test_batch_step import test_batch_equals_each_request_alone_with_joins_and_leaves as run
+
+    target, _ = build_model("llama", seed=1, scale=4.0)
+    draft = perturbed(init_draft(target, 1, np.arange(0, 256, 2)), 0.3, seed=3)
+    run((target, draft))
