@@ -46,7 +46,7 @@ from .proposal import Proposal
 from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
-from .step import StepResult, verify_chain
+from .step import decode_step, verify_chain
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 # A joining row whose prompt has at most this many tokens left to prefill prefills with the
@@ -61,72 +61,6 @@ GROUP_CACHED_MAX = 256
 OPTIMISTIC = 0.9
 
 # ----------------------------------------------------------------------------- the step
-
-
-def batch_decode_step(model, cache: list[RaggedKVCache], last_tokens: list[int],
-                      proposals: list[Proposal | None], samplings: list[SamplingParams],
-                      keys: list[mx.array | None],
-                      max_accepts: list[int | None]) -> list[StepResult]:
-    """`decode_step` for B rows in one forward: row b verifies proposals[b] (a chain, or None
-    for a plain step) after last_tokens[b] with samplings[b] and keys[b]; at most
-    max_accepts[b] draft tokens are accepted. Each row's cache holds its committed tokens but
-    the last, before and after. A row whose last token is None sits the step out (its cache
-    is unchanged, its result None)."""
-    drafts, qs, sizes = [], [], []
-    for prop, cap in zip(proposals, max_accepts):
-        k = len(prop) if prop is not None else 0
-        if k and prop.is_tree:
-            raise MlxspecError("token trees cannot run in the batched step")
-        if cap is not None:
-            k = min(k, cap)
-        sizes.append(k)
-        if k:
-            drafts.append(prop.tokens[:k].astype(mx.uint32))
-            qs.append(prop.draft_probs[:k] if prop.draft_probs is not None else None)
-        else:
-            drafts.append(mx.array([], mx.uint32))
-            qs.append(None)
-    width = 1 + max(sizes)
-    rows = []
-    for last, draft, k in zip(last_tokens, drafts, sizes):
-        first = 0 if last is None else last
-        pad = mx.full((width - 1 - k,), first, mx.uint32)  # never seen: trimmed below
-        rows.append(mx.concatenate([mx.array([first], mx.uint32), draft, pad]))
-    logits = model(mx.stack(rows), cache=cache)
-    # Greedy rows: one argmax over the batch, compared on the host (what `verify_greedy`
-    # computes, without its ops per row); sampled rows: `verify_chain` each, on its own key.
-    argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
-              if any(s.greedy for s in samplings) else None)
-    heads = []
-    for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
-        if last_tokens[b] is None:
-            continue
-        if samplings[b].greedy:
-            heads.append(mx.concatenate([argmax[b, : k + 1], draft]))
-            continue
-        n, nxt = verify_chain(logits[b, : k + 1], draft, q, samplings[b], keys[b])
-        heads.append(mx.concatenate([mx.stack([n.astype(mx.uint32), nxt.astype(mx.uint32)]),
-                                     draft]))
-    flat = mx.concatenate(heads).tolist()  # the one host sync of the batch
-    results, drop, at = [], [], 0
-    for last, prop, k, sampling in zip(last_tokens, proposals, sizes, samplings):
-        if last is None:  # a row sitting this step out: everything it was fed goes
-            drop.append(width)
-            results.append(None)
-            continue
-        if sampling.greedy:
-            target, drafted = flat[at : at + k + 1], flat[at + k + 1 : at + 2 * k + 1]
-            at += 2 * k + 1
-            n = common_prefix_len(target, drafted)
-            nxt = target[n]
-        else:
-            n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]
-            at += 2 + k
-        drop.append(width - 1 - n)
-        results.append(StepResult(drafted[:n] + [nxt], n, k, prop.source if k else ""))
-    for c in cache:
-        c.trim_rows(drop)
-    return results
 
 
 # ----------------------------------------------------------------------------- requests
@@ -733,7 +667,7 @@ class BatchSpeculator:
             # padding that is trimmed again at once, its cache unchanged.
             stepping = {id(r): i for i, r in enumerate(rows)}
             order = [stepping.get(id(r)) if r is not None else None for r in self.slots]
-            results = batch_decode_step(
+            results = decode_step(
                 self.model, self.cache,
                 [r.context[-1] if i is not None else None for r, i in zip(self.slots, order)],
                 [proposals[i] if i is not None else None for i in order],

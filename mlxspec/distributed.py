@@ -886,11 +886,13 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     """`mlxspec.load` for a rank of a sharded run. With one process: exactly `load`."""
     from . import backend, loading
     from .models import model_pair_paths
+    from .policy import check_num_draft
+    from .proposers import check_mode as check_known_mode
 
-    loading._check_mode(mode)
+    check_known_mode(mode)
     check_mode(mode)
     if num_draft is not None:
-        loading._check_num_draft(num_draft)
+        check_num_draft(num_draft)
     group = coordinator.group if coordinator is not None else init_group()
     if group.size() == 1:
         return loading.load(model, mode=mode, draft=draft, num_draft=num_draft,

@@ -38,7 +38,7 @@ from .proposers.draft import common_prefix_len
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step
-from .stopstrings import find_stop
+from .stopstrings import TextStream
 
 log = logging.getLogger("mlxspec")
 # Loading lives in loading.py (which builds the Engine); these names are still importable from
@@ -131,8 +131,8 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
                                      end - len(context), verify_key, stats, plan, sync=sync)
             continue
         proposal = proposer.propose(context, k, propose_key, source=source)
-        result = decode_step(model, cache, context[-1], proposal, sampling, verify_key,
-                             max_accept=k, sync=sync)
+        (result,) = decode_step(model, cache, [context[-1]], [proposal], [sampling],
+                                [verify_key], [k], sync=sync)
         context.extend(result.tokens)
         proposer.update(context, result.accepted)
         policy.observe(source if result.drafted else "", result.drafted, result.accepted,
@@ -580,39 +580,23 @@ class Engine:
     def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],
                     start: float) -> Iterator[StepOutput]:
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        held = ""  # text withheld because it may be the start of a stop string
-        stop_string = ""
-        hold = max((len(s) for s in stops), default=1) - 1
+        text = TextStream(self.tokenizer, stops)
         for new_tokens in steps:
-            finish = None
             emitted = []
             for t in new_tokens:
                 if t in eos:
-                    finish = "stop"
                     break
                 emitted.append(t)
-                detok.add_token(t)
-            if finish:
+            pieces = [text.add(t)[0] for t in emitted]
+            finish = "stop" if text.stopping_word else None
+            if len(emitted) < len(new_tokens):  # an end-of-sequence token
                 stats.generated_tokens -= len(new_tokens) - len(emitted)
-                detok.finalize()
-            text = held + detok.last_segment
-            hit = find_stop(text, stops)  # the earliest match, as every server path cuts
-            if hit is not None:
-                text, finish = text[: hit[0]], "stop"
-                stop_string = hit[1]
-            if finish is None and hold:
-                cut = max(0, len(text) - hold)
-                held, text = text[cut:], text[:cut]
-            else:
-                held = ""
+                pieces.append(text.finish())
+                finish = "stop"
             stats.decode_seconds = time.perf_counter() - start
             stats.peak_memory_gb = backend.peak_memory_gb()
+            yield StepOutput("".join(pieces), emitted, stats, finish, text.stopping_word)
             if finish:
-                yield StepOutput(text, emitted, stats, finish, stop_string)
                 return
-            yield StepOutput(text, emitted, stats)
-        detok.finalize()
         stats.decode_seconds = time.perf_counter() - start
-        yield StepOutput(held + detok.last_segment, [], stats, "length")
+        yield StepOutput(text.finish(), [], stats, "length")

@@ -50,3 +50,37 @@ class StopMatcher:
     def flush(self) -> str:
         text, self.held = ("" if self.stopped is not None else self.held), ""
         return text
+
+
+class TextStream:
+    """Tokens to text, cut at stop strings: the one detokenizer of every path (the engine's
+    `_detokenize`, the server's). Text that might start a stop string is held back, and the
+    earliest match in the text ends the answer (`stopping_word`)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.matcher = StopMatcher(stops)
+        self.stopping_word = ""
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.detok.add_token(token)
+        return self._emit(self.detok.last_segment)
+
+    def finish(self) -> str:
+        """The rest of the text when the answer ends for another reason than a stop string."""
+        self.detok.finalize()
+        text, hit = self._emit(self.detok.last_segment)
+        return text if hit else text + self.matcher.flush()
+
+    def cut_short(self) -> str:
+        """The rest of the text when the answer is cut short (timeout, shutdown): what was
+        held back for a possible stop string, not a character still incomplete."""
+        return self.matcher.flush()
+
+    def _emit(self, segment: str) -> tuple[str, bool]:
+        was = self.matcher.stopped
+        text, hit = self.matcher.feed(segment)
+        if hit is not None and was is None:
+            self.stopping_word = hit
+        return text, hit is not None

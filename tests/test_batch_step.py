@@ -14,11 +14,12 @@ from conftest import build_model, make_engine
 
 from mlxspec import caches
 from mlxspec.batch_policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
-from mlxspec.batch_step import BatchSpeculator, batch_decode_step
+from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
+from mlxspec.step import decode_step
 
 GREEDY = SamplingParams()
 
@@ -87,8 +88,8 @@ def test_one_forward_verifies_every_row_with_ragged_acceptance(pair):
         for ragged, c in zip(cache, prefilled(engine, p)):
             ragged.add_row(c)
     proposals = [Proposal(mx.array(d, mx.uint32), source="test") if d else None for d in drafts]
-    results = batch_decode_step(target, cache, [p[-1] for p in prompts], proposals,
-                                [GREEDY] * 4, [None] * 4, [None] * 4)
+    results = decode_step(target, cache, [p[-1] for p in prompts], proposals,
+                          [GREEDY] * 4, [None] * 4, [None] * 4)
     assert [r.accepted for r in results] == [2, 0, 4, 0]
     assert [r.drafted for r in results] == [4, 3, 4, 0]
     for r, path in zip(results, paths):
@@ -107,7 +108,7 @@ def test_one_forward_verifies_every_row_with_ragged_acceptance(pair):
     row = [RaggedKVCache() for _ in range(len(target.layers))]
     for ragged, c in zip(row, prefilled(engine, prompts[2])):
         ragged.add_row(c)
-    (r,) = batch_decode_step(target, row, [prompts[2][-1]], [proposals[2]], [GREEDY], [None],
+    (r,) = decode_step(target, row, [prompts[2][-1]], [proposals[2]], [GREEDY], [None],
                              [1])
     assert (r.accepted, r.drafted, r.tokens) == (1, 1, paths[2][:2])
 
@@ -785,6 +786,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
     import test_exact_sampling as ex
 
     import mlxspec.batch_step as bs
+    import mlxspec.step as step
     from mlxspec.sampling import probs_from_logits, sample
 
     target, _ = build_model("llama", seed=7, vocab=ex.VOCAB)
@@ -831,6 +833,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
         return n, sample(p[n], s)
 
     monkeypatch.setattr(bs, "verify_chain", wrong)
+    monkeypatch.setattr(step, "verify_chain", wrong)
     assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3
 
 

@@ -35,7 +35,7 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
-from ..stopstrings import StopMatcher
+from ..stopstrings import TextStream
 from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
@@ -158,43 +158,6 @@ def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
         caches.append(new)
     mx.eval([(c.keys, c.values) for c in caches])
     return PromptCache(caches, pc.tokens[:n], pc.kind)
-
-
-# ----------------------------------------------------------------------------- text
-
-
-class TextStream:
-    """Detokenization and stop strings for the batched path (what `Engine._detokenize` does
-    for the engine path, with the same matcher): text that might start a stop string is held
-    back, and the earliest match in the text ends the answer."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.matcher = StopMatcher(stops)
-        self.stopping_word = ""
-
-    def add(self, token: int) -> tuple[str, bool]:
-        self.detok.add_token(token)
-        return self._emit(self.detok.last_segment)
-
-    def finish(self) -> str:
-        """The rest of the text when the answer ends for another reason than a stop string."""
-        self.detok.finalize()
-        text, hit = self._emit(self.detok.last_segment)
-        return text if hit else text + self.matcher.flush()
-
-    def cut_short(self) -> str:
-        """The rest of the text when the answer is cut short (timeout, shutdown): what was
-        held back for a possible stop string, not a character still incomplete."""
-        return self.matcher.flush()
-
-    def _emit(self, segment: str) -> tuple[str, bool]:
-        was = self.matcher.stopped
-        text, hit = self.matcher.feed(segment)
-        if hit is not None and was is None:
-            self.stopping_word = hit
-        return text, hit is not None
 
 
 # ----------------------------------------------------------------------------- the worker
