@@ -233,14 +233,13 @@ def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref)
 def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
     srv = start(engine, request_timeout=0.6, spec_max_concurrency=spec)
     worker = srv.worker
-    slowed = "_step_engine" if spec else "_step_batch"
-    orig = getattr(worker, slowed)
+    orig = worker._step_engine
 
     def slow(*a):
         time.sleep(0.01)
         orig(*a)
 
-    setattr(worker, slowed, slow)
+    worker._step_engine = slow
     try:
         t = time.monotonic()
         status, payload, _ = post(srv.url, "/v1/completions",
@@ -264,7 +263,7 @@ def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
         body = json.loads(payload)
         assert body["stop_type"] == "limit" and ref["long_text"].startswith(body["content"])
     finally:
-        setattr(worker, slowed, orig)
+        worker._step_engine = orig
         stop(srv)
 
 

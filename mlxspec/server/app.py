@@ -588,9 +588,10 @@ class Handler(BaseHTTPRequestHandler):
             text = srv.metrics.render({
                 "mlxspec_requests_active": ("Requests being generated.", w.active()),
                 "mlxspec_requests_speculative_active": (
-                    "Requests generated on an engine slot (speculative).", len(w.spec_jobs)),
+                    "Requests speculating.", sum(j.plain is False for j in w.jobs)),
                 "mlxspec_requests_batched_active": (
-                    "Requests in the batch of plain decoding.", len(w.batch_jobs)),
+                    "Requests decoded plainly (over --spec-max-concurrency).",
+                    sum(bool(j.plain) for j in w.jobs)),
                 "mlxspec_requests_queued": ("Requests waiting for the worker.", w.inbox.qsize()),
                 "mlxspec_connections_open": ("Open HTTP connections (--max-connections).",
                                              srv.open_connections()),

@@ -1,16 +1,17 @@
 """The one thread that owns the model and runs every MLX computation of the server.
 
-Handlers submit a `Job` and read its events from the job's own queue. The worker loop:
+Handlers submit a `Job` and read its events from the job's own queue. Every job runs on an engine
+*slot* (an `Engine` sharing the model, with its own proposers, policies and prompt cache). The
+worker loop:
 
-1. admits new jobs. While at most `spec_max_concurrency` requests are active, a job runs on an
-   engine *slot* (an `Engine` sharing the model, with its own proposers) through
-   `Engine.stream_steps`: speculative, exact, with the prompt cache. Above that, new jobs join
-   a batch of plain decoding run by mlx-lm's `BatchGenerator` (continuous batching: one
-   forward per step for all of them), since speculation loses at high concurrency.
-2. advances every engine job by one step: on plain-attention models one batched speculative
-   step for all of them (`batch_step.py`: each job proposes with its own source and k, one
-   target forward verifies every row); otherwise one target forward each, round robin;
-3. advances the batch by one step.
+1. admits new jobs and opens their generations. On plain-attention models a generation joins
+   the batch (`batch_step.BatchSpeculator`): one target forward per step for every row, each
+   row proposing with its own source and k, or none. While `spec_max_concurrency` requests
+   speculate, a new one speculates too; above that it decodes plainly in the same batch (k = 0:
+   continuous batching), and above `spec_max_concurrency + max_batch` it waits to open. Other
+   models (sliding windows, recurrent state) and requests the batch cannot run (trees,
+   QuantSpec) run `Engine.stream_steps` on their slot, one forward each, round robin;
+2. advances every job by one step (the batch's step runs once per round for all its rows).
 
 A cancelled job (its client went away) is closed before its next step: the generator's
 `close()` leaves its cache consistent, and the cache goes back to the prompt-cache store.
@@ -35,7 +36,6 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
-from ..stopstrings import TextStream
 from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
@@ -76,11 +76,11 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     # worker-side state
     gen: object = None
+    # decided when it first opens: over --spec-max-concurrency, it decodes plainly (k = 0)
+    plain: bool | None = None
     slot: Engine | None = None
     cache: PromptCache | None = None
-    uid: int | None = None
     stats: Stats | None = None
-    text: TextStream | None = None
     text_so_far: str = ""
     started: float = 0.0
     first_token: float = 0.0
@@ -184,13 +184,10 @@ class Worker(threading.Thread):
         self.ending: str | None = None  # set: every job ends at its next step with this reason
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
-        self.spec_jobs: list[Job] = []
-        self.batch_jobs: dict[int, Job] = {}
+        self.jobs: list[Job] = []
         # Slots are made on the worker thread (their proposers' arrays must live there); the
         # caller's engine only lends its weights and settings.
         self.idle_slots: list[Engine] = []
-        self.batch = None
-        self.batch_stream = None
         # Engine jobs on plain-attention models step together: one target forward verifies
         # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
         # trees, QuantSpec) keep one forward each, round robin.
@@ -241,7 +238,7 @@ class Worker(threading.Thread):
         here waits for it."""
         self.draining = True
         error = ApiError(503, message, code="rank_lost")
-        jobs = list(self.spec_jobs) + list(self.batch_jobs.values())
+        jobs = list(self.jobs)
         while True:
             try:
                 job = self.inbox.get_nowait()
@@ -263,7 +260,7 @@ class Worker(threading.Thread):
         return None
 
     def active(self) -> int:
-        return len(self.spec_jobs) + len(self.batch_jobs)
+        return len(self.jobs)
 
     def start(self) -> None:
         super().start()
@@ -287,7 +284,6 @@ class Worker(threading.Thread):
         # MLX must destroy its streams before it ends, or the process may abort at exit
         # ("terminate called without an active exception"): hence clear_streams.
         stream = mx.new_stream(mx.default_device())
-        self.batch_stream = stream
         try:
             with mx.stream(stream):
                 self._loop(stream)
@@ -299,23 +295,28 @@ class Worker(threading.Thread):
     def _loop(self, stream) -> None:
         while not self._stopping:
             try:
-                self._admit(block=not self.spec_jobs and not self.batch_jobs)
+                self._admit(block=not self.jobs)
                 # Every new job opens before any job steps: the batched step's joiners of
                 # one round then prefill together, in one forward (batch_step.py).
-                for job in list(self.spec_jobs):
+                # Above spec_max_concurrency + max_batch a job waits to open.
+                opened = sum(1 for j in self.jobs if j.plain is not None)
+                for job in list(self.jobs):
                     if job.gen is None and self._live(job):
+                        if job.plain is None:
+                            if opened >= self.spec_max_concurrency + self.max_batch:
+                                continue
+                            opened += 1
                         self._guarded(job, self._open_job)
-                for job in list(self.spec_jobs):
+                for job in list(self.jobs):
                     self._step_engine(job)
-                if self.batch_jobs:
-                    self._step_batch(stream)
-            except Exception:  # never let the worker die: fail the batch in flight
+            except Exception:  # never let the worker die: fail the requests in flight
                 log.error("worker error:\n%s", traceback.format_exc())
-                self._reset_batch()
-        for job in list(self.spec_jobs):
+                for job in list(self.jobs):
+                    job.cache = None  # state unknown: not kept
+                    self._fail(job, ApiError(500, "internal error during generation"))
+                self.spec_batch = None
+        for job in list(self.jobs):
             self._close_engine_job(job)
-        for job in self.batch_jobs.values():
-            job.events.put(Failed(ApiError(503, "the server is shutting down")))
 
     def _admit(self, block: bool) -> None:
         while True:
@@ -340,21 +341,16 @@ class Worker(threading.Thread):
             if self.metrics:
                 self.metrics.queue_seconds(job.started - job.submitted)
             try:
-                if (job.req.warmup or self.active() < self.spec_max_concurrency
-                        or not self.batchable):
-                    self._start_engine(job)
-                else:
-                    self._start_batch(job)
+                self._start_engine(job)
             except Exception as e:
                 log.error("cannot start a generation:\n%s", traceback.format_exc())
-                if job in self.spec_jobs:
+                if job in self.jobs:
                     self._close_engine_job(job)
                 elif job.slot is not None:
                     self.idle_slots.append(job.slot)
-                self.batch_jobs.pop(job.uid, None)
                 job.events.put(Failed(ApiError(500, f"cannot start: {type(e).__name__}: {e}")))
 
-    # -- engine jobs (speculative, exact, prompt-cached)
+    # -- jobs (each on an engine slot: exact, prompt-cached)
     def _slot(self) -> Engine:
         if self.idle_slots:
             return self.idle_slots.pop()
@@ -363,7 +359,7 @@ class Worker(threading.Thread):
     def _start_engine(self, job: Job) -> None:
         job.slot = self._slot()
         job.cache = self.cache.take(job.req.prompt)
-        self.spec_jobs.append(job)
+        self.jobs.append(job)
 
     def _open_generation(self, job: Job) -> None:
         r = job.req
@@ -371,19 +367,19 @@ class Worker(threading.Thread):
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
-                      mode=r.mode)
+                      mode="none" if job.plain else r.mode)
         # A sampled request with a seed draws what it would alone (the promise of a seed, and
         # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
         # keeps the single-request loop while at most one other request does (beyond that,
         # as the plain batch always did, the draw is exact but not the one alone).
-        loops = sum(1 for j in self.spec_jobs
+        loops = sum(1 for j in self.jobs
                     if j is not job and not isinstance(j.gen, BatchRow))
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
-        if (self.batch_spec and not r.warmup and not seeded
-                and BatchSpeculator.accepts(job.slot, r.mode)):
-            # One batched speculative step for every such job: the first job read in a round
-            # runs the forward for all (batch_step.py), the others read their rows' outputs.
-            # A job alone there runs the engine's own loop until another joins (a solo row).
+        if ((self.batch_spec or job.plain) and not r.warmup and not seeded
+                and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
+            # One batched step for every such job: the first job read in a round runs the
+            # forward for all (batch_step.py), the others read their rows' outputs. A job
+            # alone there runs the engine's own loop until another joins (a solo row).
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
@@ -418,7 +414,7 @@ class Worker(threading.Thread):
 
     def _proposer(self, job: Job):
         """The proposer this request's generation will use (None for mode `none`)."""
-        slot, mode = job.slot, job.req.mode
+        slot, mode = job.slot, "none" if job.plain else job.req.mode
         return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
 
     def _live(self, job: Job) -> bool:
@@ -435,7 +431,12 @@ class Worker(threading.Thread):
 
     def _open_job(self, job: Job) -> None:
         """Open the job's generation unless a chunk of its long prompt was prefilled instead
-        (then it opens in a later round)."""
+        (then it opens in a later round). At its first try it is decided whether the job
+        speculates: not above spec_max_concurrency (where the batch decodes it plainly)."""
+        if job.plain is None:
+            speculating = sum(1 for j in self.jobs if j.plain is False)
+            job.plain = (self.batchable and not job.req.warmup
+                         and speculating >= self.spec_max_concurrency)
         if not self._prefill_chunk(job):
             self._open_generation(job)
 
@@ -515,8 +516,8 @@ class Worker(threading.Thread):
                 self.suffix.evict_to_budget()
             except Exception:
                 log.error("keeping a request's text failed:\n%s", traceback.format_exc())
-        if job in self.spec_jobs:
-            self.spec_jobs.remove(job)
+        if job in self.jobs:
+            self.jobs.remove(job)
         self.cache.put(job.cache)
         if job.slot is not None:
             self.idle_slots.append(job.slot)
@@ -528,7 +529,8 @@ class Worker(threading.Thread):
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
-        usage.batched_speculative = in_batch
+        usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
+        usage.batched_speculative = in_batch and not job.plain
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
@@ -540,7 +542,7 @@ class Worker(threading.Thread):
         self._done(job, Done(finish, usage, stopping_word=stop_string))
 
     def _fail(self, job: Job, error: ApiError) -> None:
-        if job in self.spec_jobs:
+        if job in self.jobs:
             self._close_engine_job(job)
         job.events.put(Failed(error))
         if self.metrics:
@@ -554,114 +556,6 @@ class Worker(threading.Thread):
     def _count_cancel(self, job: Job) -> None:
         if self.metrics:
             self.metrics.cancelled()
-
-    # -- batched plain decoding (above spec_max_concurrency)
-    def _start_batch(self, job: Job) -> None:
-        from mlx_lm.generate import BatchGenerator, StopSequences
-        from mlx_lm.sample_utils import make_sampler
-
-        r = job.req
-        if self.batch is None:
-            self.batch = BatchGenerator(
-                self.engine.model, completion_batch_size=self.max_batch,
-                prefill_batch_size=min(8, self.max_batch),
-                prefill_step_size=self.engine.prefill_step_size, stream=self.batch_stream)
-        max_tokens = r.max_tokens
-        if self.engine.max_context:
-            max_tokens = max(1, min(max_tokens, self.engine.max_context - len(r.prompt)))
-        cache = self.cache.take(r.prompt)
-        keep = common_prefix_len(cache.tokens, r.prompt[:-1]) if cache.cache else 0
-        copied = copy_prefix(cache, keep) if keep else None
-        self.cache.put(cache)  # the batch works on a copy; the entry stays for later requests
-        if copied is None:
-            keep = 0
-        sampler = make_sampler(r.temperature, r.top_p if r.top_p < 1.0 else 0.0, r.min_p,
-                               top_k=r.top_k)
-        (uid,) = self.batch.insert(
-            [r.prompt[keep:]], max_tokens=[max_tokens],
-            caches=[copied.cache] if copied is not None else None,
-            all_tokens=[r.prompt[:keep]], samplers=[sampler],
-            stop_sequences=[StopSequences([[t] for t in self.eos] or None)])
-        job.uid = uid
-        job.stats = Stats(mode="none", prompt_tokens=len(r.prompt), cached_tokens=keep)
-        job.text = TextStream(self.engine.tokenizer, r.stop)
-        self.batch_jobs[uid] = job
-
-    def _step_batch(self, stream) -> None:
-        gone = [uid for uid, job in self.batch_jobs.items() if job.cancelled.is_set()]
-        if gone:
-            self.batch.remove(gone)
-            for uid in gone:
-                self._count_cancel(self.batch_jobs.pop(uid))
-        ended = [(uid, job, reason) for uid, job in self.batch_jobs.items()
-                 if (reason := self._end_reason(job)) is not None]
-        if ended:
-            self.batch.remove([uid for uid, _, _ in ended])
-            for uid, job, reason in ended:  # the partial answer
-                del self.batch_jobs[uid]
-                text = job.text.cut_short()
-                if text:
-                    job.text_so_far += text
-                    job.events.put(Delta(text, 0))
-                usage = usage_from_stats(job.stats)
-                usage.batched = True
-                usage.context_tokens = len(job.req.prompt) + max(0, job.stats.generated_tokens - 1)
-                self._done(job, Done(reason, usage))
-        if not self.batch_jobs:
-            return
-        with mx.stream(stream):
-            _, responses = self.batch.next()
-        now = time.perf_counter()
-        for r in responses:
-            job = self.batch_jobs.get(r.uid)
-            if job is None:
-                continue
-            s = job.stats
-            if not job.first_token:
-                job.first_token = now
-                s.prefill_seconds = now - job.started
-            s.decode_seconds = now - job.first_token
-            s.target_forwards += 1
-            if r.finish_reason == "stop":  # an end-of-sequence token: not part of the answer
-                text, finish, hit = job.text.finish(), "stop", False
-            else:
-                s.generated_tokens += 1
-                text, hit = job.text.add(r.token)
-                finish = "stop" if hit else r.finish_reason
-                if finish == "length":
-                    text += job.text.finish()
-            if not finish and self._over_time(job):
-                finish = "length"
-                text += job.text.finish()
-            text, cut = job.cut(text)
-            if cut:
-                finish = "length"
-            if text:
-                job.text_so_far += text
-                job.events.put(Delta(text, 1))
-            if finish:
-                if r.finish_reason is None:
-                    self.batch.remove([r.uid])
-                elif r.prompt_cache and r.all_tokens:
-                    # The sequence's own KV cache, extracted by the batch: kept for the next
-                    # request that extends this one.
-                    self.cache.put(PromptCache(r.prompt_cache, list(r.all_tokens), "kv"))
-                del self.batch_jobs[r.uid]
-                usage = usage_from_stats(s)
-                usage.batched = True
-                # The tokens the batch fed through the model: all but the last sampled one,
-                # which an end-of-sequence token is not part of.
-                usage.context_tokens = len(job.req.prompt) + max(
-                    0, s.generated_tokens - (0 if r.finish_reason == "stop" else 1))
-                self._done(job, Done(finish, usage, stopping_word=job.text.stopping_word))
-
-    def _reset_batch(self) -> None:
-        for job in self.batch_jobs.values():
-            job.events.put(Failed(ApiError(500, "internal error during batched generation")))
-        self.batch_jobs.clear()
-        if self.batch is not None:
-            self.batch.close()
-        self.batch = None
 
 
 _WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
