@@ -526,13 +526,7 @@ def _engine_class():
             self.sync = coordinator.sync
 
         def clone(self):
-            other = DistributedEngine(
-                self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
-                num_draft=self.num_draft if self.num_draft_set else None, config=self.config,
-                name=self.name, max_context=self.max_context,
-                prefill_step_size=self.prefill_step_size, adaptive=self.adaptive,
-                draft_source=self.draft_source, coordinator=self.coord)
-            other.set_mode(self.mode, **self.mode_options)
+            other = super().clone(coordinator=self.coord)
             other.slot_id, self._next_slot = self._next_slot, self._next_slot + 1
             return other
 
@@ -885,7 +879,6 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
          **mode_options):
     """`mlxspec.load` for a rank of a sharded run. With one process: exactly `load`."""
     from . import backend, loading
-    from .models import model_pair_paths
     from .policy import check_num_draft
     from .proposers import check_mode as check_known_mode
 
@@ -897,25 +890,7 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     if group.size() == 1:
         return loading.load(model, mode=mode, draft=draft, num_draft=num_draft,
                             adaptive=adaptive, max_context=max_context, **mode_options)
-    pair = model_pair_paths(model) if model else None
-    pair_draft = None
-    if pair is not None:
-        model, pair_draft = str(pair[0]), pair[1]
-    path = loading.resolve_model_path(model)
-    draft_path = None
-    if draft is not None:
-        draft_path = loading.resolve_model_path(draft)
-    elif pair_draft is not None:
-        draft_path = pair_draft
-    elif model is None:
-        from .models import bundled_model_path
-
-        try:
-            draft_path = bundled_model_path("draft")
-        except FileNotFoundError:
-            pass
-    if mode == "draft" and draft_path is None:
-        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model)")
+    model, path, draft_path = loading.resolve_paths(model, draft, mode)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -292,15 +292,15 @@ class Engine:
         self.num_draft = DEFAULT_NUM_DRAFT
         self.set_mode(mode, num_draft=num_draft, **mode_options)
 
-    def clone(self) -> Engine:
+    def clone(self, **extra) -> Engine:
         """Another engine on the same weights (and draft), with its own proposers, policies and
-        prompt cache: a server slot."""
-        other = Engine(self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
-                       num_draft=self.num_draft if self.num_draft_set else None,
-                       config=self.config, name=self.name, max_context=self.max_context,
-                       prefill_step_size=self.prefill_step_size, adaptive=self.adaptive,
-                       kv=self.kv, kv_group_size=self.kv_group_size,
-                       kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source)
+        prompt cache: a server slot. `extra`: a subclass's own constructor arguments."""
+        other = type(self)(
+            self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
+            num_draft=self.num_draft if self.num_draft_set else None, config=self.config,
+            name=self.name, max_context=self.max_context, prefill_step_size=self.prefill_step_size,
+            adaptive=self.adaptive, kv=self.kv, kv_group_size=self.kv_group_size,
+            kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source, **extra)
         other.set_mode(self.mode, **self.mode_options)
         return other
 

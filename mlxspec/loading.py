@@ -138,6 +138,49 @@ def load_draft(source: str | Path, engine: Engine) -> nn.Module:
     return draft
 
 
+def model_pair(model: str | None) -> tuple[str | None, Path | None]:
+    """(model, the pair's draft): for a folder holding target/ and draft/ (what `mlxspec train
+    --out` writes, as models/ ships) the target's folder and the draft's, used like the bundled
+    pair; otherwise (model, None). A folder that looks meant as a pair but is not one is an
+    error that says why."""
+    from .models import describe_pair_problem, model_pair_paths
+
+    pair = model_pair_paths(model)
+    if pair is not None:
+        return str(pair[0]), pair[1]
+    if model and (problem := describe_pair_problem(model)):
+        raise MlxspecError(problem)
+    return model, None
+
+
+def resolve_paths(model: str | None, draft: str | None, mode: str,
+                  gguf_weights: str | None = None) -> tuple[str | None, Path, Path | None]:
+    """(model, the target's folder, the draft's folder or None), for `load` and the sharded
+    load: the draft given, else the pair's (`model_pair`), else the bundled draft with the
+    bundled target, else one trained for the target (`mlxspec train --draft-for -m`); mode
+    `draft` without one is an error."""
+    model, pair_draft = model_pair(model)
+    target_path = resolve_model_path(model, gguf_weights=gguf_weights)
+    if draft is not None:
+        return model, target_path, resolve_model_path(draft, gguf_weights=gguf_weights)
+    if pair_draft is not None:
+        return model, target_path, pair_draft
+    if model is None:
+        from .models import bundled_model_path
+
+        try:
+            return model, target_path, bundled_model_path("draft")
+        except FileNotFoundError as e:
+            if mode == "draft":
+                raise MlxspecError(str(e)) from None
+    elif (trained := trained_draft(model)) is not None:
+        return model, target_path, trained
+    elif mode == "draft":
+        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
+                           f"one trained for it: mlxspec train --draft-for -m {model})")
+    return model, target_path, None
+
+
 def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
          num_draft: int | None = None, max_context: int | None = None, adaptive: bool = False,
          gguf_weights: str | None = None, **mode_options) -> Engine:
@@ -156,33 +199,7 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     if adaptive and mode == "none":
         raise MlxspecError("adaptive=True adapts k of a speculative mode, but mode 'none' never "
                            "speculates: pass mode='auto' (or another mode) with it")
-    from .models import describe_pair_problem, model_pair_paths
-
-    pair = model_pair_paths(model) if model else None
-    if pair is None and model and (problem := describe_pair_problem(model)):
-        raise MlxspecError(problem)
-    pair_draft = None
-    if pair is not None:  # a folder holding target/ and draft/: used like the bundled pair
-        model, pair_draft = str(pair[0]), pair[1]
-    target_path = resolve_model_path(model, gguf_weights=gguf_weights)
-    draft_path = None
-    if draft is not None:
-        draft_path = resolve_model_path(draft, gguf_weights=gguf_weights)
-    elif pair_draft is not None:
-        draft_path = pair_draft
-    elif model is None:
-        from .models import bundled_model_path
-
-        try:
-            draft_path = bundled_model_path("draft")
-        except FileNotFoundError as e:
-            if mode == "draft":
-                raise MlxspecError(str(e)) from None
-    elif (trained := trained_draft(model)) is not None:  # `mlxspec train --draft-for -m`
-        draft_path = trained
-    elif mode == "draft":
-        raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
-                           f"one trained for it: mlxspec train --draft-for -m {model})")
+    model, target_path, draft_path = resolve_paths(model, draft, mode, gguf_weights)
     check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
     # The resolved folder (a GGUF source's conversion), named as the user named it.
     net, tokenizer, config, name = load_model(str(target_path) if model else None)

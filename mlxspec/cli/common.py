@@ -131,18 +131,14 @@ def resolve_pair(model: str | None, draft_model: str | None, mode: str) -> tuple
     the target as the model and, when the mode uses one and no --draft-model is given, the
     draft as the draft. Returns (model, draft_model, pair_draft) with pair_draft the pair's
     draft path (None when `model` is not a pair), for commands that load it later."""
-    from ..models import describe_pair_problem, model_pair_paths
+    from ..loading import model_pair
 
-    pair = model_pair_paths(model)
-    if pair is None:
-        problem = describe_pair_problem(model) if model else None
-        if problem:
-            raise MlxspecError(problem)
+    target, pair_draft = model_pair(model)
+    if pair_draft is None:
         return model, draft_model, None
-    target, draft = str(pair[0]), str(pair[1])
     if draft_model is None and mode in ("draft", "auto"):
-        draft_model = draft
-    return target, draft_model, draft
+        draft_model = str(pair_draft)
+    return target, draft_model, str(pair_draft)
 
 
 def distributed_option(fn):
