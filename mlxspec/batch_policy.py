@@ -53,6 +53,8 @@ PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 # the feature values at which the prior counts as `prior_weight` observations
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
 PROPOSED = 4  # index of K in the features
+# the acceptance at which a probed arm is judged: a probe is forced only where it could pay
+OPTIMISTIC = 0.9
 
 
 def features(rows: int, width: int, proposed: int, draft_forwards: int, span: int = 0,
@@ -144,6 +146,46 @@ def survival(accept_probs: list[float], cap: int) -> list[float]:
     return out
 
 
+def row_offer(policy, shadow, available: dict[str, int],
+              pinned: bool = False) -> tuple[str, RowOffer]:
+    """The source a row would propose from and what it offers the batch (its `available`
+    offers, capped already). The row's own policy chooses the source; the batch chooses k.
+
+    - `AdaptiveK`: the source of its plan, capped by what the source offers (the width may
+      be paid by other rows). A probe of a switched-off arm is forced, so probes keep their
+      own schedule whatever the batch. When it plans nothing (its arms off, or t_plain being
+      measured), its best offer by expected tokens, which the batch takes only where it pays
+      at the batch's cost.
+    - any other policy (`FixedK`): its source and k, with acceptance measured on this row by
+      a `shadow` `AdaptiveK` (neutral prior at first) that also schedules its probes as
+      above. A `pinned` row (seeded, at temperature > 0) keeps that k: its draws depend on k,
+      and a seeded output must not depend on the rest of the batch (at temperature 0 it
+      never does, whatever k; unseeded, only its distribution is promised, which no k
+      changes).
+    """
+    if not available:
+        return "", RowOffer([])
+    if shadow is not None:
+        source, k = policy.plan(available)
+        if not k:
+            return "", RowOffer([])
+        if pinned:
+            return source, RowOffer(survival(shadow.accept_probs(source), k),
+                                    source == "draft", forced=k)
+        policy, available = shadow, {source: k}
+    source, k = policy.plan(available)
+    if k and policy.choose(source, available[source]) == 0:  # a probe
+        return source, RowOffer(survival(policy.accept_probs(source), k), source == "draft",
+                                forced=k, probe=True)
+    if not k:
+        offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
+        if not offered:
+            return "", RowOffer([])
+        source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
+    n = min(available[source], policy.max_k)
+    return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
+
+
 @dataclass
 class BatchPolicy:
     """Chooses every row's k for a batched step (see module docstring); told each step's
@@ -152,6 +194,8 @@ class BatchPolicy:
     cost: BatchCost = field(default_factory=BatchCost)
     margin: float = 0.0  # a wider step must beat the narrower best by this fraction
     rate: float = 0.0  # tokens per second the last decision expected
+    probe_gap: int = 64  # batched steps between two steps forced by a row's probe
+    last_probe: int = -64  # the step that last forced one
 
     def decide(self, offers: list[RowOffer], rows: int | None = None, span: int = 0,
                pipelined: bool = False) -> list[int]:
@@ -165,6 +209,32 @@ class BatchPolicy:
     def observe(self, rows: int, width: int, proposed: int, draft_forwards: int,
                 seconds: float, span: int = 0, synced: bool = True) -> None:
         self.cost.add(rows, width, proposed, draft_forwards, seconds, span, synced)
+
+    def limit_probes(self, offers: list[tuple[str, RowOffer]], step: int, commit: bool = True,
+                     rows: int | None = None, span: int = 0,
+                     pipelined: bool = False) -> list[tuple[str, RowOffer]]:
+        """A forced probe makes the whole batch take a synced, wider step, and every row has
+        its own probe schedule: the batch considers forcing probes once every `probe_gap`
+        steps (`step`: the batch's step count), and forces them only where an arm could pay
+        here (were the first probing row's arm accepted at `OPTIMISTIC`, the batch would
+        give it a k): what cannot pay in a batch this wide is not worth a wide step to
+        learn. A probe not forced stays due (the row's policy asks again), and the batch may
+        still take it where it pays. `commit=False`: only asking."""
+        probing = [i for i, (_, o) in enumerate(offers) if o.probe]
+        if not probing:
+            return offers
+        unforced = [(source, RowOffer(o.survive, o.draft) if o.probe else o)
+                    for source, o in offers]
+        if step - self.last_probe < self.probe_gap:
+            return unforced
+        if commit:
+            self.last_probe = step
+        first = offers[probing[0]][1]
+        hopeful = [o for _, o in unforced]
+        hopeful[probing[0]] = RowOffer(survival([OPTIMISTIC] * first.cap, first.cap),
+                                       first.draft)
+        ks, _ = choose_ks(self.cost, hopeful, rows=rows, span=span, pipelined=pipelined)
+        return offers if ks[probing[0]] else unforced
 
 
 def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,

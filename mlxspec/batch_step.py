@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from . import caches
 from .batch_draft import BatchDraft, draft_proposer
-from .batch_policy import BatchPolicy, RowOffer, choose_ks, survival
+from .batch_policy import BatchPolicy, RowOffer, row_offer
 from .caches.ragged import RaggedKVCache, plain_attention
 from .engine import (
     Engine,
@@ -57,8 +57,6 @@ GROUP_PREFILL_MAX = 64
 # ... and one with more than this cached prefills on its own cache, in a forward of its own
 # (the group's forward would first copy its whole prefix into the group's buffers)
 GROUP_CACHED_MAX = 256
-# the acceptance at which a probed arm is judged: a probe is forced only where it could pay
-OPTIMISTIC = 0.9
 
 # ----------------------------------------------------------------------------- the step
 
@@ -163,44 +161,8 @@ class BatchRow:
         return self.policy.plan(available) if available else ("", 0)
 
     def offer(self) -> tuple[str, RowOffer]:
-        """The source this row would propose from and what it offers the batch's policy
-        (`batch_policy.py`). The row's own policy chooses the source; the batch chooses k.
-
-        - `AdaptiveK`: the source of its plan, capped by what the source offers (the width
-          may be paid by other rows). A probe of a switched-off arm is forced, so probes keep
-          their own schedule whatever the batch. When it plans nothing (its arms off, or
-          t_plain being measured), its best offer by expected tokens, which the batch takes
-          only where it pays at the batch's cost.
-        - any other policy (`FixedK`): its source and k, with acceptance measured on this row
-          by a shadow `AdaptiveK` (neutral prior at first) that also schedules its probes as
-          above. A seeded row at temperature > 0 keeps that k (`pinned`): its draws depend
-          on k, and a seeded output must not depend on the rest of the batch (at
-          temperature 0 it never does, whatever k; unseeded, only its distribution is
-          promised, which no k changes).
-        """
-        available = self._available()
-        if not available:
-            return "", RowOffer([])
-        policy = self.policy
-        if self.shadow is not None:
-            source, k = policy.plan(available)
-            if not k:
-                return "", RowOffer([])
-            if self.pinned:
-                return source, RowOffer(survival(self.shadow.accept_probs(source), k),
-                                        source == "draft", forced=k)
-            policy, available = self.shadow, {source: k}
-        source, k = policy.plan(available)
-        if k and policy.choose(source, available[source]) == 0:  # a probe
-            return source, RowOffer(survival(policy.accept_probs(source), k),
-                                    source == "draft", forced=k, probe=True)
-        if not k:
-            offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
-            if not offered:
-                return "", RowOffer([])
-            source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
-        n = min(available[source], policy.max_k)
-        return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
+        """The source this row would propose from and what it offers the batch's policy."""
+        return row_offer(self.policy, self.shadow, self._available(), self.pinned)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
         """The keys of this row's next step (proposing, verifying): split from its own key
@@ -336,8 +298,6 @@ class BatchSpeculator:
         self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
         self.pipeline = pipeline
         self.solo = solo  # a row alone runs the engine's own loop (see `_join`)
-        self.probe_gap = 64  # batched steps between two steps forced by a row's probe
-        self._last_probe = -self.probe_gap
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
         # In a plain stretch the batch asks its policy again only every `replan_gap` steps (and
         # when a row joins): asked every step, the policy's Python runs where nothing hides it
@@ -829,31 +789,6 @@ class BatchSpeculator:
         self._commit_plain([r for r, _ in keep], [t for _, t in keep], seconds, span,
                            synced=False)
 
-    def _limit_probes(self, offers: list[tuple[str, RowOffer]], commit: bool = True,
-                      span: int = 0, pipelined: bool = False) -> list[tuple[str, RowOffer]]:
-        """A forced probe makes the whole batch take a synced, wider step, and every row has
-        its own probe schedule: the batch considers forcing probes once every `probe_gap`
-        steps, and forces them only where an arm could pay here (were the first probing
-        row's arm accepted at `OPTIMISTIC`, the batch would give it a k): what cannot pay in
-        a batch this wide is not worth a wide step to learn. A probe not forced stays due
-        (the row's policy asks again), and the batch may still take it where it pays."""
-        probing = [i for i, (_, o) in enumerate(offers) if o.probe]
-        if not probing:
-            return offers
-        unforced = [(source, RowOffer(o.survive, o.draft) if o.probe else o)
-                    for source, o in offers]
-        if self.steps - self._last_probe < self.probe_gap:
-            return unforced
-        if commit:
-            self._last_probe = self.steps
-        first = offers[probing[0]][1]
-        hopeful = [o for _, o in unforced]
-        hopeful[probing[0]] = RowOffer(survival([OPTIMISTIC] * first.cap, first.cap),
-                                       first.draft)
-        ks, _ = choose_ks(self.policy.cost, hopeful, rows=len(self.slots), span=span,
-                          pipelined=pipelined)
-        return offers if ks[probing[0]] else unforced
-
     def _alone_adaptive(self) -> bool:
         """One adaptive row: planned as alone, by its own policy (measured on its own steps;
         the batch's cost model, fitted on wider batches, misjudges a draft model there)."""
@@ -866,7 +801,8 @@ class BatchSpeculator:
         if self.policy is None or self._alone_adaptive():
             return [r.plan() for r in rows]
         span, pipelined = self._span(), self._can_pipeline(rows)
-        offers = self._limit_probes([r.offer() for r in rows], commit, span, pipelined)
+        offers = self.policy.limit_probes([r.offer() for r in rows], self.steps, commit,
+                                          len(self.slots), span, pipelined)
         ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=span,
                                 pipelined=pipelined)
         for r, (source, offer), k in zip(rows, offers, ks):

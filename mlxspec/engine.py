@@ -28,6 +28,7 @@ from .policy import (
     MAX_NUM_DRAFT,
     AdaptiveK,
     FixedK,
+    Policy,
     check_num_draft,
     read_states,
     write_states,
@@ -106,7 +107,7 @@ def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max
             caches.rollback(model, cache, queued[0], [context[-1]], 0)
 
 
-def speculative_decode(model, cache, context: list[int], proposer: Proposer, policy,
+def speculative_decode(model, cache, context: list[int], proposer: Proposer, policy: Policy,
                        sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
                        num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
     """Yield the tokens committed by each step (>= 1 per step); `context` grows in place.
@@ -141,7 +142,7 @@ def speculative_decode(model, cache, context: list[int], proposer: Proposer, pol
         yield result.tokens
 
 
-def plain_stretch(model, cache, context: list[int], proposer: Proposer, policy,
+def plain_stretch(model, cache, context: list[int], proposer: Proposer, policy: Policy,
                   sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
                   plan: Callable[[], tuple[str, int]], sync=None) -> Iterator[list[int]]:
     """Pipelined plain tokens until `plan()` proposes something. The policy is told every
@@ -203,7 +204,7 @@ class Request:
     stops: list[str]
     mode: str
     proposer: Proposer | None
-    policy: object
+    policy: Policy
     pc: PromptCache
     stats: Stats
     key: mx.array
@@ -423,7 +424,8 @@ class Engine:
                      min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                      prediction: str | list[int] | None = None, num_draft: int | None = None,
                      prompt_cache: PromptCache | None = None, mode: str | None = None,
-                     policy=None, progress: Callable[[int, int], None] | None = None,
+                     policy: Policy | None = None,
+                     progress: Callable[[int, int], None] | None = None,
                      ) -> Iterator[StepOutput]:
         """Generate, yielding after every target forward. `prediction` (text or ids) is a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
@@ -470,7 +472,7 @@ class Engine:
                 min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                 prediction: str | list[int] | None = None, num_draft: int | None = None,
                 prompt_cache: PromptCache | None = None, mode: str | None = None,
-                policy=None) -> Request:
+                policy: Policy | None = None) -> Request:
         """Check a request (clear errors before any work) and resolve its mode, proposer,
         policy, prompt cache and key: what `stream_steps` and the batched step share."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)

@@ -33,6 +33,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from .errors import MlxspecError
 
@@ -44,6 +45,21 @@ MAX_NUM_DRAFT = 64  # the most tokens a step may propose (num_draft, -k)
 def check_num_draft(num_draft: int) -> None:
     if not 1 <= num_draft <= MAX_NUM_DRAFT:
         raise MlxspecError(f"num_draft must be between 1 and {MAX_NUM_DRAFT}, got {num_draft}")
+
+
+class Policy(Protocol):
+    """What the decode loop asks of a policy, one request (`engine.speculative_decode`) or a
+    row of the batch (`batch_step.BatchRow`, where `batch_policy.BatchPolicy` then chooses k
+    over the rows): a source and k from what the proposer offers, and how each step went."""
+
+    @property
+    def max_k(self) -> int: ...
+
+    def plan(self, available: dict[str, int]) -> tuple[str, int]: ...
+
+    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None: ...
+
+    def observe_plain(self, tokens: int, seconds: float | None = None) -> None: ...
 
 
 @dataclass

@@ -729,15 +729,15 @@ def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
     others = [("ngram", RowOffer(survival([0.1] * 4, 4))) for _ in range(7)]
     dear = (1.0, 0.3, 1.0, 2.0, 0.01, 3.0)
     for prior, forced in ((CHEAP_WIDTH, 4), (dear, 0)):
-        batch = BatchSpeculator(None, policy=FrozenPolicy(BatchCost(prior=prior)))
-        batch.slots = [None] * 8
-        offers = batch._limit_probes([probe] + others, span=100)
+        policy = FrozenPolicy(BatchCost(prior=prior))
+        offers = policy.limit_probes([probe] + others, step=0, rows=8, span=100)
         assert offers[0][1].forced == forced and offers[1:] == others
-        assert batch._limit_probes([probe] + others, span=100)[0][1].forced == 0  # the gap
-    batch = BatchSpeculator(None, policy=FrozenPolicy(BatchCost(prior=CHEAP_WIDTH)))
-    batch.slots = [None] * 8
+        again = policy.limit_probes([probe] + others, step=1, rows=8, span=100)
+        assert again[0][1].forced == 0  # the gap
+    policy = FrozenPolicy(BatchCost(prior=CHEAP_WIDTH))
     lone_draft = ("draft", RowOffer(probe[1].survive, draft=True, forced=4, probe=True))
-    assert batch._limit_probes([lone_draft] + others, span=100)[0][1].forced == 0
+    assert policy.limit_probes([lone_draft] + others, step=0, rows=8,
+                               span=100)[0][1].forced == 0
 
 
 def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
