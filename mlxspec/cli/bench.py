@@ -12,12 +12,12 @@ from ..loading import trained_draft as trained_draft_for
 from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
 from ..proposers import MODES
 from .common import (
-    MODEL_HELP,
     distributed_option,
     exits_cleanly,
-    gguf_weights_option,
     in_range,
     load_engine,
+    option,
+    options,
     resolve_pair,
 )
 
@@ -38,9 +38,8 @@ def report_written(written: list[Path]) -> None:
 
 
 @click.command()
-@click.option("--model", "-m", default=None, help=MODEL_HELP)
-@gguf_weights_option
-@click.option("--draft-model", default=None, help="Draft (default with the bundled model: its draft).")
+@options("model", "gguf-weights")
+@option("draft-model", help="Draft (default with the bundled model: its draft).")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
                    "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
@@ -53,16 +52,15 @@ def report_written(written: list[Path]) -> None:
                    "output is the answer with one token changed).")
 @click.option("--prompts", "n_prompts", type=int, default=20, show_default=True,
               callback=in_range(1), help="Prompts per workload.")
-@click.option("--max-tokens", type=int, default=None, callback=in_range(1),
-              help="Tokens generated per prompt (default 64; the bundled model's edit and doc-qa "
-                   "at least 256 and 128). With a chat-template model it caps every workload; "
-                   "without it edit/rewrite 256, quote/chat/free 128, completion 64.")
+@option("max-tokens", default=None, show_default=False,
+        help="Tokens generated per prompt (default 64; the bundled model's edit and doc-qa "
+             "at least 256 and 128). With a chat-template model it caps every workload; "
+             "without it edit/rewrite 256, quote/chat/free 128, completion 64.")
 @click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. '0,1' ('free' always uses 1).")
-@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
-              callback=in_range(1, MAX_NUM_DRAFT),
-              help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default {DEFAULT_NUM_DRAFT}, and "
-                   f"auto chooses up to {AUTO_MAX_K}, as `generate` does). Given, it also caps "
-                   "auto's k.")
+@option("num-draft",
+        help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default {DEFAULT_NUM_DRAFT}, and "
+             f"auto chooses up to {AUTO_MAX_K}, as `generate` does). Given, it also caps "
+             "auto's k.")
 @click.option("--audit", "audit_prompts", type=int, default=200, show_default=True,
               callback=in_range(0), help="Prompts in the lossless audit (0 skips it).")
 @click.option("--quick", is_flag=True,
@@ -72,7 +70,7 @@ def report_written(written: list[Path]) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for bench.json, bench.md and plots (default: "
                    "~/.cache/mlxspec/bench/DATE, or under $MLXSPEC_CACHE or $XDG_CACHE_HOME).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@option("seed")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
 @distributed_option

@@ -81,49 +81,58 @@ GGUF_WEIGHTS_HELP = ("How a GGUF model's weights are converted: float32 (the def
                      "Q8_0 kept, other types re-quantized) or float16.")
 
 
-MODEL_HELP = ("Model directory, a GGUF file (or a folder holding one), ollama:NAME[:TAG] (a "
-              "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), a folder "
-              "holding target/ and draft/ (a pair from mlxspec train), or a Hugging Face repo "
-              "id (default: the bundled model).")
+# Each option that several commands take, declared once: (its names, its click settings).
+SHARED_OPTIONS = {
+    "model": (("--model", "-m"), dict(
+        default=None,
+        help="Model directory, a GGUF file (or a folder holding one), ollama:NAME[:TAG] (a "
+             "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), a folder "
+             "holding target/ and draft/ (a pair from mlxspec train), or a Hugging Face repo "
+             "id (default: the bundled model).")),
+    "gguf-weights": (("--gguf-weights",), dict(
+        type=click.Choice(["auto", "quantized", "float32", "float16"]), default=None,
+        envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False, callback=_set_gguf_weights,
+        help=GGUF_WEIGHTS_HELP)),
+    "draft-model": (("--draft-model",), dict(
+        default=None, help="Draft model for --mode draft (default with the bundled model or a "
+                           "pair: its draft).")),
+    "mode": (("--mode",), dict(type=click.Choice(MODES), default="auto", show_default=True,
+                               help="Speculation mode.")),
+    "num-draft": (("--num-draft-tokens", "-k", "num_draft"), dict(
+        type=int, default=None, callback=in_range(1, MAX_NUM_DRAFT),
+        help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default 4). `auto` adapts k up to "
+             "this cap (default 8).")),
+    "max-tokens": (("--max-tokens",), dict(type=int, default=256, show_default=True,
+                                           callback=in_range(1), help="Most tokens to generate.")),
+    "temp": (("--temp",), dict(type=float, default=0.0, show_default=True, callback=in_range(0),
+                               help="Sampling temperature (0: greedy).")),
+    "top-p": (("--top-p",), dict(type=float, default=1.0, show_default=True,
+                                 callback=in_range(0, 1, lo_open=True),
+                                 help="Nucleus sampling, in (0, 1].")),
+    "top-k": (("--top-k",), dict(type=int, default=0, show_default=True, callback=in_range(0),
+                                 help="0 disables top-k.")),
+    "seed": (("--seed",), dict(type=int, default=0, show_default=True)),
+    "suffix-cache": (("--suffix-cache",), dict(
+        default=None, metavar="FILE",
+        help="Earlier requests and answers for the suffix source (modes auto, suffix): read "
+             "from FILE at start if it exists, written back at exit.")),
+}
 
 
-def gguf_weights_option(fn):
-    return click.option("--gguf-weights", type=click.Choice(["auto", "quantized", "float32",
-                                                             "float16"]),
-                        default=None, envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False,
-                        callback=_set_gguf_weights, help=GGUF_WEIGHTS_HELP)(fn)
+def option(name: str, **changes):
+    """The shared option `name`, with this command's `changes` (its own help or default)."""
+    decls, settings = SHARED_OPTIONS[name]
+    return click.option(*decls, **{**settings, **changes})
 
 
-def model_options(fn):
-    return stack(
-        fn,
-        click.option("--model", "-m", default=None, help=MODEL_HELP),
-        gguf_weights_option,
-        click.option("--draft-model", default=None,
-                     help="Draft model for --mode draft (default with the bundled model or a pair: "
-                          "its draft)."),
-        click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
-                     help="Speculation mode."),
-        click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
-                     callback=in_range(1, MAX_NUM_DRAFT),
-                     help=f"Tokens proposed per step (1-{MAX_NUM_DRAFT}; default 4). `auto` "
-                          "adapts k up to this cap (default 8)."),
-    )
+def options(*names: str):
+    """The shared options `names`, listed by --help in that order."""
+    return lambda fn: stack(fn, *(option(n) for n in names))
 
 
-def sampling_options(fn):
-    return stack(
-        fn,
-        click.option("--max-tokens", type=int, default=256, show_default=True,
-                     callback=in_range(1), help="Most tokens to generate."),
-        click.option("--temp", type=float, default=0.0, show_default=True, callback=in_range(0),
-                     help="Sampling temperature (0: greedy)."),
-        click.option("--top-p", type=float, default=1.0, show_default=True,
-                     callback=in_range(0, 1, lo_open=True), help="Nucleus sampling, in (0, 1]."),
-        click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
-                     help="0 disables top-k."),
-        click.option("--seed", type=int, default=0, show_default=True),
-    )
+model_options = options("model", "gguf-weights", "draft-model", "mode", "num-draft")
+sampling_options = options("max-tokens", "temp", "top-p", "top-k", "seed")
+suffix_cache_option = option("suffix-cache")
 
 
 def resolve_pair(model: str | None, draft_model: str | None, mode: str) -> tuple:
@@ -235,13 +244,6 @@ def mode_kwargs(mode: str, *, tree=False, tree_budget=16, window=None, ngram_siz
         return {"group_size": int(group_size), "buffer_size": buffer_size,
                 "weight_bits": int(weight_bits), "quantize": quantize_layers}
     return {}
-
-
-def suffix_cache_option(fn):
-    return click.option(
-        "--suffix-cache", default=None, metavar="FILE",
-        help="Earlier requests and answers for the suffix source (modes auto, suffix): read "
-             "from FILE at start if it exists, written back at exit.")(fn)
 
 
 def open_suffix_cache(path: str | None, engine):

@@ -25,10 +25,11 @@ from ..errors import MlxspecError
 from .common import (
     distributed_option,
     exits_cleanly,
-    in_range,
     load_engine,
     model_options,
     open_suffix_cache,
+    option,
+    options,
     save_suffix_cache,
     suffix_cache_option,
 )
@@ -86,15 +87,9 @@ class Progress:
               help="Send the instruction as typed (by default common phrasings such as "
                    "'rename a to b' are rewritten into the bundled model's training wording).")
 @model_options
-@click.option("--max-tokens", type=int, default=None, callback=in_range(1),
-              help="Answer length limit (default: the selection's length plus a margin).")
-@click.option("--temp", type=float, default=0.0, show_default=True, callback=in_range(0),
-              help="Sampling temperature (0: greedy).")
-@click.option("--top-p", type=float, default=1.0, show_default=True,
-              callback=in_range(0, 1, lo_open=True), help="Nucleus sampling, in (0, 1].")
-@click.option("--top-k", type=int, default=0, show_default=True, callback=in_range(0),
-              help="0 disables top-k.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@option("max-tokens", default=None, show_default=False,
+        help="Answer length limit (default: the selection's length plus a margin).")
+@options("temp", "top-p", "top-k", "seed")
 @suffix_cache_option
 @distributed_option
 @exits_cleanly

@@ -9,15 +9,7 @@ import signal
 import click
 
 from ..errors import MlxspecError
-from ..proposers import MODES
-from .common import (
-    MODEL_HELP,
-    distributed_option,
-    exits_cleanly,
-    gguf_weights_option,
-    in_range,
-    load_engine,
-)
+from .common import distributed_option, exits_cleanly, in_range, load_engine, option, options
 
 # Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
 # else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
@@ -33,14 +25,11 @@ def parse_size(text: str) -> int:
 
 
 @click.command()
-@click.option("--model", "-m", default=None, help=MODEL_HELP)
-@gguf_weights_option
-@click.option("--draft-model", default=None, help="Draft model for --mode draft.")
-@click.option("--mode", type=click.Choice(MODES), default=DEFAULT_MODE, show_default=True,
-              help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
-@click.option("--num-draft-tokens", "-k", "num_draft", type=int, default=None,
-              help="Tokens proposed per step (1-64; default 4). `auto` adapts k up to this cap "
-                   "(default 8).")
+@options("model", "gguf-weights")
+@option("draft-model", help="Draft model for --mode draft.")
+@option("mode", default=DEFAULT_MODE,
+        help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
+@option("num-draft")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. Loopback by default; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=int, default=8080, show_default=True)
@@ -61,10 +50,8 @@ def parse_size(text: str) -> int:
 @click.option("--prefill-chunk", type=int, default=512, show_default=True,
               help="Long prompts are prefilled this many tokens per worker round, so other "
                    "requests keep streaming meanwhile.")
-@click.option("--max-tokens", type=int, default=512, show_default=True,
-              help="Tokens generated when a request does not say.")
-@click.option("--temp", type=float, default=0.0, show_default=True,
-              help="Temperature when a request does not say (0: greedy, exact).")
+@option("max-tokens", default=512, help="Tokens generated when a request does not say.")
+@option("temp", help="Temperature when a request does not say (0: greedy, exact).")
 @click.option("--max-context", type=int, default=None,
               help="Context length (default: the model's max_position_embeddings).")
 @click.option("--max-body-bytes", default="16MB", show_default=True,
@@ -116,9 +103,8 @@ def parse_size(text: str) -> int:
               help="Whose earlier requests and answers the suffix source (modes auto, suffix) "
                    "proposes from: the same client (the API key a request presents, else its "
                    "address), everyone, or none. Output is exact either way; see docs/SERVER.md.")
-@click.option("--suffix-cache", default=None, metavar="FILE",
-              help="Load the suffix stores from FILE at start (if it exists) and write them "
-                   "back at shutdown.")
+@option("suffix-cache", help="Load the suffix stores from FILE at start (if it exists) and "
+                             "write them back at shutdown.")
 @click.option("--suffix-budget", type=int, default=1 << 20, show_default=True,
               callback=in_range(1),
               help="Tokens of earlier requests kept for the suffix source, all scopes together "
