@@ -420,30 +420,17 @@ class HierarchicalKVCache(_BaseCache):
         """Bytes allocated: code blocks (both planes, scales, minima) and the buffer."""
         return sum(self.nbytes_by_part().values())
 
-    def nbytes_by_part(self) -> dict[str, int]:
-        """Allocated bytes by part (the last block and the buffer include their free room)."""
-        parts = {"upper_plane": 0, "lower_plane": 0, "scales": 0, "buffer": 0}
-        for blk in self.blocks:
-            for q in (blk.keys, blk.values):
-                parts["upper_plane"] += q.upper.nbytes
-                parts["lower_plane"] += q.lower.nbytes
-                parts["scales"] += q.scales.nbytes + q.mins.nbytes
-        if self._buf_k is not None:
-            parts["buffer"] = self._buf_k.nbytes + self._buf_v.nbytes
-        return parts
-
-    def used_nbytes_by_part(self) -> dict[str, int]:
-        """Bytes of what is held (codes of q_len tokens, the live buffer), without free room."""
-        parts = {"upper_plane": 0, "lower_plane": 0, "scales": 0, "buffer": 0}
-        kq, vq = self._codes()
-        for q in (kq, vq):
-            if q is not None:
-                parts["upper_plane"] += q.upper.nbytes
-                parts["lower_plane"] += q.lower.nbytes
-                parts["scales"] += q.scales.nbytes + q.mins.nbytes
-        if self._buf_k is not None:
-            parts["buffer"] = self.buf_k.nbytes + self.buf_v.nbytes
-        return parts
+    def nbytes_by_part(self, used: bool = False) -> dict[str, int]:
+        """Bytes by part: allocated (the last block and the buffer with their free room), or
+        with `used` only what is held (the codes of q_len tokens, the live buffer)."""
+        planes = ([q for q in self._codes() if q is not None] if used
+                  else [q for blk in self.blocks for q in (blk.keys, blk.values)])
+        buffer = (() if self._buf_k is None
+                  else (self.buf_k, self.buf_v) if used else (self._buf_k, self._buf_v))
+        return {"upper_plane": sum(q.upper.nbytes for q in planes),
+                "lower_plane": sum(q.lower.nbytes for q in planes),
+                "scales": sum(q.scales.nbytes + q.mins.nbytes for q in planes),
+                "buffer": sum(b.nbytes for b in buffer)}
 
     def dequantized(self, view: str | None = None) -> tuple[mx.array, mx.array]:
         """The cache (keys, values), (B, H, offset, D): the codes of [0, buf_start) in `view`'s

@@ -47,13 +47,13 @@ def kv_memory_table(n_kv_heads: int, head_dim: int, num_layers: int,
         for name, make in makers:
             cache = make()
             _fill(cache, length, n_kv_heads, head_dim, dtype, chunk)
-            held = (sum(cache.used_nbytes_by_part().values())
+            held = (sum(cache.nbytes_by_part(used=True).values())
                     if isinstance(cache, HierarchicalKVCache) else cache.nbytes)
             total = held * num_layers
             row = dict(cache=name, length=length, bytes=total,
                        bytes_per_token=total / length)
             if isinstance(cache, HierarchicalKVCache):
-                parts = {k: v * num_layers for k, v in cache.used_nbytes_by_part().items()}
+                parts = {k: v * num_layers for k, v in cache.nbytes_by_part(used=True).items()}
                 row["allocated_bytes"] = cache.nbytes * num_layers
                 row.update(parts)
                 row["draft_view_bytes"] = total - parts["lower_plane"]

@@ -109,7 +109,7 @@ def step_bytes(model, draft_model, context_len: int, group_size: int = 64,
         cache.commit()
         mx.eval(cache.state)
         done += n
-    parts = cache.used_nbytes_by_part()
+    parts = cache.nbytes_by_part(used=True)
     kv_target = sum(parts.values()) * layers
     kv_draft = (sum(parts.values()) - parts["lower_plane"]) * layers
     kv_fp = 2 * context_len * n_kv * head_dim * dtype.size * layers
