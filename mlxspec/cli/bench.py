@@ -194,7 +194,8 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
     from ..bench.distributed import PREDICTED, markdown_table, run_distributed, speedup_table
     from ..bench.run import machine_summary
     from ..bench.workloads import WORKLOADS
-    from ..distributed import SHARDED_MODES, guarded
+    from ..distributed import SHARDED_MODES
+    from .distributed import guarded
 
     try:
         delays = [float(d) for d in collective_delay.split(",") if d.strip()]

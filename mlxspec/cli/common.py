@@ -180,7 +180,7 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
     from ..engine import load
 
     if distributed:  # rank 0 gets the engine; the other ranks follow it and never return
-        from ..distributed import cli_engine
+        from .distributed import cli_engine
 
         engine = cli_engine(model, draft_model, mode, num_draft, distributed, quiet=quiet,
                             **options)

@@ -134,7 +134,7 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
         # Only rank 0 reads the file (the others need not have it); an error there stops
         # every rank before loading. The others then follow rank 0's generation inside
         # load_engine and never return: nothing below runs on them.
-        from ..distributed import leader_input
+        from .distributed import leader_input
 
         leader_input(read)
     else:

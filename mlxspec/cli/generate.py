@@ -69,7 +69,7 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         return text
 
     if distributed:  # rank 0 reads the prompt; the others get it from rank 0
-        from ..distributed import leader_input
+        from .distributed import leader_input
 
         prompt = leader_input(read_prompt)
     else:

@@ -1,0 +1,324 @@
+"""The engine over a sharded target (`DistributedEngine`: every rank runs its generations in
+step) and the mirroring of whole generations: rank 0's `Mirrored`, the followers' `follow`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from ..errors import MlxspecError
+from .group import Coordinator, DistributedFailure, fail, lost
+from .synced import SyncedPolicy, SyncedProposer
+
+SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "auto")
+
+
+def check_mode(mode: str) -> None:
+    if mode == "quantspec":
+        raise MlxspecError(
+            "mode 'quantspec' cannot run sharded yet (its 4-bit draft would pay every round trip "
+            f"of the target); with --distributed use one of: {', '.join(SHARDED_MODES[1:])}")
+
+
+def _engine_class():
+    from ..engine import Engine, PromptCache
+    from ..policy import FixedK
+
+    class DistributedEngine(Engine):
+        """An Engine over a sharded target whose generations every rank runs in step."""
+
+        def __init__(self, *args, coordinator: Coordinator, **kwargs):
+            self.coord = coordinator
+            self._wrapped: dict[int, object] = {}
+            self.slot_id = 0
+            self._next_slot = 1
+            super().__init__(*args, **kwargs)
+            self.sync = coordinator.sync
+
+        def clone(self):
+            other = super().clone(coordinator=self.coord)
+            other.slot_id, self._next_slot = self._next_slot, self._next_slot + 1
+            return other
+
+        def proposer_for(self, mode: str, **mode_options):
+            check_mode(mode)
+            inner = super().proposer_for(mode, **mode_options)
+            if inner is None or isinstance(inner, SyncedProposer):
+                return inner
+            if id(inner) not in self._wrapped:
+                local = mode == "ngram"
+                self._wrapped[id(inner)] = (inner, SyncedProposer(inner, self.coord, local))
+            return self._wrapped[id(inner)][1]
+
+        def wrap_policy(self, policy, proposer):
+            if policy is None or isinstance(policy, SyncedPolicy):
+                return policy
+            local = (type(policy) is FixedK and isinstance(proposer, SyncedProposer)
+                     and proposer.local)
+            return SyncedPolicy(policy, self.coord, local)
+
+        def policy_for(self, proposer):
+            policy = super().policy_for(proposer)
+            key = ("policy", id(policy))
+            if key not in self._wrapped:
+                self._wrapped[key] = (policy, self.wrap_policy(policy, proposer))
+            return self._wrapped[key][1]
+
+        def stream_steps(self, prompt, **kwargs):
+            """On rank 0: the generation, mirrored on every rank (see `follow`)."""
+            if not self.coord.leader:
+                raise MlxspecError("stream_steps runs on rank 0 only; the other ranks follow")
+            return Mirrored(self, prompt, kwargs)
+
+        def run_local(self, prompt, kwargs):
+            """The generation itself (every rank, in step)."""
+            mode = kwargs.get("mode") or self.mode
+            policy = kwargs.pop("policy", None)
+            if policy is not None:
+                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+                kwargs["policy"] = self.wrap_policy(policy, proposer)
+            return self._agreed_steps(prompt, mode, kwargs)
+
+        def _agreed_steps(self, prompt, mode: str, kwargs):
+            # A generator: the agreement and any error (a bad mode, a bad prompt) come at the
+            # first step, at the same point on every rank (rank 0's STEP packet, then this).
+            pc = kwargs.get("prompt_cache")
+            if pc is None:
+                pc = kwargs["prompt_cache"] = self.prompt_cache
+            tokens = self.encode(prompt)
+            if tokens:  # an empty prompt is refused by the engine, the cache left as it is
+                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+                self.agree_prefix(pc, tokens, self.cache_kind(proposer))
+            yield from Engine.stream_steps(self, prompt, **kwargs)
+
+        def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
+            """Make every rank's `pc` hold the same prefix of the prompt, the longest that
+            every rank can reuse, so that the prefill that follows runs the same forwards (and
+            collectives) everywhere: rank 0's cache is the server's, the followers' their own
+            mirror of it, and a follower may hold less (a cache it never saw, another eviction).
+            Returns the agreed length: the engine's prefill then reuses exactly that."""
+            target = tokens[:-1]  # what the prefill brings the cache to (Engine.prefill)
+            limit = len(target)
+            while True:
+                keep = pc.reuse_prefix(target[:limit], kind) if limit else 0
+                lo, hi = self.coord.agree_min(keep)
+                if lo == hi:
+                    break
+                limit = lo  # the ranks that hold more trim to the shortest and ask again
+            if keep == 0:  # nothing reused anywhere: no rank may find a prefix later either
+                pc.cache, pc.tokens, pc.checkpoint = None, [], None
+            return keep
+
+    return DistributedEngine
+
+
+_ENGINE_CLASS = None
+
+
+def engine_class():
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        _ENGINE_CLASS = _engine_class()
+    return _ENGINE_CLASS
+
+
+# ----------------------------------------------------------------------------- mirroring
+
+OPEN, STEP, CLOSE, EXIT = 1, 2, 3, 4
+_gen_ids = iter(range(1, 1 << 30))
+
+
+def _request(engine, prompt, kwargs) -> dict:
+    """What a follower needs to run the same generation: JSON-able."""
+    coord = engine.coord
+    kw = dict(kwargs)
+    kw.pop("progress", None)
+    policy = kw.pop("policy", None)
+    kw.pop("prompt_cache", None)
+    if kw.get("seed", 0) is None:  # one seed for every rank
+        kw["seed"] = time.time_ns() % 2**31
+    prediction = kw.get("prediction")
+    if prediction is not None and not isinstance(prediction, str):
+        kw["prediction"] = [int(t) for t in prediction]
+    return {"prompt": engine.encode(prompt), "kwargs": kw, "mode": engine.mode,
+            "mode_options": engine.mode_options,
+            "num_draft": engine.num_draft if engine.num_draft_set else None,
+            "policy": None if policy is None else _policy_spec(policy),
+            # The prompt cache: None for the engine's own (generate, chat), else the id of the
+            # server's cache; and the ids rank 0 still holds.
+            "cache": None if (pc := kwargs.get("prompt_cache")) is None else coord.cache_id(pc),
+            "live": coord.live_cache_ids(), "slot": engine.slot_id,
+            # Rank 0's end-of-sequence set: chat, edit and the server add the chat template's
+            # turn-end tokens on rank 0 only, and every rank must stop at the same token.
+            "eos": sorted(getattr(engine.tokenizer, "eos_token_ids", None) or []),
+            "delay": meter.delay if (meter := getattr(engine.coord, "meter", None)) else None}
+
+
+def _policy_spec(policy) -> dict | None:
+    from ..policy import AdaptiveK, FixedK
+
+    if type(policy) is FixedK:
+        return {"kind": "fixed", "k": policy.num_draft}
+    if type(policy) is AdaptiveK:
+        return {"kind": "adaptive", "max_k": policy.max_k}
+    return {"kind": "other"}
+
+
+def _policy_from(spec):
+    from ..policy import AdaptiveK, FixedK
+
+    if spec is None:
+        return None
+    if spec["kind"] == "fixed":
+        return FixedK(spec["k"])
+    return AdaptiveK(max_k=spec.get("max_k", 8))  # its plan comes from rank 0 anyway
+
+
+class Mirrored:
+    """Rank 0's side of one generation: a generator that tells the followers to open, step and
+    close the same generation as it does each of these."""
+
+    def __init__(self, engine, prompt, kwargs):
+        self.engine, self.coord = engine, engine.coord
+        self.prompt, self.kwargs = prompt, kwargs
+        self.gid = next(_gen_ids)
+        self.inner: Iterator | None = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def _send(self, op: int, payload=None) -> None:
+        self.coord.bcast_ints([op, self.gid], 2)
+        if payload is not None:
+            self.coord.bcast_obj(payload)
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        if self.coord.broken:  # a server between a lost rank and its exit
+            self.done = True
+            raise DistributedFailure(self.coord.broken)
+        try:
+            if self.inner is None:
+                self.coord.arm("a generation")
+                request = _request(self.engine, self.prompt, self.kwargs)
+                self._send(OPEN, request)
+                kwargs = dict(self.kwargs)
+                kwargs["seed"] = request["kwargs"].get("seed", 0)
+                self.inner = self.engine.run_local(self.prompt, kwargs)
+            self._send(STEP)
+            self.coord.tick()
+            return next(self.inner)
+        except StopIteration:
+            self.done = True
+            self.coord.disarm()
+            raise
+        except DistributedFailure as e:
+            self._lost(str(e))
+            raise
+        except MlxspecError:  # a bad request: every rank raises it at the same point
+            self.done = True
+            self.coord.disarm()
+            raise
+        except RuntimeError as e:
+            self._lost(lost(self.coord.rank, e))
+            raise DistributedFailure(lost(self.coord.rank, e)) from None
+
+    def _lost(self, message: str) -> None:
+        """Another rank is lost: every later generation would fail too. A command, or the
+        server's worker thread, ends the process (`Coordinator.abandon`: a server first
+        answers the requests in flight with the error); otherwise (the Python API) the caller
+        raises DistributedFailure, and later generations fail at once."""
+        self.done = True
+        if self.coord.exit_on_loss or threading.current_thread() is not threading.main_thread():
+            self.coord.abandon(message)
+        self.coord.broken = self.coord.broken or message
+
+    def close(self) -> None:
+        if self.coord.broken:  # no collective after a lost rank: it could hang
+            self.done = True
+        if self.inner is not None and not self.done:
+            self.done = True
+            try:
+                self._send(CLOSE)
+                self.inner.close()
+            except RuntimeError as e:
+                self._lost(lost(self.coord.rank, e))
+                raise DistributedFailure(lost(self.coord.rank, e)) from None
+            finally:
+                self.coord.disarm()
+
+
+def follow(engine, on_step=None) -> None:
+    """A follower rank's whole life: run rank 0's generations in step until it says stop.
+    `on_step(gid, output)` sees each step's output (tests: the tokens every rank commits)."""
+    from ..engine import PromptCache
+    coord = engine.coord
+    gens: dict[int, Iterator] = {}
+    slots = {0: engine}
+    held: dict[int, object] = {}  # this rank's shard of each of rank 0's server prompt caches
+    while True:
+        try:
+            op, gid = coord.bcast_ints(None, 2)
+            if op == EXIT:
+                return
+            if op == OPEN:
+                req = coord.bcast_obj()
+                coord.arm("a generation")
+                meter = getattr(coord, "meter", None)
+                if meter is not None and req.get("delay") is not None:
+                    meter.delay = req["delay"]  # bench: rank 0's injected delay
+                slot = slots.get(req["slot"])
+                if slot is None:
+                    slot = slots[req["slot"]] = engine.clone()
+                if req["mode"] != slot.mode or req["mode_options"] != slot.mode_options or (
+                        req["num_draft"] is not None and req["num_draft"] != slot.num_draft):
+                    slot.set_mode(req["mode"], num_draft=req["num_draft"], **req["mode_options"])
+                if req.get("eos") is not None and hasattr(slot.tokenizer, "eos_token_ids"):
+                    slot.tokenizer.eos_token_ids = req["eos"]
+                kwargs = dict(req["kwargs"])
+                if req["policy"] is not None:
+                    kwargs["policy"] = _policy_from(req["policy"])
+                for cid in set(held) - set(req["live"]):
+                    del held[cid]
+                if req["cache"] is not None:
+                    kwargs["prompt_cache"] = held.setdefault(req["cache"], PromptCache())
+                gens[gid] = slot.run_local(req["prompt"], kwargs)
+            elif op == STEP:
+                gen = gens.get(gid)
+                try:
+                    out = next(gen)
+                    coord.tick()
+                    if on_step is not None:
+                        on_step(gid, out)
+                except StopIteration:
+                    gens.pop(gid, None)
+                except MlxspecError as e:  # rank 0 hits the same error and reports it
+                    if isinstance(e, DistributedFailure):
+                        raise
+                    gens.pop(gid, None)
+                if not gens:
+                    coord.disarm()
+            elif op == CLOSE:
+                gen = gens.pop(gid, None)
+                if gen is not None:
+                    gen.close()
+                if not gens:
+                    coord.disarm()
+        except RuntimeError as e:
+            fail(lost(coord.rank, e))
+        except DistributedFailure as e:
+            fail(str(e))
+
+
+def finish(engine) -> None:
+    """Rank 0: tell the followers to stop (at exit)."""
+    coord = engine.coord
+    if coord.leader and not getattr(coord, "finished", False):
+        coord.finished = True
+        try:
+            coord.bcast_ints([EXIT, 0], 2)
+        except Exception:
+            pass
