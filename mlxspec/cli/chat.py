@@ -21,7 +21,6 @@ from .common import (
     load_engine,
     model_options,
     open_suffix_cache,
-    resolve_pair,
     sampling_options,
     save_suffix_cache,
     suffix_cache_option,
@@ -119,10 +118,9 @@ def save_readline(path: str | None) -> None:
 class ChatREPL:
     """The read-eval-print loop around a `ChatSession`."""
 
-    def __init__(self, session: ChatSession, draft_source: str | None = None, input_fn=input):
+    def __init__(self, session: ChatSession, input_fn=input):
         self.session = session
         self.engine = session.engine
-        self.draft_source = draft_source  # loaded on the first `/mode draft` when needed
         self.input = input_fn
 
     # -- input
@@ -244,22 +242,14 @@ class ChatREPL:
                     engine, "coord", None) is not None:
                 raise MlxspecError("with --distributed the draft model is loaded at start on "
                                    "every rank: start chat with --mode draft or --mode auto")
-            if name == "draft" and engine.draft_model is None and self.draft_source:
-                self.load_draft()
+            if name in ("draft", "auto") and engine.draft_model is None and engine.draft_source:
+                # the engine loads its draft (the bundled one, a pair's) when a mode first uses it
+                click.echo(dim(f"loading the draft model {engine.draft_source}"), err=True)
             engine.set_mode(name)
         except MlxspecError as e:
             click.echo(f"error: {e}", err=True)
             return
         click.echo(dim(f"mode {engine.mode}"))
-
-    def load_draft(self) -> None:
-        from ..engine import check_draft_compatible, load_model
-
-        click.echo(dim(f"loading the draft model {self.draft_source}"), err=True)
-        draft, draft_tok, _, draft_name = load_model(self.draft_source)
-        check_draft_compatible(self.engine.tokenizer, draft_tok, self.engine.model, draft,
-                               self.engine.name, draft_name)
-        self.engine.draft_model = draft
 
     def save(self, arg: str) -> None:
         if not arg:
@@ -273,15 +263,6 @@ class ChatREPL:
             click.echo(f"error: cannot write {path}: {e}", err=True)
             return
         click.echo(dim(f"saved {len(self.session.messages)} messages to {path}"))
-
-
-def bundled_draft_path() -> str | None:
-    try:
-        from ..models import bundled_model_path
-
-        return str(bundled_model_path("draft"))
-    except Exception:
-        return None
 
 
 @click.command()
@@ -310,12 +291,10 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
     session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
                           top_p=top_p, top_k=top_k, seed=seed, suffix_store=store)
     check_chat_template(engine.tokenizer)  # fail now, not at the first message
-    pair_draft = resolve_pair(model, draft_model, mode)[2]  # -m FOLDER with target/ + draft/
-    draft_source = draft_model or pair_draft or (bundled_draft_path() if model is None else None)
     click.echo(dim(f"mode {engine.mode} · /help for commands · Ctrl-D or /exit to quit"))
     history = setup_readline()
     try:
-        ChatREPL(session, draft_source=draft_source).run()
+        ChatREPL(session).run()
     finally:
         save_readline(history)
         save_suffix_cache(suffix_cache, stores)

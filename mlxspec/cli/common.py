@@ -189,7 +189,6 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
     options.pop("meter", None)  # --distributed's own options, for sharded runs only
     options.pop("interactive", None)
 
-    model, draft_model, _ = resolve_pair(model, draft_model, mode)
     if not quiet:
         click.echo(f"loading {model or 'the bundled model'} (backend {backend.device_name()}, "
                    f"BLAS {backend.blas_in_use})", err=True)
