@@ -72,8 +72,9 @@ class Metrics:
             self.drafted[u.mode] += u.drafted
             self.accepted[u.mode] += u.accepted
             self.forwards[u.mode] += u.target_forwards
-            self.prediction_accepted += u.prediction_accepted
-            self.prediction_rejected += u.prediction_rejected
+            accepted, rejected = u.prediction_counts
+            self.prediction_accepted += accepted
+            self.prediction_rejected += rejected
             self.batched += u.batched
             self.batched_speculative += u.batched_speculative
 

@@ -648,14 +648,6 @@ class Usage(Stats):
     def completion_tokens(self, n: int) -> None:
         self.generated_tokens = n
 
-    @property
-    def prediction_accepted(self) -> int:
-        return self.prediction_counts[0]
-
-    @property
-    def prediction_rejected(self) -> int:
-        return self.prediction_counts[1]
-
     def openai(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -664,8 +656,8 @@ class Usage(Stats):
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {
                 "reasoning_tokens": 0,
-                "accepted_prediction_tokens": self.prediction_accepted,
-                "rejected_prediction_tokens": self.prediction_rejected,
+                "accepted_prediction_tokens": self.prediction_counts[0],
+                "rejected_prediction_tokens": self.prediction_counts[1],
             },
             "speculative": self.speculative(),
         }
