@@ -442,6 +442,41 @@ def test_eight_concurrent_clients(server, client, ref):
     assert r.usage.prompt_tokens_details.cached_tokens >= len(ref["enc"](CONCURRENT[i]))
 
 
+def test_requests_over_the_batch_bound_wait_to_open(model_dirs, ref):
+    """Over --spec-max-concurrency a request decodes plainly in the batch (usage.batched);
+    over that plus --max-batch it waits to open, and answers as alone once it runs."""
+    from server_helpers import post, start, stop
+
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    srv = start(engine, spec_max_concurrency=1, max_batch=1)
+    worker, most_open = srv.worker, [0]
+    orig = worker._step_engine
+
+    def counted(job):
+        most_open[0] = max(most_open[0], sum(j.gen is not None for j in worker.jobs))
+        orig(job)
+
+    worker._step_engine = counted
+    results = [None] * 4
+
+    def run(i):
+        results[i] = post(srv.url, "/v1/completions",
+                          {"prompt": CONCURRENT[i], "max_tokens": 12, "temperature": 0})
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        stop(srv)
+    bodies = [json.loads(r[1]) for r in results]
+    assert [b["choices"][0]["text"] for b in bodies] == [w.text for w in ref["concurrent"][:4]]
+    assert most_open[0] == 2
+    assert any(b["usage"]["speculative"]["batched"] for b in bodies)
+
+
 def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, ref):
     """With the defaults, concurrent greedy requests share the batched speculative step
     (`usage.speculative.batched_speculative`) and answer what `generate` does; a sampled
