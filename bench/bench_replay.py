@@ -15,6 +15,10 @@ library modules) and the model's own answers, never hand-written answers:
   function's real source) fed back as the next request, the last exchange kept;
 - chat: a task, then turns asking for the previous answer changed ("rename the function",
   "add a docstring", ...), the whole conversation re-sent each turn;
+- retry: an editor re-requesting a completion it already asked for (the same place in the
+  file after an edit elsewhere: a comment added at the top), as editors do when the cursor
+  comes back or a request was dropped; every other request is such a repeat, whose answer is
+  in the store and not in its prompt (what prompt lookup cannot see);
 - unrelated (the control): single questions that share nothing.
 
 Each request runs in every configuration (the order rotating per request) on its own engine
@@ -40,7 +44,7 @@ from mlxspec.engine import Engine, PromptCache
 from mlxspec.recipe.heldout import heldout_functions
 
 CONFIGS = (("none", "none", {}), ("auto", "auto", {"suffix": False}), ("auto+suffix", "auto", {}))
-WORKLOADS = ("editor", "agent", "chat", "unrelated")
+WORKLOADS = ("editor", "agent", "chat", "retry", "unrelated")
 
 TOOL = {
     "name": "read_function",
@@ -122,6 +126,13 @@ def chat(tokenizer, n: int, seed: int):
         answer = yield render(tokenizer, messages)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": CHAT_CHANGES[i % len(CHAT_CHANGES)]}]
+
+
+def retry(tokenizer, n: int, seed: int):
+    docs = [w for per_file in source_windows() for w in per_file]
+    for i in range(n):
+        text = docs[(5 * (i // 2) + seed) % len(docs)]
+        yield text if i % 2 == 0 else "# (edited)\n" + text
 
 
 def unrelated(tokenizer, n: int, seed: int):
