@@ -15,17 +15,21 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
             speculative step for all active requests (`mlxspec/batch_step.py`: each proposes its
             own k, one target forward verifies every row);
 - `spec-rr` every request speculative, one target forward each, round robin;
-- `plain`   every request plain decoding, batched by mlx-lm's BatchGenerator
-            (`--spec-max-concurrency 0`): one forward per step for all active requests;
+- `plain`   every request plain decoding in the batched step (k = 0, `--spec-max-concurrency
+            0`): one forward per step for all active requests (continuous batching);
 - `hybrid`  speculative up to two active requests, one forward each (round robin), batched
             plain decoding above (the server's default until the batched step was measured);
 - `bspec8`  batched speculation up to 8 active requests, batched plain decoding above;
 - `default` the server's defaults (whatever `mlxspec serve` does without options).
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
-by its first lines again, so the answer continues text found in the prompt) and `free`
+by its first lines again, so the answer continues text found in the prompt), `free`
 (`mlxspec bench`'s free-text starts, sampled at temperature 1, unseeded: a seeded sampled
-request keeps the single-request loop).
+request keeps the single-request loop) and `retry` (greedy: each client sends a held-out
+function's first lines, then the same request again, as an editor re-requesting a completion:
+the second answer is in the suffix store, not in the prompt). A mode `MODE:no-suffix` sends
+`"speculative": {"suffix": false}` (no proposals from earlier requests). The suffix store and
+the prompt caches are cleared before every run, so that no cell feeds another.
 Prints, per workload and mode, a Markdown table of tok/s and mean latency per configuration
 and each one's ratio to `plain` (tok/s up, latency down: > 1 means it beats plain batching),
 pooled over the sweeps and, in brackets, the median of the per-sweep ratios (steadier on a
@@ -111,6 +115,12 @@ def random_model_dir() -> Path:
     return d
 
 
+def spec_field(mode: str) -> dict:
+    """The request's "speculative" field for a bench mode (`MODE:no-suffix`: suffix off)."""
+    name, _, flag = mode.partition(":")
+    return {"mode": name, "suffix": False} if flag == "no-suffix" else {"mode": name}
+
+
 def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
                 temperature: float = 0.0, seed: int | None = None) -> tuple[float, dict]:
     host, port = url.removeprefix("http://").split(":")
@@ -118,7 +128,7 @@ def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
     if seed is not None:  # a seeded sampled request keeps the single-request loop (SERVER.md)
         request["seed"] = seed
     if mode:
-        request["speculative"] = {"mode": mode}
+        request["speculative"] = spec_field(mode)
     body = json.dumps(request)
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
@@ -141,8 +151,11 @@ def worker_request(srv, prompt: str, max_tokens: int, mode: str | None = None,
 
     ids = srv.engine.encode(prompt)
     start = time.perf_counter()
+    spec = spec_field(mode) if mode else {}
     job = srv.worker.submit(GenRequest("completions", ids, max_tokens, temperature=temperature,
-                                       seed=seed, mode=mode))
+                                       seed=seed, mode=spec.get("mode"),
+                                       use_suffix=spec.get("suffix", True),
+                                       suffix_scope="bench"))  # (a handler sets the client's)
     while True:
         event = job.events.get()
         if isinstance(event, Done):
@@ -159,7 +172,10 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
     send = one_request if http else worker_request
     target = srv.url if http else srv
     send(target, prompts[-1], 4, mode)  # warm-up (compiles, allocates)
+    # No run starts from another's prompt caches or stored answers (the same prompts recur
+    # across cells: a store kept between them would copy earlier cells' answers).
     srv.worker.cache.clear()
+    srv.worker.suffix.scopes.clear()
     latencies, usages, errors = [], [], []
     lock = threading.Lock()
 
@@ -258,13 +274,16 @@ def main(argv=None) -> int:
             model = str(random_model_dir())
             label = f"random-weight qwen2 (d=256, 4 layers, vocab 1024) at {model}"
     modes = [m for m in args.modes.split(",") if m]
-    engine = mlxspec.load(model, mode=modes[0])
+    engine = mlxspec.load(model, mode=modes[0].partition(":")[0])
     for mode in modes:  # load what each mode needs (a draft) before the clock starts
-        engine.proposer_for(mode)
+        engine.proposer_for(mode.partition(":")[0])
     clients = [int(c) for c in args.clients.split(",")]
     configs = [c for c in args.configs.split(",") if c]
     n_prompts = max(clients) * args.requests + 1
-    workloads = {"grounded": (workload(n_prompts), 0.0), "free": (free_workload(n_prompts), 1.0)}
+    heads = [p[p.index("# copy\n") + len("# copy\n"):] for p in workload(n_prompts)]
+    retries = [heads[i // 2] for i in range(n_prompts)]  # each client: a prompt, then again
+    workloads = {"grounded": (workload(n_prompts), 0.0), "free": (free_workload(n_prompts), 1.0),
+                 "retry": (retries, 0.0)}
     chosen = [w for w in args.workloads.split(",") if w]
     for w in chosen:
         if w not in workloads:
