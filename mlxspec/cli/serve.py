@@ -36,11 +36,12 @@ def parse_size(text: str) -> int:
 @click.option("--spec-max-concurrency", type=int, default=None,
               help="At most this many requests speculate at once (verified together in one "
                    "batched forward where the model allows, each row stepping plainly where "
-                   "its proposal does not pay); above it, new requests run in a batch of plain "
-                   "decoding. 0: never speculate. Default 32 (2 with --no-batch-spec, where "
+                   "its proposal does not pay); above it, new requests decode plainly in the same "
+                   "batch. 0: never speculate. Default 32 (2 with --no-batch-spec, where "
                    "each speculative request costs a forward of its own).")
 @click.option("--max-batch", type=int, default=8, show_default=True,
-              help="Most requests decoded together in the plain-decoding batch.")
+              help="Most requests decoding plainly at once beyond --spec-max-concurrency; "
+                   "more wait to start.")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests running or waiting before new ones get 503.")
 @click.option("--prompt-cache-size", default="2GB", show_default=True,
@@ -152,7 +153,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             suffix_cache=suffix_cache, suffix_budget=suffix_budget)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    if sharded:  # mlx-lm's batched decoding would run collectives the other ranks never see
+    if sharded:  # a sharded target runs no batch: every request on a slot of its own
         server.worker.batchable = False
     fim = server.parser.fim
     click.echo(f"mlxspec serve: model {server.config.model_name} | mode {engine.mode} "
