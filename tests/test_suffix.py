@@ -327,3 +327,29 @@ def test_server_scopes_keep_clients_apart(model_dirs, tmp_path):
         stop(srv)
     again = SuffixStores(fingerprint=srv.suffix.fingerprint)
     assert load(again, cache) > 0 and len(again.scopes) == 3
+
+
+def test_a_request_decoded_plainly_feeds_the_store(model_dirs):
+    """Over --spec-max-concurrency a request decodes plainly in the batch; its prompt and
+    answer still enter its scope's store, so that a later request repeating it is proposed
+    the answer (fewer forwards) and answers the same."""
+    engine = mlxspec.load(str(model_dirs["llama"]), mode="auto")
+    want = mlxspec.load(str(model_dirs["llama"]), mode="none").generate(
+        "def alpha(beta, gamma):\n    return beta", max_tokens=32).text
+    srv = start(engine, spec_max_concurrency=0)
+    body = {"prompt": "def alpha(beta, gamma):\n    return beta", "max_tokens": 32,
+            "temperature": 0}
+    try:
+        status, payload, _ = post(srv.url, "/v1/completions", body)
+        plain = json.loads(payload)
+        assert status == 200 and plain["usage"]["speculative"]["batched"] is True
+        assert srv.suffix.tokens() > 0
+        srv.worker.spec_max_concurrency = 32
+        status, payload, _ = post(srv.url, "/v1/completions", body)
+        again = json.loads(payload)
+    finally:
+        stop(srv)
+    assert plain["choices"][0]["text"] == again["choices"][0]["text"] == want
+    spec = again["usage"]["speculative"]
+    assert spec["accepted_tokens"] > 0 and spec["target_forwards"] < 32
+

@@ -513,6 +513,11 @@ class Worker(threading.Thread):
             job.cache = None
         if job.gen is not None and job.slot is not None:
             try:  # the engine put the prompt and answer into the scope's store: keep the budget
+                r = job.req
+                if (job.plain and isinstance(job.gen, BatchRow) and r.use_suffix
+                        and r.suffix_scope is not None):
+                    # decoded plainly (no proposer to keep it): its text helps later requests
+                    self.suffix.get(r.suffix_scope).add(job.gen.context)
                 self.suffix.evict_to_budget()
             except Exception:
                 log.error("keeping a request's text failed:\n%s", traceback.format_exc())
