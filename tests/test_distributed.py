@@ -66,7 +66,7 @@ def reference(model_dir: Path, max_tokens=40) -> list[int]:
 
 @pytest.mark.parametrize("family,strategy", [("llama", "tensor"), ("qwen2", "pipeline")])
 def test_sharded_modes_match_plain_decoding(tmp_path, model_dirs, family, strategy):
-    modes = ["none", "ngram", "draft", "lookahead", "auto"] if family == "llama" else [
+    modes = ["none", "ngram", "draft", "lookahead", "suffix", "auto"] if family == "llama" else [
         "none", "ngram", "lookahead"]
     draft = model_dirs["llama-draft"] if family == "llama" else None
     (r0, o0, e0), (r1, o1, e1) = launch(tmp_path, rank_script(model_dirs[family], draft,

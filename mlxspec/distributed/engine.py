@@ -11,7 +11,7 @@ from ..errors import MlxspecError
 from .group import Coordinator, DistributedFailure, fail, lost
 from .synced import SyncedPolicy, SyncedProposer
 
-SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "auto")
+SHARDED_MODES = ("none", "ngram", "draft", "lookahead", "suffix", "auto")
 
 
 def check_mode(mode: str) -> None:
