@@ -108,12 +108,13 @@ def test_draft_for_bad_input(model_dirs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_with_its_shipped_draft_is_token_identical(smollm2_gguf):
-    """`-m smollm2` finds the draft shipped in models/drafts/smollm2 and stays exact."""
+    """`-m smollm2` finds the draft `mlxspec train --draft-for -m smollm2` wrote (or one
+    shipped in models/drafts/smollm2) and stays exact."""
     from mlxspec.loading import load
-    from mlxspec.reduced_draft import shipped_drafts_dirs
+    from mlxspec.reduced_draft import find_trained_draft
 
-    if not any((d / "smollm2" / "config.json").is_file() for d in shipped_drafts_dirs()):
-        pytest.skip("no draft shipped for smollm2")
+    if find_trained_draft("smollm2") is None:
+        pytest.skip("no draft trained for smollm2 (mlxspec train --draft-for -m smollm2)")
     engine = load("smollm2", mode="draft", num_draft=4)
     assert isinstance(engine.draft_model, ReducedHeadDraft)
     prompt = engine.tokenizer.apply_chat_template(
