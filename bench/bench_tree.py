@@ -9,7 +9,7 @@ is prefilled outside the timed region; outputs are checked token-identical to pl
 "modelled vs none" replaces wall time, which a busy machine makes noisy, by the median forward
 cost of each step's input size (measured first, interleaved): (tokens / sum of step costs) over
 (1 / cost of a one-token forward). Plain decoding is mlx-lm's pipelined `generate_step`; speculative modes run
-`mlxspec.engine.speculative_decode` (the engine's loop; trees and chains alike), chain n-gram included, so
+`mlxspec.batch_step.decode` (the engine's loop; trees and chains alike), chain n-gram included, so
 the comparison between proposers is like for like.
 """
 
@@ -33,7 +33,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from mlxspec.engine import speculative_decode  # noqa: E402
+from mlxspec.batch_step import decode  # noqa: E402
 from mlxspec.policy import FixedK  # noqa: E402
 from mlxspec.proposers.lookahead import LookaheadProposer  # noqa: E402
 from mlxspec.proposers.ngram import NgramProposer  # noqa: E402
@@ -158,7 +158,7 @@ def run_spec(model, prompt, max_tokens, proposer, num_draft):
     proposer.reset(prompt, SamplingParams())
     start = time.perf_counter()
     out = []
-    for new in speculative_decode(model, cache, list(prompt), counting(proposer, stats),
+    for new in decode(model, cache, list(prompt), counting(proposer, stats),
                                   FixedK(num_draft), SamplingParams(), max_tokens,
                                   mx.random.key(0), stats):
         out += new

@@ -26,8 +26,10 @@ from bench_server import free_workload, workload
 import mlxspec
 from mlxspec.engine import PromptCache
 model, modes, n, max_tokens = sys.argv[2] or None, sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5])
+temps = [float(t) for t in sys.argv[6].split(",")]
 engine = mlxspec.load(model or sys.argv[1] + "/models")
-prompts = [(p, 0.0) for p in workload(n)] + [(p, 1.0) for p in free_workload(n)]
+prompts = ([(p, 0.0) for p in workload(n)] if 0.0 in temps else []) + (
+    [(p, 1.0) for p in free_workload(n)] if 1.0 in temps else [])
 out = {}
 for mode in modes:
     engine.generate(prompts[0][0], max_tokens=8, mode=mode, prompt_cache=PromptCache())
@@ -45,7 +47,7 @@ print(json.dumps(out))
 def run(root: Path, args) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(root), MLXSPEC_POLICY_CACHE="0")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(root), args.model or "", args.modes,
-                           str(args.prompts), str(args.max_tokens)],
+                           str(args.prompts), str(args.max_tokens), args.temps],
                           capture_output=True, text=True, env=env, cwd=root)
     if proc.returncode:
         sys.exit(f"{root}: {proc.stderr[-2000:]}")
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="per workload (grounded, free)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temps", default="0,1", help="0: the grounded prompts, greedy; 1: free "
+                    "text sampled (seeded: each checkout may sample other tokens)")
     args = ap.parse_args()
     this, other = HERE.parent, Path(args.other).resolve()
     ours, theirs = [], []

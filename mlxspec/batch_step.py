@@ -1,24 +1,25 @@
-"""One speculative step for several requests at once: one target forward over the batch.
+"""The decode loop, for one request or many: rows of one batch, one target forward per step.
 
 Every row proposes with its own proposer, source and k (possibly 0); the proposals are padded
 to a common length L = 1 + max k; the target runs **one forward** over (B, L); each row is
-verified with the single-request rule on its own 1 + k_i positions (a sampled row with
-`step.verify_chain`, the function `decode_step` uses; greedy rows with one argmax over the
-batch, compared on the host as `verify.verify_greedy` compares); one host sync for the whole
-batch; then each row keeps its own 1 + n_i tokens (ragged acceptance).
+verified with the single-request rule on its own 1 + k_i positions (`step.decode_step`: a
+sampled row with `verify_chain`, greedy rows with one argmax over the batch, compared on the
+host); one host sync for the whole batch; then each row keeps its own 1 + n_i tokens (ragged
+acceptance). Where no row proposes, the batch decodes plainly and pipelined: the next forward
+is queued (`mx.async_eval`) before the current tokens are read back, as mlx-lm does.
 
-Per-row cache state: `caches.ragged.RaggedKVCache` (rollback = lowering a row's length). A row
-joins by writing its single-request `KVCache` into an empty row of the buffer (in place) and
-leaves by copying its row out, leaving the row empty for the next (`BatchSpeculator.slots`).
+A request alone is a batch of one on its own cache, of any kind (plain, windowed, recurrent,
+QuantSpec's hierarchical; trees too): `decode` runs `Engine.stream_steps` so, and the
+server's batch holds a lone row so until another joins. Several rows share a
+`caches.ragged.RaggedKVCache` per layer (rollback = lowering a row's length): a row joins by
+writing its single-request `KVCache` into an empty row of the buffer and leaves by copying its
+row out (`BatchSpeculator.slots`). Only plain-attention models and chain proposals share
+(`BatchSpeculator.accepts`); the others stay batches of one.
 
-Only plain-attention models (every layer an mlx-lm `KVCache`) and chain proposals run here:
-sliding-window layers, recurrent state, QuantSpec's hierarchical cache and token trees keep
-the one-request-at-a-time engine step (`BatchSpeculator.accepts` says which).
-
-Each row keeps the engine's invariant: its cache holds every committed token but the last.
-The result equals each request decoded alone: token-identical at temperature 0 (in float32, up
-to the rounding of a batched matmul on a near-tie), exact in distribution at temperature > 0,
-and, seeded, the same whatever else is in the batch (each row draws from its own key).
+Each row keeps the invariant: its cache holds every committed token but the last. The result
+equals each request decoded alone: token-identical at temperature 0 (in float32, up to the
+rounding of a batched matmul on a near-tie), exact in distribution at temperature > 0, and,
+seeded, the same whatever else is in the batch (each row draws from its own key).
 """
 
 from __future__ import annotations
@@ -26,27 +27,25 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from . import caches
 from .batch_draft import BatchDraft, draft_proposer
 from .batch_policy import BatchPolicy, RowOffer, row_offer
+from .caches.prompt import PromptCache, common_prefix_len
 from .caches.ragged import RaggedKVCache, plain_attention
-from .engine import (
-    Engine,
-    PromptCache,
-    StepOutput,
-    plain_decode,
-    speculative_decode,
-)
 from .errors import MlxspecError
-from .policy import MAX_NUM_DRAFT, AdaptiveK
+from .policy import MAX_NUM_DRAFT, AdaptiveK, Policy
 from .proposal import Proposal
-from .proposers.draft import common_prefix_len
+from .proposers.base import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step, verify_chain
+
+if TYPE_CHECKING:
+    from .engine import Engine, StepOutput
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 # A joining row whose prompt has at most this many tokens left to prefill prefills with the
@@ -88,19 +87,22 @@ class _Mailbox:
 @dataclass
 class QueuedPlainStep:
     """A plain forward queued for `rows` (None: a row that left since) before the previous
-    step's tokens were read; `tokens` (lazy) are their next tokens."""
+    step's tokens were read; `tokens` (lazy) are their next tokens. `checkpoint`: what undoes
+    it on a lone row's own cache (`caches.rollback`; None where trimming does)."""
 
     rows: list
     tokens: mx.array
+    checkpoint: caches.Checkpoint | None = None
 
 
 class BatchRow:
     """One request in a `BatchSpeculator`; iterates `StepOutput`s like `Engine.stream_steps`
     (the first `next` of a round runs one batched step for every row that is waiting)."""
 
-    def __init__(self, batch: BatchSpeculator, engine: Engine, pc: PromptCache, context,
-                 proposer, policy, sampling: SamplingParams, key: mx.array, stats: Stats,
-                 end: int, num_draft: int, stops: list[str], seeded: bool = False):
+    def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
+                 context: list[int], proposer: Proposer | None, policy: Policy,
+                 sampling: SamplingParams, key: mx.array, stats: Stats, end: int,
+                 num_draft: int, stops: list[str], seeded: bool = False):
         self.batch, self.engine, self.pc = batch, engine, pc
         # A seeded sampled row draws what it would alone whatever else is in the batch, so
         # what it proposes must not depend on the batch: a fixed k stays fixed (`offer`),
@@ -111,8 +113,8 @@ class BatchRow:
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
         # a FixedK row's acceptance, measured for the batch's policy (AdaptiveK has its own)
-        self.shadow = None if isinstance(policy, AdaptiveK) else AdaptiveK(
-            max_k=max(policy.max_k, 1), dither=False)
+        self.shadow = None if batch.policy is None or isinstance(policy, AdaptiveK) else \
+            AdaptiveK(max_k=max(policy.max_k, 1), dither=False)
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
         # (context length, source, tokens): what a free source would have proposed when the
         # batch kept the row plain, compared with what the row commits next (`watch`)
@@ -120,14 +122,15 @@ class BatchRow:
         # (source, k) the batch's last plan kept plain for this row: watched again after each
         # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
         self.watch_for: tuple[str, int] | None = None
-        self.solo: Iterator[list[int]] | None = None  # the engine's loop, while it is alone
         # (request, tokens reused, seconds that took): opened, not prefilled yet (`open`)
         self.opening: tuple | None = None
         self.pending: list[int] | None = None
         self.error: BaseException | None = None
         self.finished = False
         self.closed = False
-        self.detok = engine._detokenize(_Mailbox(self), stats, stops, time.perf_counter())
+        # (`decode` reads the committed tokens itself: no engine, no text)
+        self.detok = None if engine is None else engine._detokenize(
+            _Mailbox(self), stats, stops, time.perf_counter())
 
     @property
     def exhausted(self) -> bool:
@@ -156,9 +159,12 @@ class BatchRow:
         return self.proposer.available(self.context, cap)
 
     def plan(self) -> tuple[str, int]:
-        """What the row's own policy proposes, as if it were alone."""
-        available = self._available()
-        return self.policy.plan(available) if available else ("", 0)
+        """What the row's own policy proposes, as if it were alone (asked even when nothing is
+        offered: a sharded rank's policy agrees with rank 0's in every plan)."""
+        cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
+        if self.proposer is None or cap <= 0:
+            return "", 0
+        return self.policy.plan(self.proposer.available(self.context, cap))
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
@@ -189,9 +195,10 @@ class BatchRow:
         self.stats.record_step("", 0, 0, 1)
         self.pending = [token]
 
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, source: str, drafted: int, accepted: int, seconds: float | None) -> None:
         """Tell the row's policy (and its shadow) how a step went: a speculative step from
-        `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0)."""
+        `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0; seconds None: not
+        the steady-state cost of a plain token, only counted)."""
         for policy in (self.policy, self.shadow):
             if policy is None:
                 continue
@@ -277,14 +284,17 @@ class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
     def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
-                 pipeline: bool = True, solo: bool = True):
+                 pipeline: bool = True, solo: bool = True, alone: bool = False, sync=None):
         """`policy`: the batch's policy choosing every row's k (default a fresh
         `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
         plans, as if alone (a joining row's first step too, not its prefill's token, see
-        `open`). `pipeline`: run stretches where no row proposes pipelined, as
-        `engine.plain_decode` does for one request (see `_plain_stretch`)."""
+        `open`). `pipeline`: run stretches where no row proposes pipelined (see
+        `_plain_stretch`). `solo`: a row alone decodes on its own cache until another joins.
+        `alone`: one request only, on its own cache of any kind, trees included (`decode`).
+        `sync`: a sharded target's (`distributed/`): rank 0's tokens on every rank."""
         self.model = model
-        self.policy = None if row_plans else (policy or BatchPolicy())
+        self.alone, self.sync = alone, sync
+        self.policy = None if row_plans or alone else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
         # Row b of the batch cache holds slots[b]; a row that left leaves its slot empty
         # (None: fed padding, trimmed at once) for the next to join, so that neither joining
@@ -297,7 +307,8 @@ class BatchSpeculator:
         self.plain_steps = 0  # batched forwards in which no row proposed
         self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
         self.pipeline = pipeline
-        self.solo = solo  # a row alone runs the engine's own loop (see `_join`)
+        self.solo = solo
+        self.own: BatchRow | None = None  # the lone row whose own cache is `cache` (`_join`)
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
         # In a plain stretch the batch asks its policy again only every `replan_gap` steps (and
         # when a row joins): asked every step, the policy's Python runs where nothing hides it
@@ -376,7 +387,7 @@ class BatchSpeculator:
             row = group[0]
             req = row.opening[0]
             row.opening = None
-            try:  # alone: the engine's own loop, from a prefill of all but the last token
+            try:  # alone: on its own cache, from a prefill of all but the last token
                 row.engine.begin(req)
                 self._join(row)
             except Exception as e:
@@ -392,8 +403,9 @@ class BatchSpeculator:
         spent = time.perf_counter() - start
         # Room for the group (and a lone row moving in) at once: a row joining past the
         # widest batch so far copies every layer's buffers.
-        self._make_room(len(group) + sum(1 for r in self.rows if r.solo is not None),
-                        len(group[0].pc.cache))
+        alone = self.own is not None
+        self._end_solo()
+        self._make_room(len(group) + alone, len(group[0].pc.cache))
         for r, token in zip(group, firsts):
             req, keep, reused_in = r.opening
             r.opening = None
@@ -469,37 +481,41 @@ class BatchSpeculator:
 
     # -- membership
     def _goes_solo(self, row: BatchRow) -> bool:
-        return not self.rows and self.solo and (not row.pinned
-                                                or isinstance(row.policy, AdaptiveK))
+        return not self.rows and (self.alone or self.solo and (
+            not row.pinned or isinstance(row.policy, AdaptiveK)))
 
     def _join(self, row: BatchRow, may_go_solo: bool = True) -> None:
         if may_go_solo and self._goes_solo(row):
-            # Alone, a row runs the engine's own loop (`speculative_decode`, `plain_decode`),
-            # the fastest for one request (batched steps with one row: 0.93x; this: 0.99x,
-            # `bench/bench_batch_of_one.py [--no-solo]`), on its own cache, until another
-            # row joins. Not a pinned row (seeded, fixed k, temperature > 0):
-            # its draws must not depend on whether another row comes.
-            n = row.end - len(row.context)
-            row.solo = (plain_decode(self.model, row.pc.cache, row.context, row.sampling, n,
-                                     row.key, row.stats) if row.proposer is None else
-                        speculative_decode(self.model, row.pc.cache, row.context, row.proposer,
-                                           row.policy, row.sampling, n, row.key, row.stats,
-                                           num_draft=row.num_draft))
+            # Alone, a row decodes on its own cache (the step takes any kind as it is), the
+            # fastest for one request (on the ragged cache one row ran at 0.93x,
+            # `bench/bench_batch_of_one.py [--no-solo]`), until another row joins. Not a
+            # pinned row (seeded, fixed k, temperature > 0): its draws must not depend on
+            # whether another row comes.
+            self.own, self.cache, self.slots = row, row.pc.cache, [row]
             self.rows.append(row)
             return
+        if self.alone:
+            raise MlxspecError("this batch takes one request")
         self._end_solo()
         self._admit(row)
         self.rows.append(row)
 
     def _end_solo(self) -> None:
-        """The lone row's loop ends at its step boundary (its `finally` leaves the cache
-        holding every committed token but the last) and the row moves into the batch."""
-        for r in self.rows:
-            if r.solo is not None:
-                r.solo.close()
-                r.solo = None
-                r.key = mx.random.split(r.key, 4)[3]  # a stream the loop never drew from
-                self._admit(r)
+        """The lone row moves into the ragged cache (another row joins); a step queued for it
+        is undone first (the batch computes that token again)."""
+        row = self.own
+        if row is None:
+            return
+        self._drop_queued_own()
+        self.own, self.cache, self.slots = None, None, []
+        self._admit(row)
+
+    def _drop_queued_own(self) -> None:
+        """Undo the step queued for the lone row (its last token fed, the result not read):
+        its cache holds every committed token but the last again."""
+        q, self.queued = self.queued, None
+        if q is not None and q.rows[0] is not None:
+            caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
 
     def _admit(self, row: BatchRow) -> None:
         """Move a row's single-request cache (and its draft's) into the batch's."""
@@ -537,14 +553,14 @@ class BatchSpeculator:
             row.opening = None
         if row not in self.rows:
             return
-        if row.solo is not None:  # its loop's `finally` restores the cache invariant
-            row.solo.close()
-            row.solo = None
-            self.rows.remove(row)
+        if row is self.own:  # its cache is its own already
             if row.error is None:
-                row.pc.kind, row.pc.tokens, row.pc.checkpoint = "kv", row.context[:-1], None
-            else:
+                self._drop_queued_own()
+                row.pc.tokens = row.context[:-1]
+            else:  # state unknown after a failed step: not reused
                 row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+            self.rows.remove(row)
+            self.own, self.cache, self.queued, self.slots = None, None, None, []
             return
         b = self.slots.index(row)
         q = self.queued
@@ -598,15 +614,6 @@ class BatchSpeculator:
         if self.queued is not None:
             self._deliver_queued()
             return
-        if len(self.rows) == 1 and self.rows[0].solo is not None:
-            r = self.rows[0]
-            if r.waiting:
-                try:
-                    r.pending = next(r.solo)
-                except Exception as e:
-                    r.solo = None
-                    self._fail(e)
-            return
         rows = [r for r in self.rows if r.waiting]
         if not rows:
             return
@@ -633,7 +640,7 @@ class BatchSpeculator:
                 [proposals[i] if i is not None else None for i in order],
                 [r.sampling if r is not None else GREEDY for r in self.slots],
                 [verify_keys[i] if i is not None else None for i in order],
-                [plans[i][1] if i is not None else 0 for i in order])
+                [plans[i][1] if i is not None else 0 for i in order], sync=self.sync)
             stepped = {i: res for i, res in zip(order, results) if i is not None}
             results = [stepped[i] for i in range(len(rows))]  # in the order of `rows`
         except Exception as e:
@@ -645,7 +652,7 @@ class BatchSpeculator:
         drafted = [res.drafted for res in results]
         if not any(drafted):
             self.plain_steps += 1
-        if self.policy is not None:
+        if self.policy is not None and self.own is None:
             self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
                                 draft_forwards, seconds, span)
         for r, (source, _), res in zip(rows, plans, results):
@@ -654,7 +661,7 @@ class BatchSpeculator:
                 self.drafts[id(r.draft.model)].update(r.draft, r.context, res.accepted)
             if r.proposer is not None:
                 r.proposer.update(r.context, res.accepted)
-            r.observe(source, res.drafted, res.accepted, seconds)
+            r.observe(source, res.drafted, res.accepted, seconds if res.drafted else None)
             r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
             r.pending = res.tokens
 
@@ -677,6 +684,11 @@ class BatchSpeculator:
         if None in fed:
             for c in self.cache:
                 c.trim_rows([1 if r is None else 0 for r in fed])
+        tokens = self._draw(fed, logits, keys)
+        return tokens if self.sync is None else self.sync(tokens)
+
+    def _draw(self, fed: list[BatchRow | None], logits: mx.array,
+              keys: list[mx.array | None]) -> mx.array:
         # Sampled rows: unseeded ones with the same sampling draw together (one categorical,
         # exact in distribution); a seeded one with its own key, as `verify_chain` draws a
         # plain step, whatever else is in the batch.
@@ -713,9 +725,10 @@ class BatchSpeculator:
     def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
         # the same keys the step would take when it runs
         keys = [r.step_keys()[1] if r is not None else None for r in fed]
+        ckpt = caches.checkpoint(self.cache) if self.own is not None else None
         queued = self._plain_forward(fed, inputs, keys)
         mx.async_eval(queued)
-        self.queued = QueuedPlainStep(fed, queued)
+        self.queued = QueuedPlainStep(fed, queued, ckpt)
 
     def _plain_stretch(self, keys: dict[int, mx.array], start: float) -> None:
         """The first step of a plain stretch for the rows in `keys` (by id: the waiting
@@ -729,6 +742,9 @@ class BatchSpeculator:
             tokens = self._plain_forward(
                 fed, mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32),
                 [keys[id(r)] if r is not None else None for r in fed])
+            # started on its own first: a sharded target's ranks then run the two forwards'
+            # collectives in the same order
+            mx.async_eval(tokens)
             # the next step feeds each row this step's token, where it wants one after it
             after = [r if r is not None and r.wants_two else None for r in fed]
             self._queue_next(after, tokens)
@@ -744,7 +760,7 @@ class BatchSpeculator:
     def _deliver_queued(self) -> None:
         """The queued plain step's tokens are the next output of its rows. Before reading them
         back the step after is queued too, while the batch still wants no proposal (asked on
-        the contexts so far, as `plain_decode`'s `stop` is, every `replan_gap` steps and when
+        the contexts so far, every `replan_gap` steps and when
         a row joins). It feeds the queued step's rows
         their queued tokens where they want one more, rows that joined meanwhile (or sat the
         queued step out) their last token where they are waiting, and no one else: a stretch
@@ -756,7 +772,8 @@ class BatchSpeculator:
             fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
                    else (r if r.waiting else None) for r in self.slots]
             stepping = [r for r in fed if r is not None]
-            replan = self.pipelined % self.replan_gap == 0 or any(
+            # (a lone row asks every step, as cheap sources end a stretch at once)
+            replan = self.own is not None or self.pipelined % self.replan_gap == 0 or any(
                 r is not None and id(r) not in at for r in fed)
             again = (stepping and self._can_pipeline(stepping) and not (
                 replan and any(k for _, k in self._plans(stepping, commit=False))))
@@ -782,7 +799,9 @@ class BatchSpeculator:
                 keep.append((r, token))
             else:
                 drop.append(r)  # not committed: the token fed by the queued step goes
-        if drop:
+        if drop and self.own is not None:
+            caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
+        elif drop:
             for c in self.cache:
                 c.trim_rows([1 if r in drop else 0 for r in self.slots])
         self.pipelined += 1
@@ -798,7 +817,7 @@ class BatchSpeculator:
         """Every row's (source, k) for a step: the batch's policy over the rows' offers, or
         each row's own plan (no batch policy, or one adaptive row alone). `commit=False`:
         only asking (a forced probe allowed now is not counted as taken)."""
-        if self.policy is None or self._alone_adaptive():
+        if self.policy is None or self.own is not None or self._alone_adaptive():
             return [r.plan() for r in rows]
         span, pipelined = self._span(), self._can_pipeline(rows)
         offers = self.policy.limit_probes([r.offer() for r in rows], self.steps, commit,
@@ -816,6 +835,8 @@ class BatchSpeculator:
 
     def _span(self) -> int:
         """The longest row's cached length (what a step's queries attend, less the width)."""
+        if self.own is not None:
+            return len(self.own.context) - 1
         return max(self.cache[0].lengths, default=0) if self.cache else 0
 
     def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float,
@@ -823,13 +844,14 @@ class BatchSpeculator:
         self.steps += 1
         self.plain_steps += 1
         self.rows_stepped += len(rows)
-        if self.policy is not None:
+        if self.policy is not None and self.own is None:
             self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
         for r, token in zip(rows, tokens):
             r.context.append(token)
             if r.proposer is not None:
                 r.proposer.update(r.context, 0)
-            r.observe("", 0, 0, seconds)
+            # (a lone row's policy takes only the steady state: not a stretch's synced first)
+            r.observe("", 0, 0, None if synced and self.own is not None else seconds)
             r.stats.record_step("", 0, 0, 1)
             r.pending = (r.pending or []) + [token]  # a row that has not read yet gets both
 
@@ -864,3 +886,25 @@ class BatchSpeculator:
             self.batched_drafts += len(members)
             widest = max(widest, max(plans[i][1] for i in members))
         return proposals, draft_forwards + widest
+
+
+def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
+           sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
+           num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
+    """One request on its own cache (holding `context` but its last token): yields the tokens
+    each step commits (>= 1); `context` grows in place. `num_draft` caps k, the policy
+    chooses within it; `sync`: a sharded target's (rank 0's tokens on every rank). When it
+    ends or is closed the cache holds every committed token but the last again."""
+    batch = BatchSpeculator(model, alone=True, sync=sync)
+    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
+                   stats, len(context) + max_tokens, num_draft, [], seeded=True)
+    batch._join(row)
+    try:
+        while row.wants:
+            batch.step()
+            if row.error is not None:
+                raise row.error
+            tokens, row.pending = row.pending, None
+            yield tokens
+    finally:
+        batch._leave(row)

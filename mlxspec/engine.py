@@ -1,11 +1,11 @@
-"""The decode loop and the public `Engine` API.
+"""The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
+the prompt cache), and their tokens turned into text (`stopstrings.TextStream`).
 
-One step (`step.decode_step`): the policy picks a source and k from what the proposer offers,
-the proposer proposes, one target forward verifies exactly, the rejected tokens are rolled back.
-The cache always holds every committed token but the last, so the next step starts by feeding
-that one. Plain decoding runs pipelined, as mlx-lm does: all of `none`, and inside every
-speculative mode each stretch where the policy wants no proposal (`plain_stretch`), which ends
-as soon as the proposer offers something the policy wants.
+The decode loop itself is `batch_step.decode`: a request is a batch of one on its own cache
+(`BatchSpeculator`, the server's batch too). Per step the policy picks a source and k from
+what the proposer offers, the proposer proposes, one target forward verifies exactly
+(`step.decode_step`), the rejected tokens are rolled back; where the policy wants no proposal
+(all of `none`) plain decoding runs pipelined, as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
 from . import backend, caches
+from .batch_step import decode
+from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .policy import (
     AUTO_MAX_K,
@@ -35,10 +37,8 @@ from .policy import (
 )
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
-from .proposers.draft import common_prefix_len
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams
 from .stats import Stats
-from .step import decode_step
 from .stopstrings import TextStream
 
 log = logging.getLogger("mlxspec")
@@ -54,118 +54,6 @@ def __getattr__(name: str):
 
         return getattr(loading, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def plain_decode(model, cache, context: list[int], sampling: SamplingParams, max_tokens: int,
-                 key: mx.array, stats: Stats,
-                 stop: Callable[[list[int]], bool] | None = None,
-                 sync=None) -> Iterator[list[int]]:
-    """Plain decoding, pipelined as mlx_lm.generate is: the next step is queued
-    (`mx.async_eval`) before the current token is read back. `none` runs it to max_tokens;
-    a speculative mode runs it as a stretch, asking `stop(context)` after each token: when it
-    says so, the step already queued is read back as the next token (so nothing is lost or
-    computed twice) and the stretch ends with the cache holding all but the last token."""
-
-    def step(token: mx.array, step_key: mx.array) -> mx.array:
-        logits = model(token.reshape(1, 1), cache=cache)[0, -1]
-        if sampling.greedy:
-            y = mx.argmax(logits, axis=-1)
-        else:
-            y = sample(probs_from_logits(logits, sampling), step_key)
-        return y if sync is None else sync(y)  # sync: rank 0's token (distributed.py)
-
-    keys = mx.random.split(key, max_tokens + 1) if not sampling.greedy else [None] * (max_tokens + 1)
-    y = step(mx.array([context[-1]], mx.uint32), keys[0])
-    mx.async_eval(y)
-    queued = None  # (checkpoint, token array) of a step queued past the last emitted token
-    try:
-        for n in range(1, max_tokens + 1):
-            queued = None
-            if n < max_tokens:
-                queued = caches.checkpoint(cache), y
-                next_y = step(y, keys[n])
-                mx.async_eval(next_y)
-            token = y.item()
-            context.append(token)
-            stats.record_step("", 0, 0, 1)
-            yield [token]
-            if n == max_tokens:
-                return
-            y = next_y
-            if stop is not None and stop(context):
-                queued = None  # the queued step is the next token: read it back and end
-                token = y.item()
-                context.append(token)
-                stats.record_step("", 0, 0, 1)
-                yield [token]
-                return
-    finally:
-        if queued is not None:  # restore the invariant: the cache holds all but the last token
-            caches.rollback(model, cache, queued[0], [context[-1]], 0)
-
-
-def speculative_decode(model, cache, context: list[int], proposer: Proposer, policy: Policy,
-                       sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
-                       num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
-    """Yield the tokens committed by each step (>= 1 per step); `context` grows in place.
-    `num_draft` caps k (a per-call limit); the policy chooses within it.
-
-    When the policy wants no proposal, decode a pipelined plain stretch (`plain_decode`, as
-    `none` does) until it wants one again: after every token the proposer's index is updated
-    and the policy asked, so a cheap source's match ends the stretch at once."""
-    end = len(context) + max_tokens
-
-    def plan() -> tuple[str, int]:
-        # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
-        cap = min(num_draft, policy.max_k, end - len(context) - 1)
-        return policy.plan(proposer.available(context, cap)) if cap > 0 else ("", 0)
-
-    while len(context) < end:
-        key, propose_key, verify_key = mx.random.split(key, 3)
-        start = time.perf_counter()
-        source, k = plan()
-        if k == 0:
-            yield from plain_stretch(model, cache, context, proposer, policy, sampling,
-                                     end - len(context), verify_key, stats, plan, sync=sync)
-            continue
-        proposal = proposer.propose(context, k, propose_key, source=source)
-        (result,) = decode_step(model, cache, [context[-1]], [proposal], [sampling],
-                                [verify_key], [k], sync=sync)
-        context.extend(result.tokens)
-        proposer.update(context, result.accepted)
-        policy.observe(source if result.drafted else "", result.drafted, result.accepted,
-                       time.perf_counter() - start)
-        stats.record_step(result.source, result.drafted, result.accepted, len(result.tokens))
-        yield result.tokens
-
-
-def plain_stretch(model, cache, context: list[int], proposer: Proposer, policy: Policy,
-                  sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
-                  plan: Callable[[], tuple[str, int]], sync=None) -> Iterator[list[int]]:
-    """Pipelined plain tokens until `plan()` proposes something. The policy is told every
-    token, and the steady-state time of each (its reference cost, t_plain)."""
-    last, asked = None, 0
-
-    def wants_proposal(ctx: list[int]) -> bool:
-        nonlocal last, asked
-        now = time.perf_counter()
-        policy.observe_plain(1, None if last is None else now - last)
-        last, asked = now, asked + 1
-        proposer.update(ctx, 0)
-        return plan()[1] > 0
-
-    emitted = 0
-    try:
-        for tokens in plain_decode(model, cache, context, sampling, max_tokens, key, stats,
-                                   stop=wants_proposal, sync=sync):
-            emitted += 1
-            yield tokens
-    finally:
-        policy.observe_plain(emitted - asked)  # the tokens not yet counted (the last one)
-        proposer.update(context, 0)
 
 
 # ----------------------------------------------------------------------------- results
@@ -209,49 +97,6 @@ class Request:
     stats: Stats
     key: mx.array
     num_draft: int | None
-
-
-@dataclass
-class PromptCache:
-    """A target cache and the tokens it holds; reused when a prompt shares a prefix with them.
-
-    Recurrent layers cannot be trimmed back, so for them a checkpoint is kept at the end of the
-    last prefill (the prompt but its last token): a prompt that shares at least that prefix
-    (the same request again, the next chat turn) restores it instead of starting over."""
-
-    cache: list | None = None
-    tokens: list[int] = field(default_factory=list)
-    kind: str = ""
-    checkpoint: tuple[int, caches.Checkpoint] | None = None
-
-    def nbytes(self) -> int:
-        """The cache's bytes, plus the recurrent states its checkpoint keeps alive."""
-        held = sum(getattr(c, "nbytes", 0) for c in caches.leaves(self.cache or []))
-        if self.checkpoint is not None:
-            held += self.checkpoint[1].nbytes()
-        return held
-
-    def reuse_prefix(self, tokens: list[int], kind: str) -> int:
-        """Bring the cache back to its longest reusable common prefix with `tokens` and return
-        that length; 0 means nothing is reusable (no cache, another kind, or a cache that
-        cannot go back so far)."""
-        if self.cache is None or self.kind != kind:
-            return 0
-        keep = common_prefix_len(self.tokens, tokens)
-        if keep and caches.trim_exact(self.cache, len(self.tokens) - keep):
-            self.tokens = self.tokens[:keep]
-            return keep
-        if self.checkpoint is not None:
-            at, ckpt = self.checkpoint
-            if 0 < at <= keep and caches.restore(self.cache, ckpt, len(self.tokens), at):
-                self.tokens = self.tokens[:at]
-                return at
-        return 0
-
-    def remember(self) -> None:
-        """Checkpoint the recurrent states at the current end (after a prefill)."""
-        ckpt = caches.checkpoint(self.cache or [])
-        self.checkpoint = (len(self.tokens), ckpt) if ckpt is not None else None
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -445,14 +290,8 @@ class Engine:
             backend.reset_peak_memory()
             self.begin(req, progress)
             context = list(tokens)
-            if proposer is None:
-                steps = plain_decode(self.model, pc.cache, context, sampling, max_tokens, key,
-                                     stats, sync=self.sync)
-            else:
-                steps = speculative_decode(self.model, pc.cache, context, proposer, policy,
-                                           sampling, max_tokens, key, stats,
-                                           num_draft=num_draft or MAX_NUM_DRAFT,
-                                           sync=self.sync)
+            steps = decode(self.model, pc.cache, context, proposer, policy, sampling, max_tokens,
+                           key, stats, num_draft=num_draft or MAX_NUM_DRAFT, sync=self.sync)
             start = time.perf_counter()
             try:
                 yield from self._detokenize(steps, stats, stops, start)

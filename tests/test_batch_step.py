@@ -245,7 +245,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     pc = PromptCache()
     row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
     outs = [list(next(row).tokens)]  # alone in its round: prefilled as the engine does
-    assert row.solo is not None and batch.cache is None  # its own loop, on its own cache
+    assert batch.own is row and batch.cache is pc.cache  # on its own cache
     drain([row], outs)
     assert outs[0] == want
     assert row.stats.target_forwards == alone.stats.target_forwards
@@ -257,7 +257,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
 
 
 def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
-    """A row runs alone (the engine's loop) for a few steps, then another joins: both
+    """A row runs alone (on its own cache) for a few steps, then another joins: both
     continue in the batch, each output equal to the request alone, and the first row's cache
     moved in holding exactly its tokens but the last."""
     target, _ = pair
@@ -269,10 +269,10 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     outs = [[], []]
     for _ in range(5):
         outs[0].extend(next(rows[0]).tokens)
-    assert rows[0].solo is not None
+    assert batch.own is rows[0]
     rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next(rows[1]).tokens)  # its prefill; the lone row moves in
-    assert rows[0].solo is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
+    assert batch.own is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
     drain(rows, outs)
     assert outs == want
     assert batch.steps > 0

@@ -71,7 +71,7 @@ def test_sharded_modes_match_plain_decoding(tmp_path, model_dirs, family, strate
     draft = model_dirs["llama-draft"] if family == "llama" else None
     (r0, o0, e0), (r1, o1, e1) = launch(tmp_path, rank_script(model_dirs[family], draft,
                                                               strategy, 0.0, modes))
-    assert r0 == 0 and r1 == 0, e0 + e1
+    assert r0 == 0 and r1 == 0, e0 + e1 + "\nOUT0:" + o0 + "\nOUT1:" + o1
     ref = reference(model_dirs[family])
     lines = [json.loads(x) for x in o0.splitlines()]
     assert [x["mode"] for x in lines] == modes

@@ -11,7 +11,7 @@ from conftest import build_model, make_engine
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxspec.engine import speculative_decode
+from mlxspec.batch_step import decode
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
@@ -102,7 +102,7 @@ def test_rollback_leaves_cache_as_fresh_prefill(arch, seed):
     target(mx.array(prompt[:-1])[None], cache=cache)
     context = list(prompt)
     stats = Stats()
-    steps = speculative_decode(target, cache, context, ScriptedProposer(reference, len(prompt), seed),
+    steps = decode(target, cache, context, ScriptedProposer(reference, len(prompt), seed),
                                FixedK(random.Random(seed).randint(1, 6)), SamplingParams(), 30,
                                mx.random.key(0), stats)
     for _ in steps:
@@ -263,7 +263,7 @@ def test_plain_stretch_is_pipelined_and_hands_back_at_once(llama_pair):
     proposer = LateProposer(reference, len(prompt), start)
     proposer.cache = cache
     stats = Stats()
-    for _ in speculative_decode(model, cache, context, proposer, FixedK(4), SamplingParams(), 30,
+    for _ in decode(model, cache, context, proposer, FixedK(4), SamplingParams(), 30,
                                 mx.random.key(0), stats):
         pass
     assert context[len(prompt):] == reference  # nothing lost, nothing duplicated

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from scipy.stats import chisquare
 
 from mlxspec import tree_verify
-from mlxspec.engine import speculative_decode
+from mlxspec.batch_step import decode
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal
 from mlxspec.proposers.ngram_tree import MultiNgramIndex, TreeNgramProposer
@@ -333,7 +333,7 @@ def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0,
     proposer = proposer_factory()
     proposer.reset(prompt, sampling)
     out = []
-    for new in speculative_decode(model, cache, list(prompt), proposer, FixedK(num_draft),
+    for new in decode(model, cache, list(prompt), proposer, FixedK(num_draft),
                                   sampling, max_tokens, mx.random.key(seed),
                                   stats if stats is not None else Stats()):
         out += new

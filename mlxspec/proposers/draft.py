@@ -12,16 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import caches
+from ..caches.prompt import common_prefix_len  # noqa: F401  (importable from here too)
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal, Proposer
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftModelProposer(Proposer):

@@ -8,6 +8,7 @@ are measured on them.
 from __future__ import annotations
 
 import ast
+import functools
 import sysconfig
 from pathlib import Path
 
@@ -77,7 +78,11 @@ def _is_excluded(path: Path, root: Path) -> bool:
 
 def corpus_files(root: Path) -> list[Path]:
     """All usable `.py` files under `root`, in a fixed (sorted) order."""
-    root = Path(root)
+    return list(_corpus_files(Path(root)))
+
+
+@functools.lru_cache(maxsize=4)  # a walk of the standard library: ~1 s, asked for often
+def _corpus_files(root: Path) -> tuple[Path, ...]:
     out = []
     for p in sorted(root.rglob("*.py")):
         if not p.is_file() or _is_excluded(p, root):
@@ -88,7 +93,7 @@ def corpus_files(root: Path) -> list[Path]:
             continue
         if 0 < size <= MAX_FILE_BYTES:
             out.append(p)
-    return out
+    return tuple(out)
 
 
 def is_heldout(path: Path, root: Path | None = None) -> bool:
@@ -172,6 +177,13 @@ def heldout_functions(
     """Up to `n` held-out functions as (module, qualified name, source), in a fixed order that
     interleaves modules (so the first few come from different modules)."""
     root = Path(root) if root is not None else stdlib_dir()
+    found = _heldout_functions(root, min_lines, max_lines)
+    return list(found if n is None else found[:n])
+
+
+@functools.lru_cache(maxsize=8)  # every held-out module parsed: ~1 s
+def _heldout_functions(root: Path, min_lines: int, max_lines: int
+                       ) -> tuple[tuple[str, str, str], ...]:
     per_module: dict[str, list[tuple[str, str, str]]] = {}
     for p in heldout_files(root):
         text = read_source(p)
@@ -189,7 +201,5 @@ def heldout_functions(
         for q in queues:
             if i < len(q):
                 out.append(q[i])
-                if n is not None and len(out) >= n:
-                    return out
         i += 1
-    return out
+    return tuple(out)

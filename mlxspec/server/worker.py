@@ -10,7 +10,8 @@ worker loop:
    speculate, a new one speculates too; above that it decodes plainly in the same batch (k = 0:
    continuous batching), and above `spec_max_concurrency + max_batch` it waits to open. Other
    models (sliding windows, recurrent state) and requests the batch cannot run (trees,
-   QuantSpec) run `Engine.stream_steps` on their slot, one forward each, round robin;
+   QuantSpec) run `Engine.stream_steps` on their slot (each a batch of one on its own cache),
+   one forward each, round robin;
 2. advances every job by one step (the batch's step runs once per round for all its rows).
 
 A cancelled job (its client went away) is closed before its next step: the generator's
@@ -370,7 +371,7 @@ class Worker(threading.Thread):
                       mode="none" if job.plain else r.mode)
         # A sampled request with a seed draws what it would alone (the promise of a seed, and
         # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
-        # keeps the single-request loop while at most one other request does (beyond that,
+        # keeps a batch of its own while at most one other request does (beyond that,
         # as the plain batch always did, the draw is exact but not the one alone).
         loops = sum(1 for j in self.jobs
                     if j is not job and not isinstance(j.gen, BatchRow))
@@ -379,7 +380,7 @@ class Worker(threading.Thread):
                 and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
             # One batched step for every such job: the first job read in a round runs the
             # forward for all (batch_step.py), the others read their rows' outputs. A job
-            # alone there runs the engine's own loop until another joins (a solo row).
+            # alone there decodes on its own cache until another joins.
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
