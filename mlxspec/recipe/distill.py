@@ -364,6 +364,7 @@ def draft_step_ms(draft, target, context: int = 160, reps: int = 9) -> dict:
     import mlx.core as mx
 
     from .. import caches
+    from ..errors import MlxspecError
 
     def timed(model, k):
         cache = caches.make_cache(model)
@@ -374,8 +375,8 @@ def draft_step_ms(draft, target, context: int = 160, reps: int = 9) -> dict:
             t = time.perf_counter()
             mx.eval(mx.argmax(model(mx.array([[7] * k]), cache=cache)[0, -1]))
             ts.append(time.perf_counter() - t)
-            for c in cache:
-                c.trim(k)
+            if not caches.trim_exact(cache, k):
+                raise MlxspecError(f"cannot time {type(model).__name__}: its cache cannot trim")
         return round(1000 * sorted(ts)[len(ts) // 2], 2)
 
     return {"draft_1": timed(draft, 1), "target_1": timed(target, 1), "target_5": timed(target, 5)}
