@@ -151,24 +151,23 @@ class BatchRow:
         """It wants a token after the next one (a queued step may feed it)."""
         return self.wants and len(self.context) + 2 <= self.end
 
-    def _available(self) -> dict[str, int]:
+    def _available(self) -> dict[str, int] | None:
+        """What the proposer offers within the row's cap; None where no proposal can be."""
         # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
         cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
-            return {}
+            return None
         return self.proposer.available(self.context, cap)
 
     def plan(self) -> tuple[str, int]:
         """What the row's own policy proposes, as if it were alone (asked even when nothing is
         offered: a sharded rank's policy agrees with rank 0's in every plan)."""
-        cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
-        if self.proposer is None or cap <= 0:
-            return "", 0
-        return self.policy.plan(self.proposer.available(self.context, cap))
+        available = self._available()
+        return ("", 0) if available is None else self.policy.plan(available)
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
-        return row_offer(self.policy, self.shadow, self._available(), self.pinned)
+        return row_offer(self.policy, self.shadow, self._available() or {}, self.pinned)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
         """The keys of this row's next step (proposing, verifying): split from its own key
@@ -511,11 +510,15 @@ class BatchSpeculator:
         self._admit(row)
 
     def _drop_queued_own(self) -> None:
-        """Undo the step queued for the lone row (its last token fed, the result not read):
-        its cache holds every committed token but the last again."""
+        """Undo the step queued for the lone row (the result not read)."""
         q, self.queued = self.queued, None
         if q is not None and q.rows[0] is not None:
-            caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
+            self._undo_own(q)
+
+    def _undo_own(self, q: QueuedPlainStep) -> None:
+        """The lone row's cache without the token `q` fed it (its last): every committed token
+        but the last again."""
+        caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
 
     def _admit(self, row: BatchRow) -> None:
         """Move a row's single-request cache (and its draft's) into the batch's."""
@@ -742,9 +745,11 @@ class BatchSpeculator:
             tokens = self._plain_forward(
                 fed, mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32),
                 [keys[id(r)] if r is not None else None for r in fed])
-            # started on its own first: a sharded target's ranks then run the two forwards'
-            # collectives in the same order
-            mx.async_eval(tokens)
+            if self.own is not None:
+                # a lone row's first forward started on its own, as the single-request loop
+                # always did: a sharded target's ranks then run the two forwards' collectives
+                # in the same order
+                mx.async_eval(tokens)
             # the next step feeds each row this step's token, where it wants one after it
             after = [r if r is not None and r.wants_two else None for r in fed]
             self._queue_next(after, tokens)
@@ -800,7 +805,7 @@ class BatchSpeculator:
             else:
                 drop.append(r)  # not committed: the token fed by the queued step goes
         if drop and self.own is not None:
-            caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
+            self._undo_own(q)
         elif drop:
             for c in self.cache:
                 c.trim_rows([1 if r in drop else 0 for r in self.slots])
