@@ -4,7 +4,7 @@ loop at the batch level, with joins and leaves but no HTTP, no worker, no client
 
     python bench/bench_batch_churn.py [--rows 4] [--requests 32] [--mode auto] [--repeat 6]
 
-`ours`: `BatchSpeculator.open` / `next(row)` / `row.close()` (the server's batched path); `mlx-lm`:
+`ours`: `BatchSpeculator.open` / `next_output(row)` / `row.close()` (the server's batched path); `mlx-lm`:
 `BatchGenerator.insert` / `next()`. The two run alternately, in reversed order every other
 round; prints each round's tok/s and the median of the per-round ratios. Separates what the
 batch costs from what the server around it costs (`bench_server.py --no-http`).
@@ -27,7 +27,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 import mlxspec  # noqa: E402
-from mlxspec.batch_step import BatchSpeculator  # noqa: E402
+from mlxspec.batch_step import BatchSpeculator, next_output  # noqa: E402
 from mlxspec.engine import PromptCache  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def ours(batch, slots, prompts, rows: int, max_tokens: int, mode: str) -> float:
     while live:
         for row in list(live):
             try:
-                out = next(row)
+                out = next_output(row)
                 n += len(out.tokens)
                 done = bool(out.finish_reason)
             except StopIteration:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import free_workload, workload  # noqa: E402
 
 import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
-from mlxspec.batch_step import BatchSpeculator  # noqa: E402
+from mlxspec.batch_step import BatchSpeculator, next_output  # noqa: E402
 from mlxspec.engine import PromptCache  # noqa: E402
 
 
@@ -34,8 +34,8 @@ def batch_tps(batch, slot, prompt, temp: float) -> float:
     start, n = time.perf_counter(), 0
     row = batch.open(slot, prompt, max_tokens=64, temperature=temp, seed=None,
                      prompt_cache=PromptCache())
-    for out in row:
-        n += len(out.tokens)
+    while not row.finished:
+        n += len(next_output(row).tokens)
     row.close()
     return n / (time.perf_counter() - start)
 

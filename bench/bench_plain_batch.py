@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import workload  # noqa: E402
 
 import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
-from mlxspec.batch_step import BatchSpeculator  # noqa: E402
+from mlxspec.batch_step import BatchSpeculator, next_output  # noqa: E402
 from mlxspec.engine import PromptCache  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def ours(engine, slots, prompts, max_tokens: int) -> float:
     n, live = 0, list(rows)
     while live:
         for row in list(live):
-            out = next(row, None)
+            out = next_output(row)
             if out is None or out.finish_reason:
                 n += len(out.tokens) if out is not None else 0
                 row.close()

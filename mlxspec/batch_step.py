@@ -9,8 +9,8 @@ acceptance). Where no row proposes, the batch decodes plainly and pipelined: the
 is queued (`mx.async_eval`) before the current tokens are read back, as mlx-lm does.
 
 A request alone is a batch of one on its own cache, of any kind (plain, windowed, recurrent,
-QuantSpec's hierarchical; trees too): `decode` runs `Engine.stream_steps` so, and the
-server's batch holds a lone row so until another joins. Several rows share a
+QuantSpec's hierarchical; trees too; `alone=True`): `Engine.stream_steps` runs a request so,
+and the server's shared batch holds a lone row so until another joins. Several rows share a
 `caches.ragged.RaggedKVCache` per layer (rollback = lowering a row's length): a row joins by
 writing its single-request `KVCache` into an empty row of the buffer and leaves by copying its
 row out (`BatchSpeculator.slots`). Only plain-attention models and chain proposals share
@@ -20,6 +20,9 @@ Each row keeps the invariant: its cache holds every committed token but the last
 equals each request decoded alone: token-identical at temperature 0 (in float32, up to the
 rounding of a batched matmul on a near-tie), exact in distribution at temperature > 0, and,
 seeded, the same whatever else is in the batch (each row draws from its own key).
+
+Whoever owns the batch drives it: `step()` commits tokens to every row that has read its last
+ones, then `row.read()` returns each row's as text (`stopstrings.Detokenizer`).
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ from .proposers.base import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import Stats
 from .step import decode_step, verify_chain
+from .stopstrings import Detokenizer, StepOutput
 
 if TYPE_CHECKING:
-    from .engine import Engine, StepOutput
+    from .engine import Engine
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 # A joining row whose prompt has at most this many tokens left to prefill prefills with the
@@ -63,27 +67,6 @@ GROUP_CACHED_MAX = 256
 # ----------------------------------------------------------------------------- requests
 
 
-class _Mailbox:
-    """The token lists a row's batched steps commit, as the iterator `Engine._detokenize`
-    reads (it ends when the row has reached max_tokens)."""
-
-    def __init__(self, row: BatchRow):
-        self.row = row
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> list[int]:
-        row = self.row
-        if row.pending is not None:
-            tokens, row.pending = row.pending, None
-            return tokens
-        if row.exhausted:
-            raise StopIteration
-        # a bug, not a bad request: the server answers 500, not 400
-        raise RuntimeError("a batched row was read before its step ran")
-
-
 @dataclass
 class QueuedPlainStep:
     """A plain forward queued for `rows` (None: a row that left since) before the previous
@@ -96,8 +79,8 @@ class QueuedPlainStep:
 
 
 class BatchRow:
-    """One request in a `BatchSpeculator`; iterates `StepOutput`s like `Engine.stream_steps`
-    (the first `next` of a round runs one batched step for every row that is waiting)."""
+    """One request in a `BatchSpeculator`: the batch's `step()` commits its tokens, `read()`
+    turns them into its next `StepOutput`."""
 
     def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
                  context: list[int], proposer: Proposer | None, policy: Policy,
@@ -124,13 +107,16 @@ class BatchRow:
         self.watch_for: tuple[str, int] | None = None
         # (request, tokens reused, seconds that took): opened, not prefilled yet (`open`)
         self.opening: tuple | None = None
-        self.pending: list[int] | None = None
+        self.pending: list[int] | None = None  # committed, not read yet
         self.error: BaseException | None = None
-        self.finished = False
         self.closed = False
         # (`decode` reads the committed tokens itself: no engine, no text)
-        self.detok = None if engine is None else engine._detokenize(
-            _Mailbox(self), stats, stops, time.perf_counter())
+        self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
+
+    @property
+    def finished(self) -> bool:
+        """Its last output was read (an end-of-sequence token, a stop string, max_tokens)."""
+        return self.detok is not None and self.detok.done
 
     @property
     def exhausted(self) -> bool:
@@ -238,34 +224,15 @@ class BatchRow:
                 policy.observe_acceptance(source, len(tokens), n)
         self._start_watch()
 
-    def __iter__(self) -> Iterator[StepOutput]:
-        return self
-
-    def __next__(self) -> StepOutput:
-        if self.closed or self.finished:
-            raise StopIteration
-        if self.opening is not None:
-            self.batch._open_pending()
-            if self.opening is not None:  # a bug, not a bad request
-                raise RuntimeError("a batched row was read before its prefill ran")
-        if self.pending is None and not self.exhausted and self.error is None:
-            queued = self.batch.queued
-            if queued is not None and self not in queued.rows and any(
-                    r is not None and r.wants for r in queued.rows):
-                # joined while a step was queued: it starts at the next one, which a row of
-                # the queued step runs when read (where none is left, this row runs it)
-                self.pending = []
-            else:
-                self.batch.step()
-                queued = self.batch.queued
-                if self.pending is None and queued is not None and self in queued.rows:
-                    self.pending = []  # the step it ran was queued before it joined
+    def read(self) -> StepOutput | None:
+        """The output of the tokens committed since the last read (None: none yet, or the
+        answer has ended); raises the error of a step that failed."""
         if self.error is not None:
             raise self.error
-        out = next(self.detok)
-        if out.finish_reason:
-            self.finished = True
-        return out
+        tokens, self.pending = self.pending, None
+        if self.finished or not tokens and not self.exhausted:
+            return None
+        return self.detok.feed(tokens or [], last=self.exhausted)
 
     def close(self) -> None:
         """Leave the batch; the prompt cache gets the row's cache back (all tokens but the
@@ -273,7 +240,6 @@ class BatchRow:
         if self.closed:
             return
         self.closed = True
-        self.detok.close()
         self.batch._leave(self)
         if self.proposer is not None:
             self.proposer.finish()  # the answer is in the suffix store for the next request
@@ -336,9 +302,10 @@ class BatchSpeculator:
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = 0,
              stop=None, prediction=None, num_draft: int | None = None,
              prompt_cache: PromptCache | None = None, mode: str | None = None,
-             policy=None) -> BatchRow:
-        """`Engine.stream_steps`'s set-up (same checks, same prefill), then the request joins
-        the batch. Iterate the returned row for its outputs; close it to leave.
+             policy=None, progress=None) -> BatchRow:
+        """A request checked (`Engine.prepare`) and prefilled, joining the batch: each `step()`
+        commits its tokens, `row.read()` returns them as text; close the row to leave.
+        `progress(done, total)` is called during a prefill done here.
 
         A prompt with at most GROUP_PREFILL_MAX tokens left to prefill is prefilled at the
         batch's next step or the row's first read, whichever comes first, together with every
@@ -350,22 +317,23 @@ class BatchSpeculator:
                              prediction=prediction, num_draft=num_draft,
                              prompt_cache=prompt_cache, mode=mode, policy=policy)
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
-        if proposer is not None and proposer.uses_trees:
+        if proposer is not None and proposer.uses_trees and not self.alone:
             raise MlxspecError("this request cannot run in the batched step")
         if engine.model is not self.model:
             raise MlxspecError("a row of another model cannot join this batch")
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
-                       num_draft or MAX_NUM_DRAFT, req.stops, seeded=seed is not None)
+                       num_draft or MAX_NUM_DRAFT, req.stops,
+                       seeded=seed is not None or self.alone)
         if any(r.pc is pc for r in self.opening + self.rows):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
         keep = engine.reuse(tokens, pc, proposer)
-        if not plain_attention(pc.cache):
+        if not self.alone and not plain_attention(pc.cache):
             raise MlxspecError("this request cannot run in the batched step")
         if self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
             # (`row_plans`: every step as alone, the first one too)
-            engine.begin(req)
+            engine.begin(req, progress)
             self._join(row)
         else:  # (request, tokens reused, seconds that took)
             row.opening = (req, keep, time.perf_counter() - start)
@@ -484,6 +452,8 @@ class BatchSpeculator:
             not row.pinned or isinstance(row.policy, AdaptiveK)))
 
     def _join(self, row: BatchRow, may_go_solo: bool = True) -> None:
+        if row.detok is not None:
+            row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
         if may_go_solo and self._goes_solo(row):
             # Alone, a row decodes on its own cache (the step takes any kind as it is), the
             # fastest for one request (on the ragged cache one row ran at 0.93x,
@@ -893,11 +863,26 @@ class BatchSpeculator:
         return proposals, draft_forwards + widest
 
 
+def next_output(row: BatchRow) -> StepOutput:
+    """The row's next output, stepping its batch until there is one (StopIteration once the
+    row has ended or left): for reading rows one at a time, in tests and benchmarks. The
+    server steps each batch once a round and reads every row (`server/worker.py`)."""
+    if row.opening is not None:  # its first token comes from its prefill, not a step
+        row.batch._open_pending()
+    while not (row.closed or row.finished):
+        out = row.read()
+        if out is not None:
+            return out
+        row.batch.step()
+    raise StopIteration
+
+
 def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
            sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
            num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
-    """One request on its own cache (holding `context` but its last token): yields the tokens
-    each step commits (>= 1); `context` grows in place. `num_draft` caps k, the policy
+    """One request on a cache given as is (holding `context` but its last token), in tokens:
+    yields the tokens each step commits (>= 1); `context` grows in place (for tools and tests
+    that hold a raw cache; `Engine.stream_steps` runs a request with text). `num_draft` caps k, the policy
     chooses within it; `sync`: a sharded target's (rank 0's tokens on every rank). When it
     ends or is closed the cache holds every committed token but the last again."""
     batch = BatchSpeculator(model, alone=True, sync=sync)

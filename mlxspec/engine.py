@@ -1,8 +1,8 @@
 """The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
 the prompt cache), and their tokens turned into text (`stopstrings.TextStream`).
 
-The decode loop itself is `batch_step.decode`: a request is a batch of one on its own cache
-(`BatchSpeculator`, the server's batch too). Per step the policy picks a source and k from
+The decode loop itself is `batch_step.BatchSpeculator`: a request is a batch of one on its
+own cache (the server's batch is the same class). Per step the policy picks a source and k from
 what the proposer offers, the proposer proposes, one target forward verifies exactly
 (`step.decode_step`), the rejected tokens are rolled back; where the policy wants no proposal
 (all of `none`) plain decoding runs pipelined, as mlx-lm does.
@@ -21,13 +21,12 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
 from . import backend, caches
-from .batch_step import decode
+from .batch_step import BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .policy import (
     AUTO_MAX_K,
     DEFAULT_NUM_DRAFT,
-    MAX_NUM_DRAFT,
     AdaptiveK,
     FixedK,
     Policy,
@@ -39,7 +38,7 @@ from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .sampling import SamplingParams
 from .stats import Stats
-from .stopstrings import TextStream
+from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
 
 log = logging.getLogger("mlxspec")
 # Loading lives in loading.py (which builds the Engine); these names are still importable from
@@ -69,17 +68,6 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
                 "stats": self.stats.to_dict()}
-
-
-@dataclass
-class StepOutput:
-    """What `Engine.stream_steps` yields after each target forward."""
-
-    text: str  # new text since the previous step (may be empty while a stop string is pending)
-    tokens: list[int]  # tokens emitted by this step
-    stats: Stats
-    finish_reason: str | None = None  # set on the last output
-    stop_string: str = ""  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -278,32 +266,29 @@ class Engine:
         `mode` overrides the engine's mode for this call; `num_draft` caps k for this call;
         `policy` replaces the mode's policy (`FixedK`, `AdaptiveK`) for this call;
         `progress(done, total)` is called during prefill."""
-        req = self.prepare(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                           top_k=top_k, min_p=min_p, seed=seed, stop=stop, prediction=prediction,
-                           num_draft=num_draft, prompt_cache=prompt_cache, mode=mode,
-                           policy=policy)
-        sampling, max_tokens, stats, pc = req.sampling, req.max_tokens, req.stats, req.pc
-        proposer, policy, key, stops = req.proposer, req.policy, req.key, req.stops
-        tokens = req.tokens
-
         with wired_limit(self.model):
             backend.reset_peak_memory()
-            self.begin(req, progress)
-            context = list(tokens)
-            steps = decode(self.model, pc.cache, context, proposer, policy, sampling, max_tokens,
-                           key, stats, num_draft=num_draft or MAX_NUM_DRAFT, sync=self.sync)
-            start = time.perf_counter()
+            batch = BatchSpeculator(self.model, alone=True, sync=self.sync)
+            row = batch.open(self, prompt, max_tokens=max_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                             prediction=prediction, num_draft=num_draft,
+                             prompt_cache=prompt_cache, mode=mode, policy=policy,
+                             progress=progress)
+            pc = row.pc
             try:
-                yield from self._detokenize(steps, stats, stops, start)
+                while not row.finished:
+                    batch.step()
+                    out = row.read()
+                    if out is not None:
+                        yield out
             finally:
-                steps.close()
-                if proposer is not None:
-                    proposer.finish()  # the answer is in the suffix store for the next request
-                pc.tokens = context[:-1]
+                row.close()  # the cache holds every committed token but the last
                 # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
-                # the cache holding other tokens than `context`: then it must not be reused.
-                if any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
-                       for c in caches.leaves(pc.cache)):
+                # the cache holding other tokens than the row committed: then it must not be
+                # reused.
+                if pc.cache is not None and any(
+                        getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
+                        for c in caches.leaves(pc.cache)):
                     pc.cache, pc.tokens, pc.checkpoint = None, [], None
 
     def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,
@@ -416,28 +401,3 @@ class Engine:
             if proposer is not None:  # a proposer that drafts on the target's own cache
                 proposer.bind_cache(pc.cache)
         return keep
-
-
-    def _detokenize(self, steps: Iterator[list[int]], stats: Stats, stops: list[str],
-                    start: float) -> Iterator[StepOutput]:
-        eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        text = TextStream(self.tokenizer, stops)
-        for new_tokens in steps:
-            emitted = []
-            for t in new_tokens:
-                if t in eos:
-                    break
-                emitted.append(t)
-            pieces = [text.add(t)[0] for t in emitted]
-            finish = "stop" if text.stopping_word else None
-            if len(emitted) < len(new_tokens):  # an end-of-sequence token
-                stats.generated_tokens -= len(new_tokens) - len(emitted)
-                pieces.append(text.finish())
-                finish = "stop"
-            stats.decode_seconds = time.perf_counter() - start
-            stats.peak_memory_gb = backend.peak_memory_gb()
-            yield StepOutput("".join(pieces), emitted, stats, finish, text.stopping_word)
-            if finish:
-                return
-        stats.decode_seconds = time.perf_counter() - start
-        yield StepOutput(text.finish(), [], stats, "length")

@@ -48,7 +48,7 @@ def check_num_draft(num_draft: int) -> None:
 
 
 class Policy(Protocol):
-    """What the decode loop asks of a policy, one request (`batch_step.decode`) or a
+    """What the decode loop asks of a policy, one request (a batch of one) or a
     row of the batch (`batch_step.BatchRow`, where `batch_policy.BatchPolicy` then chooses k
     over the rows): a source and k from what the proposer offers, and how each step went."""
 

@@ -8,6 +8,12 @@ the next piece arrives, so a stop string split across tokens is found all the sa
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+from . import backend
+from .stats import Stats
+
 
 def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     """(where the answer ends, the stop string found there) for the earliest match, or None."""
@@ -53,8 +59,7 @@ class StopMatcher:
 
 
 class TextStream:
-    """Tokens to text, cut at stop strings: the one detokenizer of every path (the engine's
-    `_detokenize`, the server's). Text that might start a stop string is held back, and the
+    """Tokens to text, cut at stop strings (`Detokenizer`'s). Text that might start a stop string is held back, and the
     earliest match in the text ends the answer (`stopping_word`)."""
 
     def __init__(self, tokenizer, stops: list[str]):
@@ -84,3 +89,49 @@ class TextStream:
         if hit is not None and was is None:
             self.stopping_word = hit
         return text, hit is not None
+
+
+@dataclass
+class StepOutput:
+    """What a generation yields after each target forward (`Engine.stream_steps`, a batch
+    row's `read`)."""
+
+    text: str  # new text since the previous step (may be empty while a stop string is pending)
+    tokens: list[int]  # tokens emitted by this step
+    stats: Stats
+    finish_reason: str | None = None  # set on the last output
+    stop_string: str = ""  # the stop string that ended the answer, if one did
+
+
+class Detokenizer:
+    """A generation's committed tokens to `StepOutput`s, the one detokenizer of every path:
+    text up to an end-of-sequence token or a stop string, the stats' decode time."""
+
+    def __init__(self, tokenizer, stops: list[str], stats: Stats):
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.text = TextStream(tokenizer, stops)
+        self.stats = stats
+        self.start = time.perf_counter()  # decoding started (reset when a row joins its batch)
+        self.done = False
+
+    def feed(self, tokens: list[int], last: bool = False) -> StepOutput:
+        """The output of a step that committed `tokens`; `last`: the answer ends after them
+        (max_tokens reached) unless an end-of-sequence token or a stop string ended it."""
+        emitted = []
+        for t in tokens:
+            if t in self.eos:
+                break
+            emitted.append(t)
+        pieces = [self.text.add(t)[0] for t in emitted]
+        finish = "stop" if self.text.stopping_word else None
+        if len(emitted) < len(tokens):  # an end-of-sequence token
+            self.stats.generated_tokens -= len(tokens) - len(emitted)
+            pieces.append(self.text.finish())
+            finish = "stop"
+        elif last and finish is None:
+            pieces.append(self.text.finish())
+            finish = "length"
+        self.stats.decode_seconds = time.perf_counter() - self.start
+        self.stats.peak_memory_gb = backend.peak_memory_gb()
+        self.done = finish is not None
+        return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word)

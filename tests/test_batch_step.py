@@ -14,7 +14,7 @@ from conftest import build_model, make_engine
 
 from mlxspec import caches
 from mlxspec.batch_policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
-from mlxspec.batch_step import BatchSpeculator
+from mlxspec.batch_step import BatchSpeculator, next_output
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.proposers.base import Proposal
@@ -60,7 +60,7 @@ def drain(rows, outs, close_at: dict | None = None, join: dict | None = None, ro
             break
         for i in list(live):
             try:
-                out = next(rows[i])
+                out = next_output(rows[i])
             except StopIteration:
                 live.remove(i)
                 continue
@@ -205,7 +205,7 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     assert batch.cache[0].keys.shape[0] == 4
     opener(4)()  # the next request takes the empty slot, at its first read (its prefill)
     assert batch.slots[1] is None
-    outs[4].extend(next(rows[4]).tokens)
+    outs[4].extend(next_output(rows[4]).tokens)
     assert batch.slots[1] is rows[4] and len(batch.slots) == 4
     rows[2].close()
     rows[3].close()  # half the slots empty: compacted to the two rows left
@@ -222,7 +222,7 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     want, batch, rows, outs, opener = started(plain, 3)
     assert batch.queued is not None
     opener(3)()
-    outs[3].extend(next(rows[3]).tokens)  # its first token: from its prefill, not a step
+    outs[3].extend(next_output(rows[3]).tokens)  # its first token: from its prefill, not a step
     assert len(batch.slots) == 4 and len(batch.queued.rows) == 3
     rows[0].close()
     rows[1].close()
@@ -244,7 +244,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     engine = base.clone()
     pc = PromptCache()
     row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
-    outs = [list(next(row).tokens)]  # alone in its round: prefilled as the engine does
+    outs = [list(next_output(row).tokens)]  # alone in its round: prefilled as the engine does
     assert batch.own is row and batch.cache is pc.cache  # on its own cache
     drain([row], outs)
     assert outs[0] == want
@@ -268,10 +268,10 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     rows = [batch.open(base.clone(), reqs[0][0], max_tokens=30, mode="auto")]
     outs = [[], []]
     for _ in range(5):
-        outs[0].extend(next(rows[0]).tokens)
+        outs[0].extend(next_output(rows[0]).tokens)
     assert batch.own is rows[0]
     rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
-    outs[1].extend(next(rows[1]).tokens)  # its prefill; the lone row moves in
+    outs[1].extend(next_output(rows[1]).tokens)  # its prefill; the lone row moves in
     assert batch.own is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
     drain(rows, outs)
     assert outs == want
@@ -358,11 +358,11 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
             for i, (p, _, n, _) in enumerate(reqs)]
     assert counted.calls == [(1, len(long_prompt) - 1)]  # the long one, at open
     assert rows[5].opening is None and all(r.opening is not None for r in rows[:5])
-    outs = [list(next(rows[0]).tokens)]
+    outs = [list(next_output(rows[0]).tokens)]
     # the row with much cached alone on its own cache (4 tokens), the others in one forward:
     # 37, 3, 1 and 35 - 30 tokens, padded to the widest
     assert counted.calls[1:] == [(1, 4), (4, 37)] and batch.steps == 0
-    outs += [list(next(r).tokens) for r in rows[1:5]]
+    outs += [list(next_output(r).tokens) for r in rows[1:5]]
     assert [o[0] for o in outs] == [greedy_path(target, p, 1)[0] for p, _, _, _ in reqs[:5]]
     assert batch.steps == 0 and rows[3].stats.cached_tokens == 30
     assert rows[4].stats.cached_tokens == len(much_cached) - 4
@@ -392,13 +392,13 @@ def test_a_joiner_whose_queued_step_lost_every_row_still_decodes(pair):
     drain(rows, outs, rounds=3)
     assert batch.queued is not None
     rows.append(batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2]))
-    outs[2].extend(next(rows[2]).tokens)  # its prefill's token; not in the queued step
+    outs[2].extend(next_output(rows[2]).tokens)  # its prefill's token; not in the queued step
     assert rows[2] not in batch.queued.rows
     rows[0].close()
     rows[1].close()
     for _ in range(reqs[2][2] + 2):  # bounded: a livelock fails here, not hangs
         try:
-            outs[2].extend(next(rows[2]).tokens)
+            outs[2].extend(next_output(rows[2]).tokens)
         except StopIteration:
             break
     assert outs[2] == want[2]
@@ -427,9 +427,9 @@ def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair)
             for e, (p, _, n, _), pc in zip(engines, reqs, pcs)]
     rows[1].close()
     assert pcs[1].tokens == reqs[1][0][:9] and caches.offset(pcs[1].cache) == 9
-    outs = [list(next(rows[0]).tokens), [], [], []]
+    outs = [list(next_output(rows[0]).tokens), [], [], []]
     with pytest.raises(MemoryError, match="no memory"):
-        next(rows[2])
+        next_output(rows[2])
     assert pcs[2].cache is None and pcs[2].tokens == []
     rows[2].close()
     assert batch.rows == [rows[0], rows[3]] and rows[2] not in batch.slots
@@ -474,11 +474,11 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     got = [[] for _ in reqs[:3]]
     for _ in range(3):
         for i, r in enumerate(first):
-            got[i].extend(next(r).tokens)
+            got[i].extend(next_output(r).tokens)
     assert batch.queued is not None
     steps = batch.steps
     late = batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2])
-    got[2].extend(next(late).tokens)
+    got[2].extend(next_output(late).tokens)
     assert len(got[2]) == 1 and batch.steps == steps
     drain(first + [late], got)
     assert got == alone(base, [(p, "none", n, kw) for p, _, n, kw in reqs[:3]])

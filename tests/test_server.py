@@ -450,13 +450,13 @@ def test_requests_over_the_batch_bound_wait_to_open(model_dirs, ref):
     engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
     srv = start(engine, spec_max_concurrency=1, max_batch=1)
     worker, most_open = srv.worker, [0]
-    orig = worker._step_engine
+    orig = worker._step_all
 
-    def counted(job):
-        most_open[0] = max(most_open[0], sum(j.gen is not None for j in worker.jobs))
-        orig(job)
+    def counted():
+        most_open[0] = max(most_open[0], sum(j.opened for j in worker.jobs))
+        orig()
 
-    worker._step_engine = counted
+    worker._step_all = counted
     results = [None] * 4
 
     def run(i):
@@ -553,13 +553,13 @@ def test_disconnect_mid_stream_frees_the_worker(server, client, ref):
 def test_cancelled_non_streaming_request(server, client, ref, monkeypatch):
     """Editors kill their request (llama.vim kills curl) when the cursor moves on."""
     assert ref["long"] is not None, "the fixture must provide a prompt with a long answer"
-    step = server.worker._step_engine
+    step = server.worker._emit
 
     def slow_step(job):  # a tiny model answers 200 tokens faster than a client can hang up
         time.sleep(0.01)
         step(job)
 
-    monkeypatch.setattr(server.worker, "_step_engine", slow_step)
+    monkeypatch.setattr(server.worker, "_emit", slow_step)
     cancels = server.metrics.cancels
     sock = socket.create_connection(server.server_address[:2], timeout=30)
     body = json.dumps({"prompt": ref["long"], "n_predict": 200, "temperature": 0}).encode()

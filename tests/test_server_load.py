@@ -196,13 +196,13 @@ def test_slowloris_does_not_delay_others_and_is_dropped(engine, ref):
 def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref):
     srv = start(engine, write_timeout=0.5, send_buffer_bytes=4096)
     try:
-        orig = srv.worker._step_engine
+        orig = srv.worker._emit
 
         def slow_step(job):  # a few ms a step: the stream outlasts the buffers' slack
             time.sleep(0.002)
             orig(job)
 
-        srv.worker._step_engine = slow_step
+        srv.worker._emit = slow_step
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         sock.settimeout(10)
@@ -217,7 +217,7 @@ def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref)
         wait_for(srv.worker.idle, 10, "its job cancelled")
         assert metric(srv, "mlxspec_client_disconnects_total") >= 1
         sock.close()
-        srv.worker._step_engine = orig
+        srv.worker._emit = orig
         status, payload, _ = post(srv.url, "/v1/completions",
                                   {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0})
         assert json.loads(payload)["choices"][0]["text"] == ref["short"][PROMPTS[1]]
@@ -233,13 +233,13 @@ def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref)
 def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
     srv = start(engine, request_timeout=0.6, spec_max_concurrency=spec)
     worker = srv.worker
-    orig = worker._step_engine
+    orig = worker._emit
 
     def slow(*a):
         time.sleep(0.01)
         orig(*a)
 
-    worker._step_engine = slow
+    worker._emit = slow
     try:
         t = time.monotonic()
         status, payload, _ = post(srv.url, "/v1/completions",
@@ -263,7 +263,7 @@ def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
         body = json.loads(payload)
         assert body["stop_type"] == "limit" and ref["long_text"].startswith(body["content"])
     finally:
-        worker._step_engine = orig
+        worker._emit = orig
         stop(srv)
 
 
@@ -272,13 +272,13 @@ def test_request_timeout_ends_with_partial_answer(engine, ref, spec, stream):
 
 def test_drain_lets_short_requests_finish_and_ends_long_streams_cleanly(engine, ref):
     srv = start(engine)
-    orig = srv.worker._step_engine
+    orig = srv.worker._emit
 
     def slow(job):
         time.sleep(0.01)
         orig(job)
 
-    srv.worker._step_engine = slow
+    srv.worker._emit = slow
     out: dict = {}
 
     def long_stream():
@@ -318,13 +318,13 @@ def test_drain_waits_for_a_running_request(engine, ref):
                         {"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}, timeout=30)
 
     t = threading.Thread(target=one, daemon=True)
-    orig = srv.worker._step_engine
+    orig = srv.worker._emit
 
     def slow(job):
         time.sleep(0.02)
         orig(job)
 
-    srv.worker._step_engine = slow
+    srv.worker._emit = slow
     t.start()
     wait_for(lambda: srv.worker.active() == 1, 10, "running")
     assert srv.drain(grace=20)

@@ -259,7 +259,7 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     """Through the Python API alone (no server, chat or edit around it), both single and
     batched: the prompt and answer are in the store when the generation ends, not at the next
     request's start."""
-    from mlxspec.batch_step import BatchSpeculator
+    from mlxspec.batch_step import BatchSpeculator, next_output
 
     store = SuffixIndex()
     engine = make_engine(tiny, "suffix", store=store)
@@ -268,7 +268,11 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     assert store.documents() == [engine.encode(PROMPTS[0]) + r.tokens]
     batch = BatchSpeculator(engine.model)
     rows = [batch.open(engine.clone(), p, max_tokens=12) for p in PROMPTS[1:]]
-    answers = [[t for out in row for t in out.tokens] for row in rows]
+    answers = [[] for _ in rows]
+    while not all(row.finished for row in rows):
+        for row, answer in zip(rows, answers):
+            if not row.finished:
+                answer.extend(next_output(row).tokens)
     for row in rows:
         row.close()
     assert sorted(store.documents()) == sorted(

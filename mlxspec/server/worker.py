@@ -2,17 +2,20 @@
 
 Handlers submit a `Job` and read its events from the job's own queue. Every job runs on an engine
 *slot* (an `Engine` sharing the model, with its own proposers, policies and prompt cache). The
-worker loop:
+worker loop, each round:
 
-1. admits new jobs and opens their generations. On plain-attention models a generation joins
-   the batch (`batch_step.BatchSpeculator`): one target forward per step for every row, each
-   row proposing with its own source and k, or none. While `spec_max_concurrency` requests
-   speculate, a new one speculates too; above that it decodes plainly in the same batch (k = 0:
-   continuous batching), and above `spec_max_concurrency + max_batch` it waits to open. Other
-   models (sliding windows, recurrent state) and requests the batch cannot run (trees,
-   QuantSpec) run `Engine.stream_steps` on their slot (each a batch of one on its own cache),
-   one forward each, round robin;
-2. advances every job by one step (the batch's step runs once per round for all its rows).
+1. admits new jobs and opens them. On plain-attention models a job is a row of the shared
+   `batch_step.BatchSpeculator`: one target forward per step for every row, each row
+   proposing with its own source and k, or none. While `spec_max_concurrency` requests
+   speculate, a new one speculates too; above that it decodes plainly in the same batch
+   (k = 0: continuous batching), and above `spec_max_concurrency + max_batch` it waits to
+   open. Other models (sliding windows, recurrent state) and requests the shared batch cannot
+   run (trees, QuantSpec, a sharded target) run `Engine.stream_steps` on their slot: the same
+   `BatchSpeculator`, a batch of one on their own cache (a sharded engine mirrors that on
+   every rank, `distributed/`);
+2. steps the shared batch once (one target forward for all its rows);
+3. reads every row's new tokens as text (`BatchRow.read`), and advances every stream by one
+   step, and hands each request its text.
 
 A cancelled job (its client went away) is closed before its next step: the generator's
 `close()` leaves its cache consistent, and the cache goes back to the prompt-cache store.
@@ -26,6 +29,7 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -37,6 +41,7 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
+from ..stopstrings import StepOutput
 from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
@@ -76,7 +81,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # worker-side state
-    gen: object = None
+    row: BatchRow | None = None  # opened in the shared batch: its row
+    stream: Iterator[StepOutput] | None = None  # opened alone: its `Engine.stream_steps`
     # decided when it first opens: over --spec-max-concurrency, it decodes plainly (k = 0)
     plain: bool | None = None
     slot: Engine | None = None
@@ -94,6 +100,10 @@ class Job:
     def __post_init__(self) -> None:
         if self.req.n_indent > 0:
             self.indent = IndentStop(self.req.n_indent)
+
+    @property
+    def opened(self) -> bool:
+        return self.row is not None or self.stream is not None
 
     def cut(self, text: str) -> tuple[str, bool]:
         """The text to emit after the n_indent rule, and whether it ends the answer."""
@@ -302,14 +312,13 @@ class Worker(threading.Thread):
                 # Above spec_max_concurrency + max_batch a job waits to open.
                 opened = sum(1 for j in self.jobs if j.plain is not None)
                 for job in list(self.jobs):
-                    if job.gen is None and self._live(job):
+                    if not job.opened and self._live(job):
                         if job.plain is None:
                             if opened >= self.spec_max_concurrency + self.max_batch:
                                 continue
                             opened += 1
                         self._guarded(job, self._open_job)
-                for job in list(self.jobs):
-                    self._step_engine(job)
+                self._step_all()
             except Exception:  # never let the worker die: fail the requests in flight
                 log.error("worker error:\n%s", traceback.format_exc())
                 for job in list(self.jobs):
@@ -374,18 +383,17 @@ class Worker(threading.Thread):
         # keeps a batch of its own while at most one other request does (beyond that,
         # as the plain batch always did, the draw is exact but not the one alone).
         loops = sum(1 for j in self.jobs
-                    if j is not job and not isinstance(j.gen, BatchRow))
+                    if j is not job and j.row is None)
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
         if ((self.batch_spec or job.plain) and not r.warmup and not seeded
                 and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
-            # One batched step for every such job: the first job read in a round runs the
-            # forward for all (batch_step.py), the others read their rows' outputs. A job
-            # alone there decodes on its own cache until another joins.
+            # One batched step for every such job (batch_step.py). A job alone there decodes
+            # on its own cache until another joins.
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
-            job.gen = self.spec_batch.open(job.slot, r.prompt, **kwargs)
-            return
-        job.gen = job.slot.stream_steps(r.prompt, **kwargs)
+            job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
+        else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
+            job.stream = job.slot.stream_steps(r.prompt, **kwargs)
 
     def _prefill_chunk(self, job: Job) -> bool:
         """Prefill a long prompt a chunk per worker round, so that other requests keep
@@ -460,15 +468,22 @@ class Worker(threading.Thread):
             self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
         return False, None
 
-    def _step_engine(self, job: Job) -> None:
-        if job.gen is None or not self._live(job):  # not open yet: see `_loop`
+    def _step_all(self) -> None:
+        """One step of the shared batch (one target forward for its rows) and of every
+        stream, each job's new text to its request."""
+        live = [job for job in list(self.jobs) if job.opened and self._live(job)]
+        if self.spec_batch is not None and any(job.row is not None for job in live):
+            self.spec_batch.step()  # (a failed step fails its rows: raised by their `read`)
+        for job in live:
+            self._emit(job)
+
+    def _emit(self, job: Job) -> None:
+        ok, out = self._guarded(
+            job, lambda j: j.row.read() if j.row is not None else next(j.stream, _ENDED))
+        if not ok or out is None:
             return
-        try:
-            ok, out = self._guarded(job, lambda j: next(j.gen))
-        except StopIteration:
-            self._finish_engine(job, "length", None)
-            return
-        if not ok:
+        if out is _ENDED:  # (a stream ends with an output saying why: this is a safeguard)
+            self._finish_engine(job, "length", job.stats)
             return
         job.stats = out.stats
         if job.req.warmup:  # prefilled and cached; the token is not wanted
@@ -507,18 +522,19 @@ class Worker(threading.Thread):
 
     def _close_engine_job(self, job: Job) -> None:
         try:
-            if job.gen is not None:
-                job.gen.close()  # the engine's finally: the cache holds exactly its tokens
+            for generation in (job.row, job.stream):
+                if generation is not None:
+                    generation.close()  # the cache holds every committed token but the last
         except Exception:
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
-        if job.gen is not None and job.slot is not None:
+        if job.opened and job.slot is not None:
             try:  # the engine put the prompt and answer into the scope's store: keep the budget
                 r = job.req
-                if (job.plain and isinstance(job.gen, BatchRow) and r.use_suffix
+                if (job.plain and job.row is not None and r.use_suffix
                         and r.suffix_scope is not None):
                     # decoded plainly (no proposer to keep it): its text helps later requests
-                    self.suffix.get(r.suffix_scope).add(job.gen.context)
+                    self.suffix.get(r.suffix_scope).add(job.row.context)
                 self.suffix.evict_to_budget()
             except Exception:
                 log.error("keeping a request's text failed:\n%s", traceback.format_exc())
@@ -531,7 +547,7 @@ class Worker(threading.Thread):
 
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
                        drop_output: bool = False, stop_string: str = "") -> None:
-        in_batch = isinstance(job.gen, BatchRow)
+        in_batch = job.row is not None
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
@@ -565,6 +581,7 @@ class Worker(threading.Thread):
 
 
 _WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
+_ENDED = object()  # a stream that ended
 
 
 usage_from_stats = Usage.from_stats
