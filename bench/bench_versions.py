@@ -1,7 +1,8 @@
 """A single request on this checkout against another (a refactor must not slow the loop):
 `Engine.generate` per mode over the same prompts, each checkout in its own process, the two
 alternating round by round; prints each mode's decode tok/s per checkout and the median of the
-per-round ratios (this / other).
+per-round ratios (this / other), and the target forwards each round took (the same count
+means the same policy decisions: a speed difference is then the step's cost, not its choices).
 
     git worktree add /tmp/old <commit>
     python bench/bench_versions.py --other /tmp/old [-m smollm2] [--modes none,ngram,auto]
@@ -33,13 +34,15 @@ prompts = ([(p, 0.0) for p in workload(n)] if 0.0 in temps else []) + (
 out = {}
 for mode in modes:
     engine.generate(prompts[0][0], max_tokens=8, mode=mode, prompt_cache=PromptCache())
-    tokens = seconds = 0.0
+    tokens = seconds = forwards = 0.0
     for p, temp in prompts:
         r = engine.generate(p, max_tokens=max_tokens, temperature=temp, seed=0, mode=mode,
                             prompt_cache=PromptCache())
         tokens += r.stats.generated_tokens
         seconds += r.stats.decode_seconds
+        forwards += r.stats.target_forwards
     out[mode] = tokens / seconds
+    out[mode + ":forwards"] = forwards
 print(json.dumps(out))
 """
 
@@ -77,8 +80,11 @@ def main() -> None:
         a = [r[mode] for r in ours]
         b = [r[mode] for r in theirs]
         ratio = statistics.median(x / y for x, y in zip(a, b))
+        fa = [r[mode + ":forwards"] for r in ours]
+        fb = [r[mode + ":forwards"] for r in theirs]
         print(f"{mode}: this {statistics.median(a):.1f} tok/s, other {statistics.median(b):.1f} "
-              f"tok/s, median ratio {ratio:.3f}")
+              f"tok/s, median ratio {ratio:.3f}; target forwards per round (all prompts): "
+              f"this {sorted(fa)}, other {sorted(fb)}")
 
 
 if __name__ == "__main__":
