@@ -283,3 +283,47 @@ def test_auto_is_exact_at_temperature_through_the_engine(tiny):
 
     assert min_pvalue(sample_counts(run, 800), exact) > 1e-4
     assert engine.policy.sources  # it did speculate
+
+
+class Recorder(FixedK):
+    """FixedK(2) that keeps every step plain for `plain` plans, then proposes; records what
+    it is told."""
+
+    def __init__(self, plain: int):
+        super().__init__(2)
+        self.plain, self.events = plain, []
+
+    def plan(self, available):
+        self.events.append(("plan", len(self.events)))
+        self.plain -= 1
+        return ("onzero", 2) if self.plain < 0 else ("", 0)
+
+    def observe_plain(self, tokens, seconds=None):
+        self.events.append(("plain", seconds))
+
+
+class Always(OnZero):
+    def available(self, context, cap):
+        return {"onzero": cap}
+
+
+def test_a_plain_stretch_tells_the_policy_steady_times_only(tiny):
+    """In a pipelined plain stretch each token's time is the wait between two tokens read
+    back. Its first token (synced) and its last (computed while the host planned, nothing
+    queued after it) are counted without a time: timed, the last one made plain decoding look
+    several times cheaper than it is, and `auto` proposed too little."""
+    target, _, _ = tiny
+    cache = make_prompt_cache(target)
+    target(mx.array(PROMPT[:-1])[None], cache=cache)
+    policy = Recorder(plain=6)
+    steps = decode(target, cache, list(PROMPT), Always(), policy, SamplingParams(), 12,
+                   mx.random.key(0), Stats())
+    for _ in steps:
+        if policy.plain < 0:  # the plan that ended the stretch was made
+            break
+    steps.close()
+    plains = [seconds for kind, seconds in policy.events if kind == "plain"]
+    assert plains[0] is None  # the stretch's first, synced step
+    assert all(s is not None and s > 0 for s in plains[1:-1])  # the pipelined ones
+    assert plains[-1] is None  # the token delivered when the plan ended the stretch
+    assert len(plains) >= 5
