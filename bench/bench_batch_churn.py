@@ -4,10 +4,11 @@ loop at the batch level, with joins and leaves but no HTTP, no worker, no client
 
     python bench/bench_batch_churn.py [--rows 4] [--requests 32] [--mode auto] [--repeat 6]
 
-`ours`: `BatchSpeculator.open` / `next_output(row)` / `row.close()` (the server's batched path); `mlx-lm`:
-`BatchGenerator.insert` / `next()`. The two run alternately, in reversed order every other
-round; prints each round's tok/s and the median of the per-round ratios. Separates what the
-batch costs from what the server around it costs (`bench_server.py --no-http`).
+`ours`: `BatchSpeculator.open` / `next_output(row)` / `row.close()` (the server's batched
+path); `mlx-lm`: `BatchGenerator.insert` / `next()`. The two run alternately, in reversed
+order every other round; prints each round's tok/s and the median of the per-round ratios.
+Separates what the batch costs from what the server around it costs (`bench_server.py
+--no-http`).
 """
 
 from __future__ import annotations

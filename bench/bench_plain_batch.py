@@ -32,12 +32,10 @@ def ours(engine, slots, prompts, max_tokens: int) -> float:
     while live:
         for row in list(live):
             out = next_output(row)
-            if out is None or out.finish_reason:
-                n += len(out.tokens) if out is not None else 0
+            n += len(out.tokens)
+            if out.finish_reason:
                 row.close()
                 live.remove(row)
-            else:
-                n += len(out.tokens)
     return n / (time.perf_counter() - start)
 
 

@@ -230,7 +230,7 @@ class BatchRow:
         if self.error is not None:
             raise self.error
         tokens, self.pending = self.pending, None
-        if self.finished or not tokens and not self.exhausted:
+        if self.finished or (not tokens and not self.exhausted):
             return None
         return self.detok.feed(tokens or [], last=self.exhausted)
 
@@ -886,9 +886,10 @@ def decode(model, cache: list, context: list[int], proposer: Proposer | None, po
            num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
     """One request on a cache given as is (holding `context` but its last token), in tokens:
     yields the tokens each step commits (>= 1); `context` grows in place (for tools and tests
-    that hold a raw cache; `Engine.stream_steps` runs a request with text). `num_draft` caps k, the policy
-    chooses within it; `sync`: a sharded target's (rank 0's tokens on every rank). When it
-    ends or is closed the cache holds every committed token but the last again."""
+    that hold a raw cache; `Engine.stream_steps` runs a request with text). `num_draft` caps
+    k, the policy chooses within it; `sync`: a sharded target's (rank 0's tokens on every
+    rank). When it ends or is closed the cache holds every committed token but the last
+    again."""
     batch = BatchSpeculator(model, alone=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)

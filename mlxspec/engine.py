@@ -1,5 +1,5 @@
 """The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
-the prompt cache), and their tokens turned into text (`stopstrings.TextStream`).
+the prompt cache), and their tokens turned into text (`stopstrings.Detokenizer`).
 
 The decode loop itself is `batch_step.BatchSpeculator`: a request is a batch of one on its
 own cache (the server's batch is the same class). Per step the policy picks a source and k from

@@ -59,8 +59,9 @@ class StopMatcher:
 
 
 class TextStream:
-    """Tokens to text, cut at stop strings (`Detokenizer`'s). Text that might start a stop string is held back, and the
-    earliest match in the text ends the answer (`stopping_word`)."""
+    """Tokens to text, cut at stop strings (`Detokenizer`'s). Text that might start a stop
+    string is held back, and the earliest match in the text ends the answer
+    (`stopping_word`)."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.detok = tokenizer.detokenizer
