@@ -105,8 +105,10 @@ class BatchRow:
         # (source, k) the batch's last plan kept plain for this row: watched again after each
         # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
         self.watch_for: tuple[str, int] | None = None
-        # (request, tokens reused, seconds that took): opened, not prefilled yet (`open`)
+        # (request, tokens reused, seconds spent prefilling): opened, not prefilled yet
+        # (`open`); `chunk`: its long prompt is prefilled this many tokens per step
         self.opening: tuple | None = None
+        self.chunk: int | None = None
         self.pending: list[int] | None = None  # committed, not read yet
         self.error: BaseException | None = None
         self.closed = False
@@ -281,6 +283,7 @@ class BatchSpeculator:
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self.opening: list[BatchRow] = []  # opened, to prefill together (`_open_pending`)
+        self.prefilling: list[BatchRow] = []  # opened, prefilled a chunk per step
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
 
     @staticmethod
@@ -302,7 +305,7 @@ class BatchSpeculator:
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = 0,
              stop=None, prediction=None, num_draft: int | None = None,
              prompt_cache: PromptCache | None = None, mode: str | None = None,
-             policy=None, progress=None) -> BatchRow:
+             policy=None, progress=None, prefill_chunk: int | None = None) -> BatchRow:
         """A request checked (`Engine.prepare`) and prefilled, joining the batch: each `step()`
         commits its tokens, `row.read()` returns them as text; close the row to leave.
         `progress(done, total)` is called during a prefill done here.
@@ -310,8 +313,10 @@ class BatchSpeculator:
         A prompt with at most GROUP_PREFILL_MAX tokens left to prefill is prefilled at the
         batch's next step or the row's first read, whichever comes first, together with every
         other row opened meanwhile (`_open_pending`); its first token comes from that
-        prefill. A longer one is prefilled here, in chunks, and joins the next step with its
-        last prompt token (the model's head would run over all of its last chunk)."""
+        prefill. A longer one is prefilled here, and joins the next step with its last prompt
+        token (the model's head would run over all of its last chunk); with `prefill_chunk`,
+        one with more than that many tokens to prefill is prefilled that many per `step()`
+        instead (the server: other rows keep decoding meanwhile)."""
         req = engine.prepare(prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                              prediction=prediction, num_draft=num_draft,
@@ -331,14 +336,42 @@ class BatchSpeculator:
         keep = engine.reuse(tokens, pc, proposer)
         if not self.alone and not plain_attention(pc.cache):
             raise MlxspecError("this request cannot run in the batched step")
-        if self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
+        row.opening = (req, keep, time.perf_counter() - start)
+        if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
+            row.chunk = prefill_chunk
+            self.prefilling.append(row)
+        elif self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
             # (`row_plans`: every step as alone, the first one too)
+            row.opening = None
             engine.begin(req, progress)
             self._join(row)
-        else:  # (request, tokens reused, seconds that took)
-            row.opening = (req, keep, time.perf_counter() - start)
+        else:
             self.opening.append(row)
         return row
+
+    def _prefill_chunks(self) -> None:
+        """A chunk of every long prompt being prefilled; a prompt whose rest fits a chunk is
+        prefilled whole and joins (with the round's joiners where the rest is short)."""
+        for row in list(self.prefilling):
+            req, keep, seconds = row.opening
+            start = time.perf_counter()
+            try:
+                rest = len(req.tokens) - 1 - len(row.pc.tokens)
+                if rest > row.chunk:
+                    row.engine.prefill(req.tokens, row.pc, req.proposer, limit=row.chunk)
+                    row.opening = (req, keep, seconds + time.perf_counter() - start)
+                    continue
+                self.prefilling.remove(row)
+                if self.policy is not None and rest < GROUP_PREFILL_MAX:
+                    self.opening.append(row)  # its last tokens with the round's joiners
+                    continue
+                row.opening = None
+                row.engine.prefill(req.tokens, row.pc, req.proposer)
+                req.stats.cached_tokens = keep  # (not the chunks prefilled before)
+                row.engine.start_proposer(req, seconds + time.perf_counter() - start)
+                self._join(row)
+            except Exception as e:
+                self._fail_open(row, e)
 
     def _open_pending(self) -> None:
         """The rows opened since the last step prefill together, what their prompts have not
@@ -352,10 +385,13 @@ class BatchSpeculator:
             return
         if len(group) == 1 and self._goes_solo(group[0]):
             row = group[0]
-            req = row.opening[0]
+            req, keep, seconds = row.opening
             row.opening = None
             try:  # alone: on its own cache, from a prefill of all but the last token
-                row.engine.begin(req)
+                start = time.perf_counter()
+                row.engine.prefill(req.tokens, row.pc, req.proposer)
+                req.stats.cached_tokens = keep
+                row.engine.start_proposer(req, seconds + time.perf_counter() - start)
                 self._join(row)
             except Exception as e:
                 self._fail_open(row, e)
@@ -374,12 +410,12 @@ class BatchSpeculator:
         self._end_solo()
         self._make_room(len(group) + alone, len(group[0].pc.cache))
         for r, token in zip(group, firsts):
-            req, keep, reused_in = r.opening
+            req, keep, seconds = r.opening
             r.opening = None
             try:  # a failure here is this row's alone
                 r.pc.tokens = list(r.context)
                 r.stats.cached_tokens = keep
-                r.engine.start_proposer(req, reused_in + spent)
+                r.engine.start_proposer(req, seconds + spent)
                 r.commit_first(token)
                 self._join(r, may_go_solo=False)
             except Exception as e:
@@ -389,6 +425,8 @@ class BatchSpeculator:
         """A row whose prefill or join failed: it reports `e` at its next read; its cache,
         in whatever state, is not reused."""
         row.opening, row.error = None, e
+        if row in self.prefilling:
+            self.prefilling.remove(row)
         if row in self.slots and row not in self.rows:  # written in, not yet a member
             self.rows.append(row)
         if row in self.rows:
@@ -415,19 +453,19 @@ class BatchSpeculator:
         drawn: list[mx.array | None] = [None] * len(group)
         together = []
         for i, r in enumerate(group):
-            if r.opening[1] <= GROUP_CACHED_MAX:
+            if len(r.pc.tokens) <= GROUP_CACHED_MAX:
                 together.append(i)
                 continue
-            todo = r.context[r.opening[1] :]
+            todo = r.context[len(r.pc.tokens) :]
             logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
             drawn[i] = r.first_draw(logits[0, -1])
         if together:
             rows = [group[i] for i in together]
-            todo = [r.context[r.opening[1] :] for r in rows]  # never empty: the last token
+            todo = [r.context[len(r.pc.tokens) :] for r in rows]  # never empty: the last token
             width = max(len(t) for t in todo)
             layers = [RaggedKVCache() for _ in rows[0].pc.cache]
             # the longest cached prefix first: its buffers then fit every row (one allocation)
-            order = sorted(range(len(rows)), key=lambda i: -rows[i].opening[1])
+            order = sorted(range(len(rows)), key=lambda i: -len(rows[i].pc.tokens))
             for c in layers:
                 c.add_empty_rows(len(rows))
             for i in order:
@@ -521,9 +559,10 @@ class BatchSpeculator:
             row.draft = draft
 
     def _leave(self, row: BatchRow) -> None:
-        if row in self.opening:  # closed before its prefill: its cache holds what it reused
-            self.opening.remove(row)
-            row.opening = None
+        for waiting in (self.opening, self.prefilling):
+            if row in waiting:  # closed before it joined: its cache holds what it prefilled
+                waiting.remove(row)
+                row.opening = None
         if row not in self.rows:
             return
         if row is self.own:  # its cache is its own already
@@ -583,6 +622,7 @@ class BatchSpeculator:
     def step(self) -> None:
         """One batched speculative step for every waiting row (a row whose previous output
         was not read yet sits this one out, its cache untouched: a zero-length row)."""
+        self._prefill_chunks()
         self._open_pending()
         if self.queued is not None:
             self._deliver_queued()

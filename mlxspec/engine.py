@@ -259,13 +259,15 @@ class Engine:
                      prompt_cache: PromptCache | None = None, mode: str | None = None,
                      policy: Policy | None = None,
                      progress: Callable[[int, int], None] | None = None,
-                     ) -> Iterator[StepOutput]:
+                     prefill_chunk: int | None = None) -> Iterator[StepOutput | None]:
         """Generate, yielding after every target forward. `prediction` (text or ids) is a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
         engine's own) is reused when the prompt shares a prefix with the tokens it holds;
         `mode` overrides the engine's mode for this call; `num_draft` caps k for this call;
         `policy` replaces the mode's policy (`FixedK`, `AdaptiveK`) for this call;
-        `progress(done, total)` is called during prefill."""
+        `progress(done, total)` is called during prefill. `prefill_chunk`: a longer prompt
+        is prefilled that many tokens per step, each such step yielding None (the server
+        interleaves it with other requests)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
             batch = BatchSpeculator(self.model, alone=True, sync=self.sync)
@@ -273,13 +275,13 @@ class Engine:
                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
                              prediction=prediction, num_draft=num_draft,
                              prompt_cache=prompt_cache, mode=mode, policy=policy,
-                             progress=progress)
+                             progress=progress, prefill_chunk=prefill_chunk)
             pc = row.pc
             try:
                 while not row.finished:
                     batch.step()
                     out = row.read()
-                    if out is not None:
+                    if out is not None or row.opening is not None:
                         yield out
             finally:
                 row.close()  # the cache holds every committed token but the last

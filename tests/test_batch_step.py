@@ -377,6 +377,62 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     assert outs == want
 
 
+def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
+    """With `prefill_chunk`, a long prompt is prefilled that many tokens per step while the
+    batch's other rows decode (fed every round); its rest then joins as a round's joiner; its
+    answer and cached count are as alone. One closed mid-prefill leaves its prompt cache
+    holding what was prefilled; alone (`Engine.stream_steps`) each chunk's step yields None."""
+    target, _ = pair
+    counted = Counting(target)
+    base = make_engine(counted, mode="none")
+    long_prompt = [(5 * i) % 200 + 1 for i in range(100)]
+    reqs = [([7, 1, 9], "none", 12, {}), (long_prompt, "none", 6, {})]
+    want = alone(base, reqs)
+    pc = PromptCache()
+    base.clone().prefill(long_prompt[:20], pc, None)  # 19 tokens cached
+    batch = BatchSpeculator(counted)
+    rows, outs = [batch.open(base.clone(), reqs[0][0], max_tokens=12)], [[], []]
+
+    def one_round():
+        batch.step()
+        for row, out in zip(rows, outs):
+            got = row.read()
+            if got is not None:
+                out.extend(got.tokens)
+
+    one_round()
+    counted.calls.clear()
+    rows.append(batch.open(base.clone(), long_prompt, max_tokens=6, prompt_cache=pc,
+                           prefill_chunk=32))
+    assert counted.calls == [] and rows[1] in batch.prefilling  # nothing prefilled at open
+    fed = len(outs[0])
+    one_round()
+    one_round()
+    assert [c for c in counted.calls if c[1] > 1] == [(1, 32), (1, 32)]  # 19 + 64 cached
+    assert len(outs[0]) == fed + 2 and outs[1] == []
+    one_round()  # the last 16 and the last token, as a joiner: its first token
+    assert [c for c in counted.calls if c[1] > 1][2] == (1, 17) and len(outs[1]) == 1
+    for _ in range(40):
+        if all(r.finished for r in rows):
+            break
+        one_round()
+    assert outs == want and rows[1].stats.cached_tokens == 19
+    for r in rows:
+        r.close()
+
+    pc = PromptCache()
+    row = batch.open(base.clone(), long_prompt, max_tokens=6, prompt_cache=pc,
+                     prefill_chunk=32)
+    batch.step()
+    row.close()  # mid-prefill: the cache keeps the chunk
+    assert pc.tokens == long_prompt[:32] and caches.offset(pc.cache) == 32
+    assert not batch.prefilling and not batch.rows
+
+    steps = list(base.clone().stream_steps(long_prompt, max_tokens=6, prefill_chunk=32))
+    assert steps[:3] == [None] * 3 and None not in steps[3:]  # 3 chunks of 32, then the rest
+    assert [t for out in steps[3:] for t in out.tokens] == want[1]
+
+
 def test_a_joiner_whose_queued_step_lost_every_row_still_decodes(pair):
     """A row joins while a plain step is queued for others, and all of those leave before
     reading it: the joiner runs the queued step itself (it used to answer empty outputs for

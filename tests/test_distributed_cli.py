@@ -72,7 +72,7 @@ def start_server(tmp_path, model_dir, mode="ngram"):
     """Two ranks of `serve --distributed`, rank 0 answering /health: (procs, base url)."""
     port = free_port()
     cmd = CLI + ["serve", "--distributed", "-m", str(model_dir), "--mode", mode,
-                 "--port", str(port), "--temp", "0"]
+                 "--port", str(port), "--temp", "0", "--prefill-chunk", "8"]
     procs = start(tmp_path, cmd)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + TIMEOUT

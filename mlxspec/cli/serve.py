@@ -133,9 +133,6 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     # --distributed: only rank 0 returns here and serves HTTP; the others follow its worker
     engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context,
                          distributed=distributed, **({"interactive": True} if distributed else {}))
-    sharded = getattr(engine, "coord", None) is not None
-    if sharded:  # no prefill outside the mirrored generations (the other ranks would not see it)
-        prefill_chunk = 1 << 40
     try:
         server = make_server(
             engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
@@ -153,7 +150,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             suffix_cache=suffix_cache, suffix_budget=suffix_budget)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    if sharded:  # a sharded target runs no batch: every request on a slot of its own
+    if getattr(engine, "coord", None) is not None:
+        # a sharded target runs no shared batch: every request on a slot of its own
         server.worker.batchable = False
     fim = server.parser.fim
     click.echo(f"mlxspec serve: model {server.config.model_name} | mode {engine.mode} "

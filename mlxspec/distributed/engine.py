@@ -291,7 +291,7 @@ def follow(engine, on_step=None) -> None:
                 try:
                     out = next(gen)
                     coord.tick()
-                    if on_step is not None:
+                    if on_step is not None and out is not None:  # (None: a prefill chunk)
                         on_step(gid, out)
                 except StopIteration:
                     gens.pop(gid, None)

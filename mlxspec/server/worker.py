@@ -83,7 +83,7 @@ class Job:
     # worker-side state
     row: BatchRow | None = None  # opened in the shared batch: its row
     stream: Iterator[StepOutput] | None = None  # opened alone: its `Engine.stream_steps`
-    # decided when it first opens: over --spec-max-concurrency, it decodes plainly (k = 0)
+    # decided when it opens: over --spec-max-concurrency, it decodes plainly (k = 0)
     plain: bool | None = None
     slot: Engine | None = None
     cache: PromptCache | None = None
@@ -91,9 +91,6 @@ class Job:
     text_so_far: str = ""
     started: float = 0.0
     first_token: float = 0.0
-    prefill_pos: int | None = None
-    prefilled_here: int = 0
-    prefill_seconds: float = 0.0
     indent: IndentStop | None = None
     deadline: float | None = None  # perf_counter time after which it ends ("timeout")
 
@@ -310,13 +307,12 @@ class Worker(threading.Thread):
                 # Every new job opens before any job steps: the batched step's joiners of
                 # one round then prefill together, in one forward (batch_step.py).
                 # Above spec_max_concurrency + max_batch a job waits to open.
-                opened = sum(1 for j in self.jobs if j.plain is not None)
+                opened = sum(1 for j in self.jobs if j.opened)
                 for job in list(self.jobs):
                     if not job.opened and self._live(job):
-                        if job.plain is None:
-                            if opened >= self.spec_max_concurrency + self.max_batch:
-                                continue
-                            opened += 1
+                        if opened >= self.spec_max_concurrency + self.max_batch:
+                            continue
+                        opened += 1
                         self._guarded(job, self._open_job)
                 self._step_all()
             except Exception:  # never let the worker die: fail the requests in flight
@@ -374,10 +370,11 @@ class Worker(threading.Thread):
     def _open_generation(self, job: Job) -> None:
         r = job.req
         self._bind_suffix(job)
+        # A long prompt is prefilled a chunk per round, other requests decoding meanwhile.
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
-                      mode="none" if job.plain else r.mode)
+                      mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk)
         # A sampled request with a seed draws what it would alone (the promise of a seed, and
         # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
         # keeps a batch of its own while at most one other request does (beyond that,
@@ -394,32 +391,6 @@ class Worker(threading.Thread):
             job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
             job.stream = job.slot.stream_steps(r.prompt, **kwargs)
-
-    def _prefill_chunk(self, job: Job) -> bool:
-        """Prefill a long prompt a chunk per worker round, so that other requests keep
-        streaming meanwhile; the engine then finds the prompt cached and prefills the last
-        chunk itself. False when there is nothing (more) to do here."""
-        tokens = job.req.prompt[:-1]
-        pc = job.cache
-        if job.prefill_pos is None:
-            job.prefill_pos = -1  # not chunked unless set below
-            if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
-                return False
-            job.prefill_pos = 0
-        if job.prefill_pos < 0:
-            return False
-        try:
-            proposer = self._proposer(job)
-        except Exception:  # the engine reports a bad mode itself, at the first step
-            job.prefill_pos = -1
-            return False
-        if len(tokens) - common_prefix_len(pc.tokens, tokens) <= self.prefill_chunk:
-            return False
-        start = time.perf_counter()
-        kept = job.slot.prefill(job.req.prompt, pc, proposer, limit=self.prefill_chunk)
-        job.prefilled_here += len(pc.tokens) - kept
-        job.prefill_seconds += time.perf_counter() - start
-        return True
 
     def _proposer(self, job: Job):
         """The proposer this request's generation will use (None for mode `none`)."""
@@ -439,15 +410,12 @@ class Worker(threading.Thread):
         return True
 
     def _open_job(self, job: Job) -> None:
-        """Open the job's generation unless a chunk of its long prompt was prefilled instead
-        (then it opens in a later round). At its first try it is decided whether the job
-        speculates: not above spec_max_concurrency (where the batch decodes it plainly)."""
-        if job.plain is None:
-            speculating = sum(1 for j in self.jobs if j.plain is False)
-            job.plain = (self.batchable and not job.req.warmup
-                         and speculating >= self.spec_max_concurrency)
-        if not self._prefill_chunk(job):
-            self._open_generation(job)
+        """Open the job's generation, speculating unless spec_max_concurrency requests do
+        already (then the batch decodes it plainly)."""
+        speculating = sum(1 for j in self.jobs if j.plain is False)
+        job.plain = (self.batchable and not job.req.warmup
+                     and speculating >= self.spec_max_concurrency)
+        self._open_generation(job)
 
     def _guarded(self, job: Job, work) -> tuple[bool, object]:
         """(True, work(job)), or (False, None) where it raised: the job fails as its
@@ -556,9 +524,6 @@ class Worker(threading.Thread):
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
-        # Chunks prefilled by the worker look cached to the engine; they were not.
-        usage.cached_tokens = max(0, usage.cached_tokens - job.prefilled_here)
-        usage.prefill_seconds += job.prefill_seconds
         if drop_output:
             usage.completion_tokens = 0
         self._done(job, Done(finish, usage, stopping_word=stop_string))
