@@ -24,8 +24,15 @@ library modules) and the model's own answers, never hand-written answers:
 Each request runs in every configuration (the order rotating per request) on its own engine
 (own prompt cache, own policy, own suffix store, fresh per workload), greedy. The report is
 the median over a workload's requests of each configuration's decode tokens/s and of its
-paired ratio to `none` and to `auto` without suffix on the same request; every answer is
-checked token-identical to `none`'s.
+paired ratio to `none` and to `auto` without suffix on the same request, and the whole
+workload's tokens over its decode seconds; every answer is checked token-identical to `none`'s.
+
+It also says how much any source could take from each kind of text: the share of answer tokens
+whose next token the request's own text predicts (what followed the longest match, of at
+least 4 tokens, of the context's end in it: prompt lookup's long arms), the earlier requests'
+text predicts (the same lookup in the store), and the earlier
+requests predict while the prompt does not: the ceiling of what the store adds over prompt
+lookup. `--max-k 16,32` also runs both `auto` configurations with those caps on k.
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.bench.workloads import CHAT_QUESTION, FREE_QUESTIONS, source_windows
 from mlxspec.chat_session import add_turn_end_tokens
 from mlxspec.engine import Engine, PromptCache
+from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.recipe.heldout import heldout_functions
+from mlxspec.sampling import SamplingParams
+from mlxspec.suffix_store import SuffixIndex
 
 CONFIGS = (("none", "none", {}), ("auto", "auto", {"suffix": False}), ("auto+suffix", "auto", {}))
 WORKLOADS = ("editor", "agent", "chat", "retry", "unrelated")
@@ -148,13 +158,38 @@ def unrelated(tokenizer, n: int, seed: int):
 # ----------------------------------------------------------------------------- the run
 
 
-def run_workload(base: Engine, name: str, n: int, max_tokens: int, seed: int) -> dict:
+def predictable(proposer: SuffixProposer, prompt: list[int], answer: list[int]) -> set[int]:
+    """The answer positions whose token `proposer` would propose first (its best chain's first
+    token), given the prompt and the answer before it: what a source could give at most."""
+    proposer.reset(prompt, SamplingParams())
+    hits = set()
+    for j, token in enumerate(answer):
+        chain = proposer.peek(prompt + answer[:j], 1, "")
+        if chain and chain[0] == token:
+            hits.add(j)
+    return hits
+
+
+def coverage(store: SuffixIndex, prompt: list[int], answer: list[int]) -> dict:
+    """How many answer tokens the earlier requests' text (`store`: their prompts and answers)
+    and the request's own text (prompt lookup's view) predict, and the store alone: the
+    ceiling of what the suffix source adds over prompt lookup."""
+    by_store = predictable(SuffixProposer(store=store, local=False), prompt, answer)
+    by_prompt = predictable(SuffixProposer(store=None, local=True), prompt, answer)
+    store.add(prompt + answer)
+    return {"store": len(by_store), "prompt": len(by_prompt),
+            "store_only": len(by_store - by_prompt)}
+
+
+def run_workload(base: Engine, name: str, n: int, max_tokens: int, seed: int,
+                 configs=CONFIGS) -> dict:
     engines = {}
-    for label, mode, options in CONFIGS:  # fresh engines: own prompt cache, policy, store
+    for label, mode, options in configs:  # fresh engines: own prompt cache, policy, store
         e = base.clone()
         e.set_mode(mode, **options)
         engines[label] = e
     caches = {label: PromptCache() for label in engines}
+    seen = SuffixIndex()  # the earlier requests' text, as the suffix store holds it
     gen = globals()[name](base.tokenizer, n, seed)
     prompt = next(gen)
     rows = []
@@ -176,33 +211,39 @@ def run_workload(base: Engine, name: str, n: int, max_tokens: int, seed: int) ->
         rows.append({"prompt_tokens": len(tokens), **{
             label: {k: v for k, v in run.items() if k not in ("tokens", "text")}
             for label, run in runs.items()}, "mismatch": mismatch,
-            "generated": len(ref["tokens"])})
+            "generated": len(ref["tokens"]),
+            "predicted": coverage(seen, list(tokens), list(ref["tokens"]))})
         print(f"  {name} {i + 1}/{n}: prompt {len(tokens)} tokens, answer {len(ref['tokens'])}; "
               + ", ".join(f"{label} {runs[label]['tps']:.1f} tok/s" for label in engines)
               + (f"; NOT IDENTICAL: {mismatch}" if mismatch else ""), file=sys.stderr)
         if i + 1 < n:
             prompt = gen.send(ref["text"])
-    return summarize(rows)
+    return summarize(rows, configs)
 
 
-def summarize(all_rows: list[dict]) -> dict:
+def summarize(all_rows: list[dict], configs=CONFIGS) -> dict:
     out = {"requests": len(all_rows), "identical": all(not r["mismatch"] for r in all_rows),
            "rows": all_rows}
-    rows = [r for r in all_rows if r["generated"] and all(r[c]["tps"] for c, _, _ in CONFIGS)]
+    rows = [r for r in all_rows if r["generated"] and all(r[c]["tps"] for c, _, _ in configs)]
     out["timed"] = len(rows)  # answers of no token (an immediate end) time nothing
     if not rows:
         return out
-    for label, _, _ in CONFIGS:
+    for label, _, _ in configs:
         tps = [r[label]["tps"] for r in rows]
         gen = sum(r["generated"] for r in rows)
         fw = sum(r[label]["forwards"] for r in rows)
+        seconds = sum(r["generated"] / r[label]["tps"] for r in rows)
         out[label] = {
+            "tps_total": gen / seconds,  # the workload's tokens over its decode time
             "tps_median": statistics.median(tps),
             "vs_none": statistics.median(r[label]["tps"] / r["none"]["tps"] for r in rows),
             "vs_auto": statistics.median(r[label]["tps"] / r["auto"]["tps"] for r in rows),
             "tokens_per_forward": gen / fw if fw else 0.0,
             "suffix_share": sum(r[label]["suffix_accepted"] for r in rows) / gen if gen else 0.0,
         }
+    gen = sum(r["generated"] for r in rows)
+    out["predicted"] = {k: sum(r["predicted"][k] for r in rows) / gen
+                        for k in ("store", "prompt", "store_only")}
     return out
 
 
@@ -219,6 +260,22 @@ def markdown(report: dict) -> str:
                      f"{a['vs_none']:.2f}x | {s['vs_none']:.2f}x | {s['vs_auto']:.2f}x | "
                      f"{a['tokens_per_forward']:.2f}, {s['tokens_per_forward']:.2f} | "
                      f"{100 * s['suffix_share']:.0f} % |")
+    extra = [(n, c) for n, w in report.items() if w.get("timed") for c in w
+             if "@" in c and isinstance(w[c], dict)]
+    if extra:
+        lines += ["", "| workload | configuration | vs `none` | vs `auto` | tokens / forward |",
+                  "|---|---|---:|---:|---:|"]
+        lines += [f"| {n} | {c} | {report[n][c]['vs_none']:.2f}x | {report[n][c]['vs_auto']:.2f}x "
+                  f"| {report[n][c]['tokens_per_forward']:.2f} |" for n, c in extra]
+    totals = [f"{n}: " + ", ".join(f"{c} {w[c]['tps_total']:.1f}" for c in w
+                                   if isinstance(w.get(c), dict) and "tps_total" in w[c])
+              for n, w in report.items() if w.get("timed")]
+    lines += ["", "| workload | answer tokens predictable from: the prompt | earlier requests "
+              "| earlier requests only |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | " + " | ".join(f"{100 * w['predicted'][k]:.0f} %"
+                                       for k in ("prompt", "store", "store_only")) + " |"
+              for n, w in report.items() if w.get("timed")]
+    lines += ["", "whole-workload tok/s (tokens over decode seconds): " + "; ".join(totals)]
     return "\n".join(lines)
 
 
@@ -229,17 +286,23 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=6, help="requests per workload")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-k", default="", help="also run auto and auto + suffix with these caps "
+                    "on k (comma-separated; labelled auto@K, auto+suffix@K)")
     ap.add_argument("--json", default=None, help="write the per-request figures here")
     args = ap.parse_args(argv)
 
     base = mlxspec.load(args.model, mode="none")
     add_turn_end_tokens(base.tokenizer)  # chat answers end at the end of their turn
+    configs = list(CONFIGS)
+    for cap in filter(None, args.max_k.split(",")):
+        configs += [(f"{label}@{cap}", mode, {**options, "num_draft": int(cap)})
+                    for label, mode, options in CONFIGS if mode == "auto"]
     report = {}
     start = time.perf_counter()
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-        report[name] = run_workload(base, name, args.requests, args.max_tokens, args.seed)
+        report[name] = run_workload(base, name, args.requests, args.max_tokens, args.seed, configs)
     print(f"# {base.name}, {args.requests} requests per workload, max {args.max_tokens} tokens, "
           f"T=0, {time.perf_counter() - start:.0f} s")
     print(markdown(report))

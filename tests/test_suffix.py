@@ -189,6 +189,28 @@ def test_proposer_offers_arms_by_match_length():
     assert p.available([999, 998, 997, 996], 8) == {}
 
 
+def test_auto_offers_the_store_only_where_it_adds_to_prompt_lookup():
+    """`auto` offers the suffix arm where the store proposes other or more tokens than the
+    prompt's own n-gram match, not where it would propose the same ones (a chat re-sending
+    its earlier answer: one source's measurements would be split in two)."""
+    from mlxspec.proposers.auto import AutoProposer
+
+    text = list(range(10, 60))
+    index = SuffixIndex()
+    index.add(text)
+    p = AutoProposer(None, store=index)
+    p.reset(text[:30], SamplingParams())  # the prompt holds what the store holds
+    assert list(p.available(text[:30] + text[:20], 8)) == ["ngram:4"]
+    index = SuffixIndex()
+    index.add(text[:20] + [7] * 30)  # the store continued otherwise: a second opinion
+    p = AutoProposer(None, store=index)
+    p.reset(text[:30], SamplingParams())
+    offered = p.available(text[:30] + text[:20], 8)
+    assert "ngram:4" in offered and any(a.startswith("suffix:") for a in offered)
+    p.reset([1, 2, 3], SamplingParams())  # nothing in the prompt: the store alone
+    assert list(p.available([1, 2, 3] + text[:20], 8)) == ["suffix:16"]
+
+
 def test_finish_keeps_the_request_in_its_store():
     a, b = SuffixIndex(), SuffixIndex()
     p = SuffixProposer(store=a)
