@@ -1,5 +1,5 @@
 """What a batched step costs, measured: where the batch policy's prior comes from
-(`mlxspec/batch_policy.py`) and what joining and leaving the batch cost
+(`mlxspec/policy/batch.py`) and what joining and leaving the batch cost
 (`mlxspec/batch_step.py`, `RaggedKVCache`).
 
     python bench/bench_batch_cost.py [--model DIR]

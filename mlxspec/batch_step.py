@@ -36,11 +36,10 @@ import mlx.core as mx
 
 from . import caches
 from .batch_draft import BatchDraft, draft_proposer
-from .batch_policy import BatchPolicy, RowOffer, row_offer
-from .caches.prompt import PromptCache, common_prefix_len
+from .caches.prompt import PromptCache
 from .caches.ragged import RaggedKVCache, plain_attention
 from .errors import MlxspecError
-from .policy import MAX_NUM_DRAFT, AdaptiveK, Policy
+from .policy import MAX_NUM_DRAFT, AdaptiveK, BatchPolicy, Policy, RowOffer, RowPolicy, plan_rows
 from .proposal import Proposal
 from .proposers.base import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample
@@ -92,19 +91,11 @@ class BatchRow:
         # and its plain steps draw with its own key (`_plain_forward`).
         self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
-        self.context, self.proposer, self.policy = context, proposer, policy
+        self.context, self.proposer = context, proposer
+        self.planner = RowPolicy(policy, proposer, batched=batch.policy is not None)
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
-        # a FixedK row's acceptance, measured for the batch's policy (AdaptiveK has its own)
-        self.shadow = None if batch.policy is None or isinstance(policy, AdaptiveK) else \
-            AdaptiveK(max_k=max(policy.max_k, 1), dither=False)
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
-        # (context length, source, tokens): what a free source would have proposed when the
-        # batch kept the row plain, compared with what the row commits next (`watch`)
-        self.watching: tuple[int, str, list[int]] | None = None
-        # (source, k) the batch's last plan kept plain for this row: watched again after each
-        # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
-        self.watch_for: tuple[str, int] | None = None
         # (request, tokens reused, seconds spent prefilling): opened, not prefilled yet
         # (`open`); `chunk`: its long prompt is prefilled this many tokens per step
         self.opening: tuple | None = None
@@ -114,6 +105,10 @@ class BatchRow:
         self.closed = False
         # (`decode` reads the committed tokens itself: no engine, no text)
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
+
+    @property
+    def policy(self) -> Policy:
+        return self.planner.policy
 
     @property
     def finished(self) -> bool:
@@ -148,14 +143,12 @@ class BatchRow:
         return self.proposer.available(self.context, cap)
 
     def plan(self) -> tuple[str, int]:
-        """What the row's own policy proposes, as if it were alone (asked even when nothing is
-        offered: a sharded rank's policy agrees with rank 0's in every plan)."""
-        available = self._available()
-        return ("", 0) if available is None else self.policy.plan(available)
+        """What the row's own policy proposes, as if it were alone."""
+        return self.planner.plan(self._available())
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
-        return row_offer(self.policy, self.shadow, self._available() or {}, self.pinned)
+        return self.planner.offer(self._available() or {}, self.pinned)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
         """The keys of this row's next step (proposing, verifying): split from its own key
@@ -183,48 +176,8 @@ class BatchRow:
         self.pending = [token]
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float | None) -> None:
-        """Tell the row's policy (and its shadow) how a step went: a speculative step from
-        `source` (the plan's arm, `ngram:4`), or a plain one (drafted 0; seconds None: not
-        the steady-state cost of a plain token, only counted)."""
-        for policy in (self.policy, self.shadow):
-            if policy is None:
-                continue
-            if drafted:
-                policy.observe(source, drafted, accepted, seconds)
-            else:
-                policy.observe_plain(1, seconds)
-        self._check_watch()
-
-    def watch(self, source: str, k: int) -> None:
-        """The batch keeps this row plain although `source` offered k tokens: when they cost
-        nothing to make (`Proposer.peek`), remember them and, as the row commits tokens,
-        count how many would have been accepted (`AdaptiveK.observe_acceptance`). Without
-        this a source kept off by the batch's cost is never measured again, and an estimate
-        too low to pay keeps it off for good."""
-        self.watch_for = (source, k) if k and self.proposer is not None else None
-        self._start_watch()
-
-    def _start_watch(self) -> None:
-        if self.watching is not None or self.watch_for is None:
-            return
-        source, k = self.watch_for
-        tokens = self.proposer.peek(self.context, k, source)
-        if tokens:
-            self.watching = (len(self.context), source, tokens)
-
-    def _check_watch(self) -> None:
-        if self.watching is None:
-            return  # (no lookup per step: a source that offered nothing waits for a plan)
-        start, source, tokens = self.watching
-        seen = self.context[start : start + len(tokens)]
-        n = common_prefix_len(seen, tokens)
-        if n == len(seen) < len(tokens):
-            return  # all matched so far, not all seen yet
-        self.watching = None
-        for policy in (self.policy, self.shadow):
-            if isinstance(policy, AdaptiveK):
-                policy.observe_acceptance(source, len(tokens), n)
-        self._start_watch()
+        """Tell the row's policies how a step went (`RowPolicy.observe`)."""
+        self.planner.observe(source, drafted, accepted, seconds, self.context)
 
     def read(self) -> StepOutput | None:
         """The output of the tokens committed since the last read (None: none yet, or the
@@ -684,7 +637,7 @@ class BatchSpeculator:
         this step's, and no row is pinned (a seeded fixed-k row at temperature > 0: whether
         its next step is plain would depend on the other rows)."""
         return (self.pipeline and any(r.wants_two for r in rows)
-                and not any(r.shadow is not None and r.proposer is not None
+                and not any(r.planner.shadow is not None and r.proposer is not None
                             and r.pinned for r in self.rows))
 
     def _plain_forward(self, fed: list[BatchRow | None], inputs: mx.array,
@@ -837,19 +790,8 @@ class BatchSpeculator:
         only asking (a forced probe allowed now is not counted as taken)."""
         if self.policy is None or self.own is not None or self._alone_adaptive():
             return [r.plan() for r in rows]
-        span, pipelined = self._span(), self._can_pipeline(rows)
-        offers = self.policy.limit_probes([r.offer() for r in rows], self.steps, commit,
-                                          len(self.slots), span, pipelined)
-        ks = self.policy.decide([o for _, o in offers], rows=len(self.slots), span=span,
-                                pipelined=pipelined)
-        for r, (source, offer), k in zip(rows, offers, ks):
-            if k:
-                r.watching = r.watch_for = None  # measured by the step itself
-            elif not offer.draft:
-                r.watch(source, offer.cap)
-            else:
-                r.watch_for = None  # a draft's tokens cost forwards: not watched
-        return [(source, k) for (source, _), k in zip(offers, ks)]
+        return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
+                         self._can_pipeline(rows))
 
     def _span(self) -> int:
         """The longest row's cached length (what a step's queries attend, less the width)."""

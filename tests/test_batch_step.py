@@ -13,7 +13,7 @@ import pytest
 from conftest import build_model, make_engine
 
 from mlxspec import caches
-from mlxspec.batch_policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
+from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
 from mlxspec.batch_step import BatchSpeculator, next_output
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache

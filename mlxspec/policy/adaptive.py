@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .errors import MlxspecError
+from ..errors import MlxspecError
 
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -49,7 +49,7 @@ def check_num_draft(num_draft: int) -> None:
 
 class Policy(Protocol):
     """What the decode loop asks of a policy, one request (a batch of one) or a
-    row of the batch (`batch_step.BatchRow`, where `batch_policy.BatchPolicy` then chooses k
+    row of the batch (`batch_step.BatchRow`, where `policy.batch.BatchPolicy` then chooses k
     over the rows): a source and k from what the proposer offers, and how each step went."""
 
     @property

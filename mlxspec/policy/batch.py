@@ -1,5 +1,5 @@
 """The batch's policy: in one batched speculative step (`batch_step.py`), how many tokens each
-row proposes. Every row's own policy (`policy.py`) still chooses its *source* and keeps
+row proposes. Every row's own policy (`adaptive.py`) still chooses its *source* and keeps
 learning its acceptance; this module chooses the widths, because what a proposal costs in a
 batch is not what it costs alone: the forward runs over B rows padded to one width
 W = 1 + max k, so a row proposing inside the width the batch pays for anyway costs almost
@@ -44,6 +44,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
+
+from ..caches.prompt import common_prefix_len
+from .adaptive import AdaptiveK, Policy
 
 # prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept: a query
 # row 3.5 % plus 26 % per 1024 keys attended (the bundled 6.4 M target's forward on this CPU,
@@ -287,3 +290,93 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
         if best_ks is None or round_rate >= best_rate:
             best_ks, best_rate = round_ks, round_rate
     return best_ks, best_rate
+
+
+class RowPolicy:
+    """A row's side of the batch's planning: its own policy (the source, and k when alone), a
+    `shadow` AdaptiveK measuring a FixedK row's acceptance for the batch's policy, and the
+    watch of a source the batch kept plain (`watch`)."""
+
+    def __init__(self, policy: Policy, proposer, batched: bool):
+        self.policy, self.proposer = policy, proposer
+        self.shadow = None if not batched or isinstance(policy, AdaptiveK) else \
+            AdaptiveK(max_k=max(policy.max_k, 1), dither=False)
+        # (context length, source, tokens): what a free source would have proposed when the
+        # batch kept the row plain, compared with what the row commits next
+        self.watching: tuple[int, str, list[int]] | None = None
+        # (source, k) the batch's last plan kept plain for this row: watched again after each
+        # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
+        self.watch_for: tuple[str, int] | None = None
+
+    def plan(self, available: dict[str, int] | None) -> tuple[str, int]:
+        """What the row's own policy proposes, as if it were alone (asked even when nothing is
+        offered: a sharded rank's policy agrees with rank 0's in every plan)."""
+        return ("", 0) if available is None else self.policy.plan(available)
+
+    def offer(self, available: dict[str, int], pinned: bool) -> tuple[str, RowOffer]:
+        return row_offer(self.policy, self.shadow, available, pinned)
+
+    def observe(self, source: str, drafted: int, accepted: int, seconds: float | None,
+                context: list[int]) -> None:
+        """A speculative step from `source` (the plan's arm, `ngram:4`), or a plain one
+        (drafted 0; seconds None: not the steady-state cost of a plain token, only counted);
+        `context` the row's committed tokens after it."""
+        for policy in (self.policy, self.shadow):
+            if policy is None:
+                continue
+            if drafted:
+                policy.observe(source, drafted, accepted, seconds)
+            else:
+                policy.observe_plain(1, seconds)
+        self._check_watch(context)
+
+    def watch(self, source: str, k: int, context: list[int]) -> None:
+        """The batch keeps this row plain although `source` offered k tokens: when they cost
+        nothing to make (`Proposer.peek`), remember them and, as the row commits tokens,
+        count how many would have been accepted (`AdaptiveK.observe_acceptance`). Without
+        this a source kept off by the batch's cost is never measured again, and an estimate
+        too low to pay keeps it off for good."""
+        self.watch_for = (source, k) if k and self.proposer is not None else None
+        self._start_watch(context)
+
+    def _start_watch(self, context: list[int]) -> None:
+        if self.watching is not None or self.watch_for is None:
+            return
+        source, k = self.watch_for
+        tokens = self.proposer.peek(context, k, source)
+        if tokens:
+            self.watching = (len(context), source, tokens)
+
+    def _check_watch(self, context: list[int]) -> None:
+        if self.watching is None:
+            return  # (no lookup per step: a source that offered nothing waits for a plan)
+        start, source, tokens = self.watching
+        seen = context[start : start + len(tokens)]
+        n = common_prefix_len(seen, tokens)
+        if n == len(seen) < len(tokens):
+            return  # all matched so far, not all seen yet
+        self.watching = None
+        for policy in (self.policy, self.shadow):
+            if isinstance(policy, AdaptiveK):
+                policy.observe_acceptance(source, len(tokens), n)
+        self._start_watch(context)
+
+
+def plan_rows(policy: BatchPolicy, rows: list, step: int, commit: bool, slots: int,
+              span: int, pipelined: bool) -> list[tuple[str, int]]:
+    """Every row's (source, k) for a batched step: the rows' offers (`BatchRow.offer`), the
+    forced probes the batch allows now, the widths `policy` chooses; a row kept plain
+    watches its source (`RowPolicy.watch`), a draft's excepted (its tokens cost forwards).
+    `commit=False`: only asking (a forced probe allowed now is not counted as taken)."""
+    offers = policy.limit_probes([r.offer() for r in rows], step, commit, slots, span,
+                                 pipelined)
+    ks = policy.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
+    for r, (source, offer), k in zip(rows, offers, ks):
+        planner = r.planner
+        if k:
+            planner.watching = planner.watch_for = None  # measured by the step itself
+        elif not offer.draft:
+            planner.watch(source, offer.cap, r.context)
+        else:
+            planner.watch_for = None
+    return [(source, k) for (source, _), k in zip(offers, ks)]
