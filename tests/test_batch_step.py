@@ -13,10 +13,10 @@ import pytest
 from conftest import build_model, make_engine
 
 from mlxspec import caches
-from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
 from mlxspec.batch_step import BatchSpeculator, next_output
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
+from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
 from mlxspec.step import decode_step
