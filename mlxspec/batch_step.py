@@ -295,9 +295,7 @@ class BatchSpeculator:
             self.prefilling.append(row)
         elif self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
             # (`row_plans`: every step as alone, the first one too)
-            row.opening = None
-            engine.begin(req, progress)
-            self._join(row)
+            self._prefill_and_join(row, progress)
         else:
             self.opening.append(row)
         return row
@@ -317,14 +315,21 @@ class BatchSpeculator:
                 self.prefilling.remove(row)
                 if self.policy is not None and rest < GROUP_PREFILL_MAX:
                     self.opening.append(row)  # its last tokens with the round's joiners
-                    continue
-                row.opening = None
-                row.engine.prefill(req.tokens, row.pc, req.proposer)
-                req.stats.cached_tokens = keep  # (not the chunks prefilled before)
-                row.engine.start_proposer(req, seconds + time.perf_counter() - start)
-                self._join(row)
+                else:
+                    self._prefill_and_join(row)
             except Exception as e:
                 self._fail_open(row, e)
+
+    def _prefill_and_join(self, row: BatchRow, progress=None) -> None:
+        """Prefill the rest of an opened row's prompt on its own cache (all but the last
+        token), start its proposer, and join the batch."""
+        req, keep, seconds = row.opening
+        row.opening = None
+        start = time.perf_counter()
+        row.engine.prefill(req.tokens, row.pc, req.proposer, progress=progress)
+        req.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
+        row.engine.start_proposer(req, seconds + time.perf_counter() - start)
+        self._join(row)
 
     def _open_pending(self) -> None:
         """The rows opened since the last step prefill together, what their prompts have not
@@ -338,14 +343,8 @@ class BatchSpeculator:
             return
         if len(group) == 1 and self._goes_solo(group[0]):
             row = group[0]
-            req, keep, seconds = row.opening
-            row.opening = None
-            try:  # alone: on its own cache, from a prefill of all but the last token
-                start = time.perf_counter()
-                row.engine.prefill(req.tokens, row.pc, req.proposer)
-                req.stats.cached_tokens = keep
-                row.engine.start_proposer(req, seconds + time.perf_counter() - start)
-                self._join(row)
+            try:  # alone: on its own cache
+                self._prefill_and_join(row)
             except Exception as e:
                 self._fail_open(row, e)
             return

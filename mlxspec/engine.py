@@ -334,13 +334,6 @@ class Engine:
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
-    def begin(self, req: Request, progress: Callable[[int, int], None] | None = None) -> None:
-        """Prefill a prepared request and start its proposer (timed as prefill)."""
-        start = time.perf_counter()
-        req.stats.cached_tokens = self.prefill(req.tokens, req.pc, req.proposer,
-                                               progress=progress)
-        self.start_proposer(req, time.perf_counter() - start)
-
     def start_proposer(self, req: Request, prefill_seconds: float) -> None:
         """The prompt is cached (in `prefill_seconds`): start the request's proposer (a draft
         model prefills here: prefill time too)."""
