@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
 from . import backend, caches
-from .batch_step import BatchSpeculator
+from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .policy import (
@@ -270,28 +270,33 @@ class Engine:
         interleaves it with other requests)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
-            batch = BatchSpeculator(self.model, alone=True, sync=self.sync)
-            row = batch.open(self, prompt, max_tokens=max_tokens, temperature=temperature,
-                             top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-                             prediction=prediction, num_draft=num_draft,
-                             prompt_cache=prompt_cache, mode=mode, policy=policy,
-                             progress=progress, prefill_chunk=prefill_chunk)
+            row = self.open(prompt, max_tokens=max_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
+                            prediction=prediction, num_draft=num_draft,
+                            prompt_cache=prompt_cache, mode=mode, policy=policy,
+                            progress=progress, prefill_chunk=prefill_chunk)
             pc = row.pc
             try:
                 while not row.finished:
-                    batch.step()
+                    row.batch.step()
                     out = row.read()
                     if out is not None or row.opening is not None:
                         yield out
             finally:
                 row.close()  # the cache holds every committed token but the last
                 # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
-                # the cache holding other tokens than the row committed: then it must not be
-                # reused.
+                # the cache holding other tokens than the row committed: not reused then.
                 if pc.cache is not None and any(
                         getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
                         for c in caches.leaves(pc.cache)):
                     pc.cache, pc.tokens, pc.checkpoint = None, [], None
+
+    def open(self, prompt: str | list[int], **kwargs) -> BatchRow:
+        """A request alone, opened: a batch of one on its own cache (of any kind). Whoever
+        holds it steps `row.batch` and reads the row (`stream_steps`, the server's worker)
+        and closes it. Keyword arguments as `stream_steps`."""
+        return BatchSpeculator(self.model, alone=True, sync=self.sync).open(self, prompt,
+                                                                           **kwargs)
 
     def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,
                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

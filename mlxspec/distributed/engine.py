@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 from ..errors import MlxspecError
 from .group import Coordinator, DistributedFailure, fail, lost
@@ -65,32 +64,27 @@ def _engine_class():
                 self._wrapped[key] = (policy, self.wrap_policy(policy, proposer))
             return self._wrapped[key][1]
 
-        def stream_steps(self, prompt, **kwargs):
-            """On rank 0: the generation, mirrored on every rank (see `follow`)."""
+        def open(self, prompt, **kwargs):
+            """On rank 0: the request alone, opened on every rank (see `follow`)."""
             if not self.coord.leader:
-                raise MlxspecError("stream_steps runs on rank 0 only; the other ranks follow")
-            return Mirrored(self, prompt, kwargs)
+                raise MlxspecError("requests open on rank 0 only; the other ranks follow")
+            return MirroredRow(self, prompt, kwargs)
 
-        def run_local(self, prompt, kwargs):
-            """The generation itself (every rank, in step)."""
+        def open_local(self, prompt, kwargs):
+            """The request opened here (every rank, in step): the ranks agree on the prompt
+            cache's prefix first, so that the prefill runs the same forwards everywhere."""
             mode = kwargs.get("mode") or self.mode
             policy = kwargs.pop("policy", None)
+            proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
             if policy is not None:
-                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
                 kwargs["policy"] = self.wrap_policy(policy, proposer)
-            return self._agreed_steps(prompt, mode, kwargs)
-
-        def _agreed_steps(self, prompt, mode: str, kwargs):
-            # A generator: the agreement and any error (a bad mode, a bad prompt) come at the
-            # first step, at the same point on every rank (rank 0's STEP packet, then this).
             pc = kwargs.get("prompt_cache")
             if pc is None:
                 pc = kwargs["prompt_cache"] = self.prompt_cache
             tokens = self.encode(prompt)
             if tokens:  # an empty prompt is refused by the engine, the cache left as it is
-                proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
                 self.agree_prefix(pc, tokens, self.cache_kind(proposer))
-            yield from Engine.stream_steps(self, prompt, **kwargs)
+            return Engine.open(self, prompt, **kwargs)
 
         def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
             """Make every rank's `pc` hold the same prefix of the prompt, the longest that
@@ -175,46 +169,53 @@ def _policy_from(spec):
     return AdaptiveK(max_k=spec.get("max_k", 8))  # its plan comes from rank 0 anyway
 
 
-class Mirrored:
-    """Rank 0's side of one generation: a generator that tells the followers to open, step and
-    close the same generation as it does each of these."""
+class MirroredRow:
+    """Rank 0's side of a request alone: a row of a batch of one (`Engine.open`) whose
+    opening, steps and closing it tells the followers to repeat. Its own batch: whoever holds
+    it steps `row.batch` and reads the row, as a `BatchRow`."""
 
     def __init__(self, engine, prompt, kwargs):
         self.engine, self.coord = engine, engine.coord
-        self.prompt, self.kwargs = prompt, kwargs
         self.gid = next(_gen_ids)
-        self.inner: Iterator | None = None
-        self.done = False
+        self.batch = self
+        self.error: BaseException | None = None
+        self.done = self.closed = False
+        self.row = None
+        self.coord.arm("a generation")
+        request = _request(engine, prompt, kwargs)
+        self._guard(self._send, OPEN, request)
+        kwargs = dict(kwargs)
+        kwargs["seed"] = request["kwargs"].get("seed", 0)
+        self.row = self._guard(engine.open_local, prompt, kwargs)
 
-    def __iter__(self):
-        return self
+    @property
+    def finished(self) -> bool:
+        return self.row.finished
+
+    @property
+    def opening(self):
+        return self.row.opening
+
+    @property
+    def pc(self):
+        return self.row.pc
+
+    @property
+    def context(self) -> list[int]:
+        return self.row.context
 
     def _send(self, op: int, payload=None) -> None:
         self.coord.bcast_ints([op, self.gid], 2)
         if payload is not None:
             self.coord.bcast_obj(payload)
 
-    def __next__(self):
-        if self.done:
-            raise StopIteration
+    def _guard(self, work, *args):
+        """work(*args), with a lost rank said as one (`DistributedFailure`)."""
         if self.coord.broken:  # a server between a lost rank and its exit
             self.done = True
             raise DistributedFailure(self.coord.broken)
         try:
-            if self.inner is None:
-                self.coord.arm("a generation")
-                request = _request(self.engine, self.prompt, self.kwargs)
-                self._send(OPEN, request)
-                kwargs = dict(self.kwargs)
-                kwargs["seed"] = request["kwargs"].get("seed", 0)
-                self.inner = self.engine.run_local(self.prompt, kwargs)
-            self._send(STEP)
-            self.coord.tick()
-            return next(self.inner)
-        except StopIteration:
-            self.done = True
-            self.coord.disarm()
-            raise
+            return work(*args)
         except DistributedFailure as e:
             self._lost(str(e))
             raise
@@ -225,6 +226,22 @@ class Mirrored:
         except RuntimeError as e:
             self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
+
+    def step(self) -> None:
+        """One step, on every rank; a failure is raised by the next `read`."""
+        if self.done:
+            return
+        try:
+            self._guard(self._send, STEP)
+            self.coord.tick()
+            self.row.batch.step()
+        except Exception as e:
+            self.error = e
+
+    def read(self):
+        if self.error is not None:
+            raise self.error
+        return self._guard(self.row.read)
 
     def _lost(self, message: str) -> None:
         """Another rank is lost: every later generation would fail too. A command, or the
@@ -237,26 +254,32 @@ class Mirrored:
         self.coord.broken = self.coord.broken or message
 
     def close(self) -> None:
+        if self.row is None or self.closed:
+            return
+        self.closed = True
         if self.coord.broken:  # no collective after a lost rank: it could hang
-            self.done = True
-        if self.inner is not None and not self.done:
-            self.done = True
-            try:
-                self._send(CLOSE)
-                self.inner.close()
-            except RuntimeError as e:
-                self._lost(lost(self.coord.rank, e))
-                raise DistributedFailure(lost(self.coord.rank, e)) from None
-            finally:
-                self.coord.disarm()
+            return
+        if self.done:  # a bad request ended it on every rank: each closes its own
+            self.row.close()
+            return
+        self.done = True
+        try:
+            self._send(CLOSE)
+            self.row.close()
+        except RuntimeError as e:
+            self._lost(lost(self.coord.rank, e))
+            raise DistributedFailure(lost(self.coord.rank, e)) from None
+        finally:
+            self.coord.disarm()
 
 
 def follow(engine, on_step=None) -> None:
-    """A follower rank's whole life: run rank 0's generations in step until it says stop.
-    `on_step(gid, output)` sees each step's output (tests: the tokens every rank commits)."""
+    """A follower rank's whole life: open, step and close rank 0's requests in step until it
+    says stop. `on_step(gid, output)` sees each step's output (tests: the tokens every rank
+    commits)."""
     from ..engine import PromptCache
     coord = engine.coord
-    gens: dict[int, Iterator] = {}
+    rows: dict[int, object] = {}
     slots = {0: engine}
     held: dict[int, object] = {}  # this rank's shard of each of rank 0's server prompt caches
     while True:
@@ -285,28 +308,28 @@ def follow(engine, on_step=None) -> None:
                     del held[cid]
                 if req["cache"] is not None:
                     kwargs["prompt_cache"] = held.setdefault(req["cache"], PromptCache())
-                gens[gid] = slot.run_local(req["prompt"], kwargs)
-            elif op == STEP:
-                gen = gens.get(gid)
                 try:
-                    out = next(gen)
-                    coord.tick()
-                    if on_step is not None and out is not None:  # (None: a prefill chunk)
-                        on_step(gid, out)
-                except StopIteration:
-                    gens.pop(gid, None)
+                    rows[gid] = slot.open_local(req["prompt"], kwargs)
                 except MlxspecError as e:  # rank 0 hits the same error and reports it
                     if isinstance(e, DistributedFailure):
                         raise
-                    gens.pop(gid, None)
-                if not gens:
-                    coord.disarm()
-            elif op == CLOSE:
-                gen = gens.pop(gid, None)
-                if gen is not None:
-                    gen.close()
-                if not gens:
-                    coord.disarm()
+            elif op == STEP and gid in rows:
+                row = rows[gid]
+                row.batch.step()
+                try:
+                    out = row.read()
+                except MlxspecError as e:  # rank 0 hits the same error, and closes its own
+                    if isinstance(e, DistributedFailure):
+                        raise
+                    rows.pop(gid).close()
+                    out = None
+                coord.tick()
+                if on_step is not None and out is not None:  # (None: a prefill chunk)
+                    on_step(gid, out)
+            elif op == CLOSE and gid in rows:
+                rows.pop(gid).close()
+            if not rows:
+                coord.disarm()
         except RuntimeError as e:
             fail(lost(coord.rank, e))
         except DistributedFailure as e:

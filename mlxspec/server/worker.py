@@ -4,21 +4,17 @@ Handlers submit a `Job` and read its events from the job's own queue. Every job 
 *slot* (an `Engine` sharing the model, with its own proposers, policies and prompt cache). The
 worker loop, each round:
 
-1. admits new jobs and opens them. On plain-attention models a job is a row of the shared
-   `batch_step.BatchSpeculator`: one target forward per step for every row, each row
-   proposing with its own source and k, or none. While `spec_max_concurrency` requests
-   speculate, a new one speculates too; above that it decodes plainly in the same batch
-   (k = 0: continuous batching), and above `spec_max_concurrency + max_batch` it waits to
-   open. Other models (sliding windows, recurrent state) and requests the shared batch cannot
-   run (trees, QuantSpec, a sharded target) run `Engine.stream_steps` on their slot: the same
-   `BatchSpeculator`, a batch of one on their own cache (a sharded engine mirrors that on
-   every rank, `distributed/`);
-2. steps the shared batch once (one target forward for all its rows);
-3. reads every row's new tokens as text (`BatchRow.read`), and advances every stream by one
-   step, and hands each request its text.
+1. admits new jobs and opens each as a row: on plain-attention models a row of the shared
+   `batch_step.BatchSpeculator` (one target forward per step for every row, each proposing
+   with its own source and k, or none; above `spec_max_concurrency` speculating requests a
+   new one decodes plainly there, k = 0, and above `spec_max_concurrency + max_batch` it waits
+   to open); otherwise (sliding windows, recurrent state, trees, QuantSpec, a sharded target)
+   a batch of one on its own cache (`Engine.open`; a sharded one mirrored on every rank);
+2. steps every batch once;
+3. reads every row's new tokens as text (`BatchRow.read`) and hands each request its text.
 
-A cancelled job (its client went away) is closed before its next step: the generator's
-`close()` leaves its cache consistent, and the cache goes back to the prompt-cache store.
+A cancelled job (its client went away) is closed before its next step: closing its row leaves
+its cache consistent, and the cache goes back to the prompt-cache store.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -41,7 +36,6 @@ from ..engine import Engine, PromptCache
 from ..errors import MlxspecError
 from ..proposers.draft import common_prefix_len
 from ..stats import Stats
-from ..stopstrings import StepOutput
 from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
@@ -81,8 +75,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # worker-side state
-    row: BatchRow | None = None  # opened in the shared batch: its row
-    stream: Iterator[StepOutput] | None = None  # opened alone: its `Engine.stream_steps`
+    # opened: its row, in the shared batch or a batch of its own (`Engine.open`)
+    row: BatchRow | None = None
+    shared: bool = False  # its row is in the shared batch
     # decided when it opens: over --spec-max-concurrency, it decodes plainly (k = 0)
     plain: bool | None = None
     slot: Engine | None = None
@@ -100,7 +95,7 @@ class Job:
 
     @property
     def opened(self) -> bool:
-        return self.row is not None or self.stream is not None
+        return self.row is not None
 
     def cut(self, text: str) -> tuple[str, bool]:
         """The text to emit after the n_indent rule, and whether it ends the answer."""
@@ -379,8 +374,8 @@ class Worker(threading.Thread):
         # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
         # keeps a batch of its own while at most one other request does (beyond that,
         # as the plain batch always did, the draw is exact but not the one alone).
-        loops = sum(1 for j in self.jobs
-                    if j is not job and j.row is None)
+        # (jobs not opened yet are not counted: most of them join the shared batch)
+        loops = sum(1 for j in self.jobs if j.opened and not j.shared)
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
         if ((self.batch_spec or job.plain) and not r.warmup and not seeded
                 and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
@@ -389,8 +384,9 @@ class Worker(threading.Thread):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
+            job.shared = True
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
-            job.stream = job.slot.stream_steps(r.prompt, **kwargs)
+            job.row = job.slot.open(r.prompt, **kwargs)
 
     def _proposer(self, job: Job):
         """The proposer this request's generation will use (None for mode `none`)."""
@@ -437,21 +433,17 @@ class Worker(threading.Thread):
         return False, None
 
     def _step_all(self) -> None:
-        """One step of the shared batch (one target forward for its rows) and of every
-        stream, each job's new text to its request."""
+        """One step of every batch (the shared one: one target forward for all its rows),
+        then each job's new text to its request."""
         live = [job for job in list(self.jobs) if job.opened and self._live(job)]
-        if self.spec_batch is not None and any(job.row is not None for job in live):
-            self.spec_batch.step()  # (a failed step fails its rows: raised by their `read`)
+        for batch in {id(job.row.batch): job.row.batch for job in live}.values():
+            batch.step()  # (a failed step fails its rows: raised by their `read`)
         for job in live:
             self._emit(job)
 
     def _emit(self, job: Job) -> None:
-        ok, out = self._guarded(
-            job, lambda j: j.row.read() if j.row is not None else next(j.stream, _ENDED))
+        ok, out = self._guarded(job, lambda j: j.row.read())
         if not ok or out is None:
-            return
-        if out is _ENDED:  # (a stream ends with an output saying why: this is a safeguard)
-            self._finish_engine(job, "length", job.stats)
             return
         job.stats = out.stats
         if job.req.warmup:  # prefilled and cached; the token is not wanted
@@ -490,9 +482,8 @@ class Worker(threading.Thread):
 
     def _close_engine_job(self, job: Job) -> None:
         try:
-            for generation in (job.row, job.stream):
-                if generation is not None:
-                    generation.close()  # the cache holds every committed token but the last
+            if job.row is not None:
+                job.row.close()  # the cache holds every committed token but the last
         except Exception:
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
@@ -515,7 +506,7 @@ class Worker(threading.Thread):
 
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
                        drop_output: bool = False, stop_string: str = "") -> None:
-        in_batch = job.row is not None
+        in_batch = job.shared
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = usage_from_stats(stats)
@@ -546,7 +537,6 @@ class Worker(threading.Thread):
 
 
 _WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
-_ENDED = object()  # a stream that ended
 
 
 usage_from_stats = Usage.from_stats
