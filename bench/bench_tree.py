@@ -46,7 +46,7 @@ def load_target(random_model: bool, path: str | None):
     if not random_model:
         p = Path(path) if path else ROOT / "models" / "target"
         if (p / "config.json").exists():
-            from mlxspec.engine import load_model
+            from mlxspec.loading import load_model
 
             model, tok, _, _ = load_model(str(p))
             return model, tok, f"bundled:{p.name}"

@@ -11,7 +11,11 @@ __all__ = ["load", "Engine", "GenerationResult", "Stats", "__version__"]
 
 def __getattr__(name):
     # Lazy so that `import mlxspec` stays cheap and the BLAS set-up above runs first.
-    if name in ("load", "Engine", "GenerationResult", "Stats"):
+    if name == "load":
+        from .loading import load
+
+        return load
+    if name in ("Engine", "GenerationResult", "Stats"):
         from . import engine
 
         return getattr(engine, name)

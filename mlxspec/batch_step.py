@@ -1,30 +1,12 @@
 """The decode loop, for one request or many: rows of one batch, one target forward per step.
 
-Every row proposes with its own proposer, source and k (possibly 0); the proposals are padded
-to a common length L = 1 + max k; the target runs **one forward** over (B, L); each row is
-verified with the single-request rule on its own 1 + k_i positions (`step.decode_step`: a
-sampled row with `verify_chain`, greedy rows with one argmax over the batch, compared on the
-host); one host sync for the whole batch; then each row keeps its own 1 + n_i tokens (ragged
-acceptance). Where no row proposes, the batch decodes plainly and pipelined: the next forward
-is queued (`mx.async_eval`) before the current tokens are read back, as mlx-lm does.
-
-A request alone is a batch of one on its own cache, of any kind (plain, windowed, recurrent,
-QuantSpec's hierarchical; trees too; `alone=True`): `Engine.stream_steps` runs a request so,
-and the server's shared batch holds a lone row so until another joins. Several rows share a
-`caches.ragged.RaggedKVCache` per layer (rollback = lowering a row's length): a row joins by
-writing its single-request `KVCache` into an empty row of the buffer and leaves by copying its
-row out (`BatchSpeculator.slots`). Only plain-attention models and chain proposals share
-(`BatchSpeculator.accepts`); the others stay batches of one.
-
-Each row keeps the invariant: its cache holds every committed token but the last. The result
-equals each request decoded alone: token-identical at temperature 0 (in float32, up to the
-rounding of a batched matmul on a near-tie), exact in distribution at temperature > 0, and,
-seeded, the same whatever else is in the batch (each row draws from its own key).
-
-Whoever owns the batch drives it: `step()` commits tokens to every row that has read its last
-ones, then `row.read()` returns each row's as text (`stopstrings.Detokenizer`).
+Each row proposes with its own source and k (possibly 0), one forward runs over the rows padded
+to 1 + max k, each row is verified by the single-request rule (`step.decode_step`) and keeps
+its own accepted tokens; where no row proposes, plain decoding runs pipelined. A request alone
+is a batch of one on its own cache of any kind (`alone=True`, `Engine.open`); several rows share
+a `RaggedKVCache` per layer. Each row's cache holds every committed token but the last, and its
+output equals the request decoded alone. See docs/HOW_IT_WORKS.md, "Several requests".
 """
-
 from __future__ import annotations
 
 import time
@@ -51,26 +33,17 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
-# A joining row whose prompt has at most this many tokens left to prefill prefills with the
-# other joiners of its round, its last token too (`BatchSpeculator._open_pending`): the
-# model's head runs over every position of that forward (on a vocabulary of 150 k for real
-# models), so a longer one is prefilled alone, in chunks, before it joins.
+# A joiner with at most this many prompt tokens left prefills with its round's other joiners
+# (`_open_pending`); longer ones alone: the model's head runs over every position of that forward.
 GROUP_PREFILL_MAX = 64
-# ... and one with more than this cached prefills on its own cache, in a forward of its own
-# (the group's forward would first copy its whole prefix into the group's buffers)
+# ... and one with more cached than this on its own cache (the group would copy its prefix)
 GROUP_CACHED_MAX = 256
-
-# ----------------------------------------------------------------------------- the step
-
-
-# ----------------------------------------------------------------------------- requests
 
 
 @dataclass
 class QueuedPlainStep:
-    """A plain forward queued for `rows` (None: a row that left since) before the previous
-    step's tokens were read; `tokens` (lazy) are their next tokens. `checkpoint`: what undoes
-    it on a lone row's own cache (`caches.rollback`; None where trimming does)."""
+    """A plain forward queued for `rows` (None: left since) before the previous step's tokens
+    were read; `tokens` (lazy) their next tokens; `checkpoint` undoes it on a lone row's cache."""
 
     rows: list
     tokens: mx.array
@@ -78,17 +51,15 @@ class QueuedPlainStep:
 
 
 class BatchRow:
-    """One request in a `BatchSpeculator`: the batch's `step()` commits its tokens, `read()`
-    turns them into its next `StepOutput`."""
+    """One request in a `BatchSpeculator`: `step()` commits its tokens, `read()` returns them."""
 
     def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
                  context: list[int], proposer: Proposer | None, policy: Policy,
                  sampling: SamplingParams, key: mx.array, stats: Stats, end: int,
                  num_draft: int, stops: list[str], seeded: bool = False):
         self.batch, self.engine, self.pc = batch, engine, pc
-        # A seeded sampled row draws what it would alone whatever else is in the batch, so
-        # what it proposes must not depend on the batch: a fixed k stays fixed (`offer`),
-        # and its plain steps draw with its own key (`_plain_forward`).
+        # A seeded sampled row draws what it would alone: its fixed k stays fixed (`pinned`),
+        # and its plain steps draw with its own key.
         self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
         self.context, self.proposer = context, proposer
@@ -96,14 +67,12 @@ class BatchRow:
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
-        # (request, tokens reused, seconds spent prefilling): opened, not prefilled yet
-        # (`open`); `chunk`: its long prompt is prefilled this many tokens per step
+        # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
         self.opening: tuple | None = None
         self.chunk: int | None = None
         self.pending: list[int] | None = None  # committed, not read yet
         self.error: BaseException | None = None
         self.closed = False
-        # (`decode` reads the committed tokens itself: no engine, no text)
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
 
     @property
@@ -121,12 +90,12 @@ class BatchRow:
 
     @property
     def wants(self) -> bool:
-        """It will take more tokens (it has not ended, left or failed)."""
+        """It has not ended, left or failed."""
         return not (self.closed or self.finished or self.exhausted or self.error is not None)
 
     @property
     def waiting(self) -> bool:
-        """It wants tokens and has read its last ones: a step may feed it."""
+        """It wants tokens and has read its last ones."""
         return self.wants and self.pending is None
 
     @property
@@ -135,8 +104,7 @@ class BatchRow:
         return self.wants and len(self.context) + 2 <= self.end
 
     def _available(self) -> dict[str, int] | None:
-        """What the proposer offers within the row's cap; None where no proposal can be."""
-        # Every step emits one token beyond the accepted ones, so k <= remaining - 1.
+        # (every step emits a token beyond the accepted ones: k <= remaining - 1)
         cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
@@ -151,37 +119,37 @@ class BatchRow:
         return self.planner.offer(self._available() or {}, self.pinned)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
-        """The keys of this row's next step (proposing, verifying): split from its own key
-        when seeded and sampled, so that its draws are its own whatever the batch; None
-        otherwise (greedy: no draw; unseeded: MLX's global generator, no split per step)."""
+        """The keys of its next step (proposing, verifying), split from its own when seeded
+        and sampled; None otherwise (MLX's global generator)."""
         if not self.seeded or self.sampling.greedy:
             return None, None
         self.key, propose_key, verify_key = mx.random.split(self.key, 3)
         return propose_key, verify_key
 
     def first_draw(self, logits: mx.array) -> mx.array:
-        """The row's first token (lazy, shape (1,)), drawn from the logits after its prompt
-        as a plain step of the batch draws it (`verify_chain`, with the key its first step
-        would take)."""
+        """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
         _, verify_key = self.step_keys()
         empty = mx.array([], mx.uint32)
         return verify_chain(logits[None], empty, None, self.sampling, verify_key)[1].reshape(1)
 
-    def commit_first(self, token: int) -> None:
-        """The first token is the row's first output (read at its first `next`)."""
-        self.context.append(token)
+    def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
+               accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
+        """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's); its
+        draft, proposer, policies (not for its prefill's token) and stats are told."""
+        self.context.extend(tokens)
+        if self.draft is not None and source == "draft":
+            self.batch.drafts[id(self.draft.model)].update(self.draft, self.context, accepted)
         if self.proposer is not None:
-            self.proposer.update(self.context, 0)
-        self.stats.record_step("", 0, 0, 1)
-        self.pending = [token]
+            self.proposer.update(self.context, accepted)
+        if observe:
+            self.planner.observe(arm, drafted, accepted, seconds, self.context)
+        self.stats.record_step(source, drafted, accepted, len(tokens))
+        self.pending = (self.pending or []) + tokens  # one that has not read yet gets both
 
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float | None) -> None:
-        """Tell the row's policies how a step went (`RowPolicy.observe`)."""
-        self.planner.observe(source, drafted, accepted, seconds, self.context)
 
     def read(self) -> StepOutput | None:
-        """The output of the tokens committed since the last read (None: none yet, or the
-        answer has ended); raises the error of a step that failed."""
+        """The output of the tokens committed since the last read (None: none, or ended);
+        raises the error of a step that failed."""
         if self.error is not None:
             raise self.error
         tokens, self.pending = self.pending, None
@@ -190,8 +158,7 @@ class BatchRow:
         return self.detok.feed(tokens or [], last=self.exhausted)
 
     def close(self) -> None:
-        """Leave the batch; the prompt cache gets the row's cache back (all tokens but the
-        last committed one), as `Engine.stream_steps` leaves it."""
+        """Leave; the prompt cache gets the row's cache (every committed token but the last)."""
         if self.closed:
             return
         self.closed = True
@@ -205,20 +172,16 @@ class BatchSpeculator:
 
     def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
                  pipeline: bool = True, solo: bool = True, alone: bool = False, sync=None):
-        """`policy`: the batch's policy choosing every row's k (default a fresh
-        `BatchPolicy`); `row_plans=True`: none, every row proposes what its own policy
-        plans, as if alone (a joining row's first step too, not its prefill's token, see
-        `open`). `pipeline`: run stretches where no row proposes pipelined (see
-        `_plain_stretch`). `solo`: a row alone decodes on its own cache until another joins.
-        `alone`: one request only, on its own cache of any kind, trees included (`decode`).
-        `sync`: a sharded target's (`distributed/`): rank 0's tokens on every rank."""
+        """`policy`: chooses every row's k (default a fresh `BatchPolicy`); `row_plans`: none,
+        each row plans as if alone. `pipeline`: plain stretches pipelined. `solo`: a row alone
+        decodes on its own cache until another joins. `alone`: one request only, on its own
+        cache of any kind. `sync`: a sharded target's (rank 0's tokens on every rank)."""
         self.model = model
         self.alone, self.sync = alone, sync
         self.policy = None if row_plans or alone else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
-        # Row b of the batch cache holds slots[b]; a row that left leaves its slot empty
-        # (None: fed padding, trimmed at once) for the next to join, so that neither joining
-        # nor leaving copies the whole cache (`_compact` does, once half the slots are empty).
+        # Row b of the cache holds slots[b]; a row leaving leaves None (fed padding, trimmed at
+        # once) for the next to join: neither joining nor leaving copies the cache (`_compact`).
         self.slots: list[BatchRow | None] = []
         self.cache: list[RaggedKVCache] | None = None
         self.drafts: dict[int, BatchDraft] = {}  # id(draft model) -> its rows' draft caches
@@ -230,9 +193,8 @@ class BatchSpeculator:
         self.solo = solo
         self.own: BatchRow | None = None  # the lone row whose own cache is `cache` (`_join`)
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
-        # In a plain stretch the batch asks its policy again only every `replan_gap` steps (and
-        # when a row joins): asked every step, the policy's Python runs where nothing hides it
-        # (`async_eval` returns only near the end of the forward on MLX's CPU backend).
+        # A plain stretch asks the policy every `replan_gap` steps (and when a row joins): on
+        # MLX's CPU backend `async_eval` returns near the forward's end, so nothing hides it.
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self.opening: list[BatchRow] = []  # opened, to prefill together (`_open_pending`)
@@ -241,8 +203,7 @@ class BatchSpeculator:
 
     @staticmethod
     def accepts(engine: Engine, mode: str | None = None) -> bool:
-        """Whether a request of `engine` (in `mode`) can run here: plain attention, a chain
-        proposer on the target's ordinary cache, an unsharded target."""
+        """Whether a request can share a batch: plain attention, a chain proposer, unsharded."""
         if engine.kv != "fp" or engine.sync is not None:
             return False
         mode = mode or engine.mode
@@ -254,26 +215,14 @@ class BatchSpeculator:
             return False
         return plain_attention(caches.make_cache(engine.model))
 
-    def open(self, engine: Engine, prompt, *, max_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = 0,
-             stop=None, prediction=None, num_draft: int | None = None,
-             prompt_cache: PromptCache | None = None, mode: str | None = None,
-             policy=None, progress=None, prefill_chunk: int | None = None) -> BatchRow:
-        """A request checked (`Engine.prepare`) and prefilled, joining the batch: each `step()`
-        commits its tokens, `row.read()` returns them as text; close the row to leave.
-        `progress(done, total)` is called during a prefill done here.
-
-        A prompt with at most GROUP_PREFILL_MAX tokens left to prefill is prefilled at the
-        batch's next step or the row's first read, whichever comes first, together with every
-        other row opened meanwhile (`_open_pending`); its first token comes from that
-        prefill. A longer one is prefilled here, and joins the next step with its last prompt
-        token (the model's head would run over all of its last chunk); with `prefill_chunk`,
-        one with more than that many tokens to prefill is prefilled that many per `step()`
-        instead (the server: other rows keep decoding meanwhile)."""
-        req = engine.prepare(prompt, max_tokens=max_tokens, temperature=temperature,
-                             top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-                             prediction=prediction, num_draft=num_draft,
-                             prompt_cache=prompt_cache, mode=mode, policy=policy)
+    def open(self, engine: Engine, prompt, *, progress=None, prefill_chunk: int | None = None,
+             **request) -> BatchRow:
+        """A request checked (`Engine.prepare`) joining the batch: each `step()` commits its
+        tokens, `row.read()` returns them as text; close the row to leave. A short rest of the
+        prompt prefills at the next step with the round's other joiners; a longer one here
+        (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still.
+        `request`: as `Engine.prepare`."""
+        req = engine.prepare(prompt, **request)
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
         if proposer is not None and proposer.uses_trees and not self.alone:
             raise MlxspecError("this request cannot run in the batched step")
@@ -281,8 +230,9 @@ class BatchSpeculator:
             raise MlxspecError("a row of another model cannot join this batch")
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
-                       num_draft or MAX_NUM_DRAFT, req.stops,
-                       seeded=seed is not None or self.alone)
+                       req.num_draft or MAX_NUM_DRAFT, req.stops,
+                       seeded=request.get("seed", 0) is not None or self.alone)
+
         if any(r.pc is pc for r in self.opening + self.rows):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
@@ -301,8 +251,7 @@ class BatchSpeculator:
         return row
 
     def _prefill_chunks(self) -> None:
-        """A chunk of every long prompt being prefilled; a prompt whose rest fits a chunk is
-        prefilled whole and joins (with the round's joiners where the rest is short)."""
+        """A chunk of every long prompt; one whose rest fits a chunk is prefilled and joins."""
         for row in list(self.prefilling):
             req, keep, seconds = row.opening
             start = time.perf_counter()
@@ -321,8 +270,7 @@ class BatchSpeculator:
                 self._fail_open(row, e)
 
     def _prefill_and_join(self, row: BatchRow, progress=None) -> None:
-        """Prefill the rest of an opened row's prompt on its own cache (all but the last
-        token), start its proposer, and join the batch."""
+        """Prefill the rest of a row's prompt on its own cache, start its proposer, join."""
         req, keep, seconds = row.opening
         row.opening = None
         start = time.perf_counter()
@@ -332,11 +280,9 @@ class BatchSpeculator:
         self._join(row)
 
     def _open_pending(self) -> None:
-        """The rows opened since the last step prefill together, what their prompts have not
-        cached (the last token too), with one wait: each row's first token comes from it,
-        drawn as a plain step draws it, and the rows join the batch. One forward and one wait
-        for a round's joiners, not one each: on MLX's CPU backend a forward of a few tokens
-        costs most of a batched step, and each wait stalls the whole batch."""
+        """The rows opened since the last step prefill together (the last prompt token too)
+        and join, each with its first token: one forward and one wait for a round's joiners,
+        not one each (each wait stalls the whole batch)."""
         group = [r for r in self.opening if not r.closed]
         self.opening = []
         if not group:
@@ -356,8 +302,7 @@ class BatchSpeculator:
                 self._fail_open(r, e)
             return
         spent = time.perf_counter() - start
-        # Room for the group (and a lone row moving in) at once: a row joining past the
-        # widest batch so far copies every layer's buffers.
+        # room for the group (and a lone row moving in) at once: growing copies every buffer
         alone = self.own is not None
         self._end_solo()
         self._make_room(len(group) + alone, len(group[0].pc.cache))
@@ -368,14 +313,13 @@ class BatchSpeculator:
                 r.pc.tokens = list(r.context)
                 r.stats.cached_tokens = keep
                 r.engine.start_proposer(req, seconds + spent)
-                r.commit_first(token)
+                r.commit([token], observe=False)
                 self._join(r, may_go_solo=False)
             except Exception as e:
                 self._fail_open(r, e)
 
     def _fail_open(self, row: BatchRow, e: BaseException) -> None:
-        """A row whose prefill or join failed: it reports `e` at its next read; its cache,
-        in whatever state, is not reused."""
+        """A row whose prefill or join failed reports `e` at its next read; its cache goes."""
         row.opening, row.error = None, e
         if row in self.prefilling:
             self.prefilling.remove(row)
@@ -397,11 +341,9 @@ class BatchSpeculator:
         self.slots.extend([None] * need)
 
     def _prefill_group(self, group: list[BatchRow]) -> list[int]:
-        """The group's uncached prompt tokens through the target: rows with little cached
-        (at most GROUP_CACHED_MAX tokens) in one forward, right-padded to one width, on a
-        cache of their own; a row with more, alone on its own cache (copying its prefix would
-        cost more than the forward it saves). Each row's pc.cache then holds its whole prompt;
-        returns the rows' first tokens, read back with one wait."""
+        """The group's uncached prompt tokens through the target, right-padded in one forward
+        (a row with more than GROUP_CACHED_MAX cached: alone, on its own cache); returns the
+        rows' first tokens, read back with one wait."""
         drawn: list[mx.array | None] = [None] * len(group)
         together = []
         for i, r in enumerate(group):
@@ -423,8 +365,7 @@ class BatchSpeculator:
             for i in order:
                 for ragged, c in zip(layers, rows[i].pc.cache):
                     ragged.put_row(i, c)
-            # padding (the last token again) comes after a row's own tokens: no real position
-            # attends to it, and it is trimmed at once
+            # padding after a row's own tokens: nothing real attends to it; trimmed at once
             inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
             logits = self.model(inputs, cache=layers)
             last = logits[mx.arange(len(rows)), mx.array([len(t) - 1 for t in todo])]
@@ -460,8 +401,7 @@ class BatchSpeculator:
         self.rows.append(row)
 
     def _end_solo(self) -> None:
-        """The lone row moves into the ragged cache (another row joins); a step queued for it
-        is undone first (the batch computes that token again)."""
+        """The lone row moves into the ragged cache, a step queued for it undone first."""
         row = self.own
         if row is None:
             return
@@ -470,14 +410,13 @@ class BatchSpeculator:
         self._admit(row)
 
     def _drop_queued_own(self) -> None:
-        """Undo the step queued for the lone row (the result not read)."""
+
         q, self.queued = self.queued, None
         if q is not None and q.rows[0] is not None:
             self._undo_own(q)
 
     def _undo_own(self, q: QueuedPlainStep) -> None:
-        """The lone row's cache without the token `q` fed it (its last): every committed token
-        but the last again."""
+        """The lone row's cache without the token `q` fed it."""
         caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
 
     def _admit(self, row: BatchRow) -> None:
@@ -486,10 +425,8 @@ class BatchSpeculator:
         if self.cache is None:
             self.cache = [RaggedKVCache() for _ in layers]
         else:
-            # Written in place only where nothing else holds the buffers: evaluated here (every
-            # caller has just waited for the batch's work, so this costs no wait) the row's
-            # copy below is one row's; otherwise MLX copies every layer's whole buffers, on
-            # the server ~7 ms a join at 8 rows (`bench/bench_server.py`, 8 clients).
+            # Evaluated (no wait: every caller has just waited), the buffers are written in
+            # place; otherwise MLX copies them whole, ~7 ms a join at 8 rows on the server.
             mx.eval([c.state for c in self.cache])
         if len(layers) != len(self.cache):
             raise MlxspecError("a row of another model cannot join this batch")
@@ -554,9 +491,8 @@ class BatchSpeculator:
             self._compact()
 
     def _compact(self) -> None:
-        """Drop the empty slots once they are half the batch (each costs a row's compute in
-        every forward); one copy of the cache. A queued step's rows and tokens, listed by
-        the slots it was queued with, follow."""
+        """Drop the empty slots once they are half the batch (each costs a row's compute);
+        a queued step's rows and tokens follow."""
         empty = self.slots.count(None)
         if not empty or empty * 2 < len(self.slots):
             return
@@ -572,8 +508,8 @@ class BatchSpeculator:
 
     # -- the step
     def step(self) -> None:
-        """One batched speculative step for every waiting row (a row whose previous output
-        was not read yet sits this one out, its cache untouched: a zero-length row)."""
+        """One batched step for every waiting row (one that has not read its last output sits
+        it out: fed padding, trimmed at once)."""
         self._prefill_chunks()
         self._open_pending()
         if self.queued is not None:
@@ -595,8 +531,6 @@ class BatchSpeculator:
                 self._plain_stretch({id(r): key for r, key in zip(rows, verify_keys)}, start)
                 return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
-            # A row whose previous output was not read yet sits this step out: it is fed
-            # padding that is trimmed again at once, its cache unchanged.
             stepping = {id(r): i for i, r in enumerate(rows)}
             order = [stepping.get(id(r)) if r is not None else None for r in self.slots]
             results = decode_step(
@@ -620,31 +554,22 @@ class BatchSpeculator:
         if self.policy is not None and self.own is None:
             self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
                                 draft_forwards, seconds, span)
-        for r, (source, _), res in zip(rows, plans, results):
-            r.context.extend(res.tokens)
-            if r.draft is not None and res.source == "draft":
-                self.drafts[id(r.draft.model)].update(r.draft, r.context, res.accepted)
-            if r.proposer is not None:
-                r.proposer.update(r.context, res.accepted)
-            r.observe(source, res.drafted, res.accepted, seconds if res.drafted else None)
-            r.stats.record_step(res.source, res.drafted, res.accepted, len(res.tokens))
-            r.pending = res.tokens
+        for r, (arm, _), res in zip(rows, plans, results):
+            r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
+                     seconds if res.drafted else None)
 
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
-        """A plain step for `rows` may queue the next one: a row will want a token after
-        this step's, and no row is pinned (a seeded fixed-k row at temperature > 0: whether
-        its next step is plain would depend on the other rows)."""
+        """A plain step may queue the next: a row wants a token after this one's, and no row
+        is pinned (whether its next step is plain would depend on the other rows)."""
         return (self.pipeline and any(r.wants_two for r in rows)
                 and not any(r.planner.shadow is not None and r.proposer is not None
                             and r.pinned for r in self.rows))
 
     def _plain_forward(self, fed: list[BatchRow | None], inputs: mx.array,
                        keys: list[mx.array | None]) -> mx.array:
-        """One plain forward over every slot: fed[b] the row fed inputs[b] (maybe lazy), or
-        None (an empty slot, a row sitting this step out: fed padding, trimmed again at
-        once); lazily, each slot's next token, drawn as `verify_chain` draws a plain step's
-        (keys[b]: fed[b]'s key)."""
+        """One plain forward over every slot, fed[b] fed inputs[b] (None: padding, trimmed at
+        once); lazily, each slot's next token, drawn with keys[b] as `verify_chain` draws."""
         logits = self.model(inputs.reshape(-1, 1), cache=self.cache)[:, -1]
         if None in fed:
             for c in self.cache:
@@ -654,9 +579,8 @@ class BatchSpeculator:
 
     def _draw(self, fed: list[BatchRow | None], logits: mx.array,
               keys: list[mx.array | None]) -> mx.array:
-        # Sampled rows: unseeded ones with the same sampling draw together (one categorical,
-        # exact in distribution); a seeded one with its own key, as `verify_chain` draws a
-        # plain step, whatever else is in the batch.
+        # Unseeded sampled rows with one sampling draw together (exact in distribution); a
+        # seeded one with its own key, as `verify_chain` draws.
         groups: dict[SamplingParams, list[int]] = {}
         greedy = False
         for b, r in enumerate(fed):
@@ -665,8 +589,7 @@ class BatchSpeculator:
             elif r is not None:
                 greedy = True
         if len(groups) == 1 and not greedy and None not in groups:
-            # every row unseeded with one sampling (free text): one draw over all slots, an
-            # empty slot's token unused
+            # (free text: one draw over all slots, an empty slot's token unused)
             (sampling,) = groups
             return sample(probs_from_logits(logits, sampling), None).astype(mx.uint32)
         tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
@@ -696,11 +619,9 @@ class BatchSpeculator:
         self.queued = QueuedPlainStep(fed, queued, ckpt)
 
     def _plain_stretch(self, keys: dict[int, mx.array], start: float) -> None:
-        """The first step of a plain stretch for the rows in `keys` (by id: the waiting
-        rows): the next step is queued (`mx.async_eval`) before this one's tokens are read
-        back, so the forward runs while the host reads, detokenizes and asks the policy, as
-        `none` runs for one request. While a step is queued each row it feeds also holds its
-        last token in the cache; `_leave` trims it back."""
+        """The first step of a plain stretch for the rows in `keys` (by id): the next step is
+        queued (`mx.async_eval`) before this one's tokens are read back, so the forward runs
+        while the host reads, detokenizes and plans."""
         span = self._span()
         fed = [r if r is not None and id(r) in keys else None for r in self.slots]
         try:
@@ -708,9 +629,8 @@ class BatchSpeculator:
                 fed, mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32),
                 [keys[id(r)] if r is not None else None for r in fed])
             if self.own is not None:
-                # a lone row's first forward started on its own, as the single-request loop
-                # always did: a sharded target's ranks then run the two forwards' collectives
-                # in the same order
+                # started on its own: a sharded target's ranks then run the two forwards'
+                # collectives in the same order
                 mx.async_eval(tokens)
             # the next step feeds each row this step's token, where it wants one after it
             after = [r if r is not None and r.wants_two else None for r in fed]
@@ -725,12 +645,9 @@ class BatchSpeculator:
                            self._delivered - start, span, synced=True)
 
     def _deliver_queued(self) -> None:
-        """The queued plain step's tokens are the next output of its rows. Before reading them
-        back the step after is queued too, while the batch still wants no proposal (asked on
-        the contexts so far, every `replan_gap` steps and when
-        a row joins). It feeds the queued step's rows
-        their queued tokens where they want one more, rows that joined meanwhile (or sat the
-        queued step out) their last token where they are waiting, and no one else: a stretch
+        """The queued step's tokens are its rows' next output. Before reading them back the
+        step after is queued, while the batch wants no proposal: it feeds the queued rows
+        their queued tokens, rows that joined meanwhile their last token, so a stretch
         survives requests coming, leaving and ending."""
         q, self.queued = self.queued, None
         span = self._span() - 1  # the queued step's token is cached already
@@ -772,21 +689,19 @@ class BatchSpeculator:
             for c in self.cache:
                 c.trim_rows([1 if r in drop else 0 for r in self.slots])
         self.pipelined += 1
-        # The last step of a stretch (none queued after it) was mostly computed while the
-        # host planned: its wait is not what a plain token costs, and would tell the policies
-        # plain decoding is several times cheaper than it is (11 ms against 64 on SmolLM2).
+        # A stretch's last step (none queued after it) was mostly computed while the host
+        # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
         self._commit_plain([r for r, _ in keep], [t for _, t in keep],
                            seconds if again else None, span, synced=False)
 
     def _alone_adaptive(self) -> bool:
-        """One adaptive row: planned as alone, by its own policy (measured on its own steps;
-        the batch's cost model, fitted on wider batches, misjudges a draft model there)."""
+        """One adaptive row: planned by its own policy (the batch's cost model, fitted on
+        wider batches, misjudges a draft model there)."""
         return len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
-        """Every row's (source, k) for a step: the batch's policy over the rows' offers, or
-        each row's own plan (no batch policy, or one adaptive row alone). `commit=False`:
-        only asking (a forced probe allowed now is not counted as taken)."""
+        """Every row's (source, k): the batch's policy over the rows' offers, or each row's
+        own plan. `commit=False`: only asking (a forced probe is not counted as taken)."""
         if self.policy is None or self.own is not None or self._alone_adaptive():
             return [r.plan() for r in rows]
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
@@ -807,13 +722,8 @@ class BatchSpeculator:
         if self.policy is not None and self.own is None and seconds is not None:
             self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
         for r, token in zip(rows, tokens):
-            r.context.append(token)
-            if r.proposer is not None:
-                r.proposer.update(r.context, 0)
             # (a lone row's policy takes only the steady state: not a stretch's synced first)
-            r.observe("", 0, 0, None if synced and self.own is not None else seconds)
-            r.stats.record_step("", 0, 0, 1)
-            r.pending = (r.pending or []) + [token]  # a row that has not read yet gets both
+            r.commit([token], seconds=None if synced and self.own is not None else seconds)
 
     def _fail(self, e: BaseException) -> None:
         self.queued = None
@@ -822,9 +732,8 @@ class BatchSpeculator:
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
                  keys: list[mx.array]) -> tuple[list[Proposal | None], int]:
-        """Every row's proposal; the rows drafting with a batched draft model draft together
-        (`batch_draft.py`). Also the sequential draft forwards this took (the cost model's
-        D)."""
+        """Every row's proposal (batched draft-model rows draft together, `batch_draft.py`),
+        and the sequential draft forwards this took."""
         proposals: list[Proposal | None] = [None] * len(rows)
         by_draft: dict[int, list[int]] = {}
         draft_forwards = 0
@@ -848,29 +757,12 @@ class BatchSpeculator:
         return proposals, draft_forwards + widest
 
 
-def next_output(row: BatchRow) -> StepOutput:
-    """The row's next output, stepping its batch until there is one (StopIteration once the
-    row has ended or left): for reading rows one at a time, in tests and benchmarks. The
-    server steps each batch once a round and reads every row (`server/worker.py`)."""
-    if row.opening is not None:  # its first token comes from its prefill, not a step
-        row.batch._open_pending()
-    while not (row.closed or row.finished):
-        out = row.read()
-        if out is not None:
-            return out
-        row.batch.step()
-    raise StopIteration
-
-
 def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
            sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
            num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
-    """One request on a cache given as is (holding `context` but its last token), in tokens:
-    yields the tokens each step commits (>= 1); `context` grows in place (for tools and tests
-    that hold a raw cache; `Engine.stream_steps` runs a request with text). `num_draft` caps
-    k, the policy chooses within it; `sync`: a sharded target's (rank 0's tokens on every
-    rank). When it ends or is closed the cache holds every committed token but the last
-    again."""
+    """One request on a raw cache holding `context` but its last token (tools, tests): yields
+    the tokens each step commits; `context` grows in place; `num_draft` caps k. When it ends
+    the cache holds every committed token but the last again."""
     batch = BatchSpeculator(model, alone=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)

@@ -1,12 +1,6 @@
 """The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
-the prompt cache), and their tokens turned into text (`stopstrings.Detokenizer`).
-
-The decode loop itself is `batch_step.BatchSpeculator`: a request is a batch of one on its
-own cache (the server's batch is the same class). Per step the policy picks a source and k from
-what the proposer offers, the proposer proposes, one target forward verifies exactly
-(`step.decode_step`), the rejected tokens are rolled back; where the policy wants no proposal
-(all of `none`) plain decoding runs pipelined, as mlx-lm does.
-"""
+the prompt cache). The decode loop is `batch_step.BatchSpeculator`: a request alone is a batch
+of one on its own cache (`Engine.open`)."""
 
 from __future__ import annotations
 
@@ -24,16 +18,8 @@ from . import backend, caches
 from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
-from .policy import (
-    AUTO_MAX_K,
-    DEFAULT_NUM_DRAFT,
-    AdaptiveK,
-    FixedK,
-    Policy,
-    check_num_draft,
-    read_states,
-    write_states,
-)
+from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
+from .policy.adaptive import read_states, write_states
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .sampling import SamplingParams
@@ -41,21 +27,6 @@ from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
 
 log = logging.getLogger("mlxspec")
-# Loading lives in loading.py (which builds the Engine); these names are still importable from
-# here, as the public API was before loading.py: resolved when first asked for.
-_FROM_LOADING = ("load", "load_model", "load_draft", "resolve_model_path",
-                 "check_draft_compatible")
-
-
-def __getattr__(name: str):
-    if name in _FROM_LOADING:
-        from . import loading
-
-        return getattr(loading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# ----------------------------------------------------------------------------- results
 
 
 @dataclass
@@ -87,9 +58,6 @@ class Request:
     num_draft: int | None
 
 
-# ----------------------------------------------------------------------------- the engine
-
-
 class Engine:
     """A loaded target (and draft) with a speculation mode; generates text or tokens."""
 
@@ -101,8 +69,7 @@ class Engine:
                  kv_buffer_size: int | None = None, draft_source=None, **mode_options):
         if kv not in ("fp", "hierarchical"):
             raise MlxspecError(f"kv must be 'fp' or 'hierarchical', got {kv!r}")
-        # kv="hierarchical": plain decoding reads QuantSpec's 8-bit view of the hierarchical
-        # cache, the reference `quantspec` is token-identical to.
+        # kv="hierarchical": plain decoding on QuantSpec's 8-bit view (what it verifies with)
         self.kv, self.kv_group_size, self.kv_buffer_size = kv, kv_group_size, kv_buffer_size
         self.model = model
         self.tokenizer = tokenizer
@@ -117,8 +84,7 @@ class Engine:
         self._proposers: dict = {}
         self._policies: dict = {}
         self._policy_modes: dict = {}  # id(proposer) -> its mode's name, for `save_policies`
-        # Where adaptive policies start from and are kept between processes (the CLI sets it:
-        # `cli.common.load_engine(remember=True)`); None: every engine starts from the priors.
+        # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
         self._recurrent: bool | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
@@ -127,8 +93,8 @@ class Engine:
         self.set_mode(mode, num_draft=num_draft, **mode_options)
 
     def clone(self, **extra) -> Engine:
-        """Another engine on the same weights (and draft), with its own proposers, policies and
-        prompt cache: a server slot. `extra`: a subclass's own constructor arguments."""
+        """Another engine on the same weights, with its own proposers, policies and prompt
+        cache (a server slot); `extra`: a subclass's own constructor arguments."""
         other = type(self)(
             self.model, self.tokenizer, mode="none", draft_model=self.draft_model,
             num_draft=self.num_draft if self.num_draft_set else None, config=self.config,
@@ -151,13 +117,12 @@ class Engine:
         self.policy = self.policy_for(self.proposer)
 
     def proposer_for(self, mode: str, **mode_options) -> Proposer | None:
-        """The proposer of `mode` (None for `none`). One per (mode, options), kept: a draft
-        model's cache and QuantSpec's weight copies survive switching modes back and forth."""
+        """The proposer of `mode` (None for `none`), kept per (mode, options): a draft's cache
+        and QuantSpec's weight copies survive switching modes."""
         check_mode(mode)
         key = (mode, tuple(sorted(mode_options.items())))
         if key not in self._proposers:
-            # The pair's draft (bundled, or a folder's draft/) is loaded when a mode first
-            # uses it: `draft`, and `auto`, whose sources include it.
+            # the pair's draft is loaded when a mode first uses it
             if (mode in ("draft", "auto") and self.draft_model is None
                     and self.draft_source is not None):
                 from .loading import load_draft
@@ -173,8 +138,8 @@ class Engine:
         return self._proposers[key]
 
     def policy_for(self, proposer: Proposer | None):
-        """The one policy of a proposer: `AdaptiveK` for auto (k capped by num_draft when set)
-        or with adaptive=True, else `FixedK(num_draft)`. Kept, so that it keeps learning."""
+        """The proposer's one policy, kept so that it keeps learning: `AdaptiveK` for auto
+        (k capped by num_draft when set) or with adaptive=True, else `FixedK(num_draft)`."""
         if id(proposer) not in self._policies:
             if getattr(proposer, "adaptive", False):
                 cap = self.num_draft if self.num_draft_set else AUTO_MAX_K
@@ -196,9 +161,8 @@ class Engine:
             policy.resume(state)
 
     def keep_policies(self, path: Path | None) -> None:
-        """Start the adaptive policies (those made already too, before they measured anything)
-        from what earlier processes kept at `path`, and keep this one's there
-        (`save_policies`)."""
+        """Start the adaptive policies from what earlier processes kept at `path`, and keep
+        this one's there (`save_policies`)."""
         self.policy_file = path
         if path is None:
             return
@@ -207,8 +171,7 @@ class Engine:
             self._resume_policy(key, states)
 
     def save_policies(self) -> None:
-        """Keep what the adaptive policies measured at `policy_file`, for the next process on
-        this machine to start from (a first request then proposes as well as a tenth)."""
+        """Keep what the adaptive policies measured at `policy_file` for the next process."""
         if self.policy_file is None:
             return
         states = {self._policy_modes[key]: policy.snapshot()
@@ -260,14 +223,11 @@ class Engine:
                      policy: Policy | None = None,
                      progress: Callable[[int, int], None] | None = None,
                      prefill_chunk: int | None = None) -> Iterator[StepOutput | None]:
-        """Generate, yielding after every target forward. `prediction` (text or ids) is a
+        """Generate, yielding after every target forward. `prediction` (text or ids): a
         predicted output the n-gram proposer copies from; `prompt_cache` (default: the
-        engine's own) is reused when the prompt shares a prefix with the tokens it holds;
-        `mode` overrides the engine's mode for this call; `num_draft` caps k for this call;
-        `policy` replaces the mode's policy (`FixedK`, `AdaptiveK`) for this call;
-        `progress(done, total)` is called during prefill. `prefill_chunk`: a longer prompt
-        is prefilled that many tokens per step, each such step yielding None (the server
-        interleaves it with other requests)."""
+        engine's): reused where the prompt shares a prefix with it; `mode`, `num_draft` (a cap
+        on k), `policy`: for this call; `progress(done, total)`: during prefill;
+        `prefill_chunk`: a longer prompt is prefilled that many tokens per step, yielding None."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
             row = self.open(prompt, max_tokens=max_tokens, temperature=temperature,
@@ -305,7 +265,7 @@ class Engine:
                 prompt_cache: PromptCache | None = None, mode: str | None = None,
                 policy: Policy | None = None) -> Request:
         """Check a request (clear errors before any work) and resolve its mode, proposer,
-        policy, prompt cache and key: what `stream_steps` and the batched step share."""
+        policy, prompt cache and key."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()
@@ -340,8 +300,7 @@ class Engine:
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
     def start_proposer(self, req: Request, prefill_seconds: float) -> None:
-        """The prompt is cached (in `prefill_seconds`): start the request's proposer (a draft
-        model prefills here: prefill time too)."""
+        """Start the request's proposer on its cached prompt (a draft's prefill counts too)."""
         start = time.perf_counter()
         if req.proposer is not None:
             req.proposer.reset(req.tokens, req.sampling)
@@ -377,9 +336,8 @@ class Engine:
     def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
                 limit: int | None = None,
                 progress: Callable[[int, int], None] | None = None) -> int:
-        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can; at most `limit`
-        new tokens in this call (the server prefills long prompts between other requests'
-        steps). Returns how many tokens were reused."""
+        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can, at most `limit`
+        new tokens in this call; returns how many tokens were reused."""
         keep = self.reuse(tokens, pc, proposer)
         target = tokens[:-1]
         todo = target[keep:] if limit is None else target[keep : keep + limit]

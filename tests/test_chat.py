@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO, build_model, save_model_dir, train_tiny_tokenizer
 
 from mlxspec.chat_session import ChatSession, add_turn_end_tokens, render_chat
-from mlxspec.engine import PromptCache, load
+from mlxspec.engine import PromptCache
+from mlxspec.loading import load
 
 pexpect = pytest.importorskip("pexpect")
 

@@ -30,7 +30,7 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr("mlxspec.engine.load", refuse)
+    monkeypatch.setattr("mlxspec.loading.load", refuse)
 
 
 USAGE_ERRORS = {

@@ -375,7 +375,7 @@ SMALL = "def add(a, b):\n    total = a + b\n    return total\n"
 
 
 def test_ngram_edit_is_token_identical_to_none_with_fewer_forwards(model_dirs):
-    from mlxspec.engine import load
+    from mlxspec.loading import load
 
     engine = load(str(model_dirs["llama"]), mode="none")
     fewer = 0
@@ -404,7 +404,7 @@ def test_cli_edit_json_on_a_real_model(model_dirs, tmp_path):
 @pytest.mark.slow
 def test_bundled_model_edit_ngram_equals_none():
     """On the bundled model: the n-gram run equals the plain run, in fewer forwards."""
-    from mlxspec.engine import load
+    from mlxspec.loading import load
     from mlxspec.recipe import heldout_functions
 
     engine = load(None, mode="none")

@@ -177,7 +177,7 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
     """The engine for a command. `remember`: its adaptive policies start from what earlier runs
     of the command measured on this machine, and keep what this run measures (at exit)."""
     from .. import backend
-    from ..engine import load
+    from ..loading import load
 
     if distributed:  # rank 0 gets the engine; the other ranks follow it and never return
         from .distributed import cli_engine

@@ -40,14 +40,9 @@ from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
-# Requests speculating at once by default (batched): above it, mlx-lm's plain batch. The
-# batched step steps plainly where proposals do not pay, so this is an upper bound, not the
-# switch: 16 clients all in the batched step beat 8 there and 8 in a second, plain batch
-# (`bench/bench_server.py --configs default,bspec8,plain`, docs/PERFORMANCE.md).
+# Requests speculating at once by default; above it a request decodes plainly in the batch. An
+# upper bound, not the switch: the batch steps plainly where proposals do not pay.
 SPEC_MAX_CONCURRENCY = 32
-
-
-# ----------------------------------------------------------------------------- events
 
 
 @dataclass
@@ -109,9 +104,8 @@ class Job:
 
 
 class PromptCacheStore:
-    """A few `PromptCache`s (one per recent conversation or file), least recently used first
-    out, bounded by total bytes and count. A request takes the entry sharing the longest
-    prefix with its prompt (the engine trims it to that prefix) and gives it back when done."""
+    """A few `PromptCache`s (one per recent conversation or file), least recently used out
+    first, bounded by bytes and count: a request takes the one sharing the longest prefix."""
 
     def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 8):
         self.max_bytes, self.max_entries = max_bytes, max_entries
@@ -150,8 +144,6 @@ class PromptCacheStore:
 
 def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
     """A new PromptCache holding the first n tokens of `pc` (plain KV caches only)."""
-    from mlx_lm.models.cache import KVCache
-
     if n <= 0 or not pc.cache or any(type(c) is not KVCache or c.keys is None for c in pc.cache):
         return None
     caches = []
@@ -174,8 +166,7 @@ class Worker(threading.Thread):
                  batch_spec: bool = True, suffix: SuffixStores | None = None):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
-        # Earlier requests' text per scope, for the suffix source (`auto`, `suffix`); read and
-        # written on this thread only.
+        # earlier requests' text per scope, for the suffix source (this thread only)
         self.suffix = suffix if suffix is not None else SuffixStores()
         self.spec_max_concurrency = spec_max_concurrency
         self.max_batch = max_batch
@@ -188,20 +179,14 @@ class Worker(threading.Thread):
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
         self.jobs: list[Job] = []
-        # Slots are made on the worker thread (their proposers' arrays must live there); the
-        # caller's engine only lends its weights and settings.
+        # made on this thread (their proposers' arrays live there) from the engine's weights
         self.idle_slots: list[Engine] = []
-        # Engine jobs on plain-attention models step together: one target forward verifies
-        # every job's proposal (batch_step.py); others (sliding windows, recurrent state,
-        # trees, QuantSpec) keep one forward each, round robin.
-        self.batch_spec = batch_spec
+        self.batch_spec = batch_spec  # requests share one batch where they can
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
-        # mlx-lm's batched plain decoding is used only where every layer is ordinary attention:
-        # sliding-window and recurrent models keep every request on an engine slot, so that an
-        # answer never depends on where it ran.
+        # (sliding-window and recurrent models: every request a batch of its own)
         self.batchable = all(type(c) is KVCache for c in caches.leaves(
             caches.make_cache(engine.model)))
 
@@ -228,17 +213,15 @@ class Worker(threading.Thread):
         return self.active() == 0 and self.inbox.qsize() == 0
 
     def end_all(self, reason: str = "shutdown") -> None:
-        """End every job, running or queued, at its next step with its partial answer and
-        this finish_reason (a clean end of stream); new jobs are refused."""
+        """End every job at its next step with its partial answer and this finish_reason;
+        new jobs are refused."""
         self.draining = True
         self.ending = reason
         self.inbox.put(_WAKE)
 
     def fail_all(self, message: str) -> None:
-        """--distributed, another rank lost (`Coordinator.on_lost`, from any thread): every
-        request, running or queued, ends with `message` (503) and new ones are refused; the
-        process exits moments later. The worker thread may be stuck in a collective: nothing
-        here waits for it."""
+        """Another rank is lost (from any thread): every request ends with `message` (503),
+        new ones are refused; nothing waits for the worker (it may be stuck in a collective)."""
         self.draining = True
         error = ApiError(503, message, code="rank_lost")
         jobs = list(self.jobs)
@@ -253,7 +236,7 @@ class Worker(threading.Thread):
             job.events.put(Failed(error))
 
     def _end_reason(self, job: Job) -> str | None:
-        """Why this job must end now (its time is up, or the server is stopping), or None."""
+        """Why this job must end now (its time is up, the server is stopping), or None."""
         if self.ending is not None:
             return self.ending
         if job.deadline is not None and time.perf_counter() > job.deadline:
@@ -267,8 +250,7 @@ class Worker(threading.Thread):
 
     def start(self) -> None:
         super().start()
-        # Stopped before interpreter exit even if nobody calls stop(): a thread killed inside
-        # MLX with work pending aborts the process.
+        # stopped before exit even without stop(): one killed inside MLX aborts the process
         atexit.register(self._stop_at_exit)
 
     def _stop_at_exit(self) -> None:
@@ -283,9 +265,8 @@ class Worker(threading.Thread):
 
     # -- the loop
     def run(self) -> None:
-        # Everything MLX happens on this thread, on a stream of its own. A thread that used
-        # MLX must destroy its streams before it ends, or the process may abort at exit
-        # ("terminate called without an active exception"): hence clear_streams.
+        # All MLX work runs here, on a stream of its own, destroyed before the thread ends
+        # (or the process may abort at exit: "terminate called without an active exception").
         stream = mx.new_stream(mx.default_device())
         try:
             with mx.stream(stream):
@@ -299,9 +280,8 @@ class Worker(threading.Thread):
         while not self._stopping:
             try:
                 self._admit(block=not self.jobs)
-                # Every new job opens before any job steps: the batched step's joiners of
-                # one round then prefill together, in one forward (batch_step.py).
-                # Above spec_max_concurrency + max_batch a job waits to open.
+                # Every new job opens before any steps (a round's joiners prefill in one
+                # forward); above spec_max_concurrency + max_batch a job waits to open.
                 opened = sum(1 for j in self.jobs if j.opened)
                 for job in list(self.jobs):
                     if not job.opened and self._live(job):
@@ -351,7 +331,7 @@ class Worker(threading.Thread):
                     self.idle_slots.append(job.slot)
                 job.events.put(Failed(ApiError(500, f"cannot start: {type(e).__name__}: {e}")))
 
-    # -- jobs (each on an engine slot: exact, prompt-cached)
+    # -- jobs (each on an engine slot)
     def _slot(self) -> Engine:
         if self.idle_slots:
             return self.idle_slots.pop()
@@ -365,22 +345,17 @@ class Worker(threading.Thread):
     def _open_generation(self, job: Job) -> None:
         r = job.req
         self._bind_suffix(job)
-        # A long prompt is prefilled a chunk per round, other requests decoding meanwhile.
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk)
-        # A sampled request with a seed draws what it would alone (the promise of a seed, and
-        # of llama.cpp's n_cmpl: seeds seed, seed + 1, ...), which the batch does not: it
-        # keeps a batch of its own while at most one other request does (beyond that,
-        # as the plain batch always did, the draw is exact but not the one alone).
-        # (jobs not opened yet are not counted: most of them join the shared batch)
+        # A seeded sampled request keeps a batch of its own, drawing what it would alone
+        # (llama.cpp's n_cmpl: seeds seed, seed + 1, ...), while at most one other does;
+        # beyond that its draw is exact but not the one alone. (Unopened jobs are not counted.)
         loops = sum(1 for j in self.jobs if j.opened and not j.shared)
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
         if ((self.batch_spec or job.plain) and not r.warmup and not seeded
                 and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
-            # One batched step for every such job (batch_step.py). A job alone there decodes
-            # on its own cache until another joins.
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model)
             job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
@@ -389,7 +364,7 @@ class Worker(threading.Thread):
             job.row = job.slot.open(r.prompt, **kwargs)
 
     def _proposer(self, job: Job):
-        """The proposer this request's generation will use (None for mode `none`)."""
+
         slot, mode = job.slot, "none" if job.plain else job.req.mode
         return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
 
@@ -406,20 +381,16 @@ class Worker(threading.Thread):
         return True
 
     def _open_job(self, job: Job) -> None:
-        """Open the job's generation, speculating unless spec_max_concurrency requests do
-        already (then the batch decodes it plainly)."""
+        """Open the job, speculating unless spec_max_concurrency requests do already."""
         speculating = sum(1 for j in self.jobs if j.plain is False)
         job.plain = (self.batchable and not job.req.warmup
                      and speculating >= self.spec_max_concurrency)
         self._open_generation(job)
 
     def _guarded(self, job: Job, work) -> tuple[bool, object]:
-        """(True, work(job)), or (False, None) where it raised: the job fails as its
-        generation failing does (StopIteration is the caller's)."""
+        """(True, work(job)), or (False, None) where it raised and the job failed."""
         try:
             return True, work(job)
-        except StopIteration:
-            raise
         except MlxspecError as e:
             if getattr(e, "fatal", False):  # --distributed: a rank was lost; the process ends
                 job.cache = None
@@ -469,8 +440,7 @@ class Worker(threading.Thread):
             time.perf_counter() - job.first_token) * 1000 > t
 
     def _bind_suffix(self, job: Job) -> None:
-        """The store of the request's scope for its suffix source (none: opted out, or
-        `--suffix-scope request`)."""
+        """The store of the request's scope for its suffix source (none: opted out)."""
         try:
             proposer = self._proposer(job)
         except Exception:  # the engine reports a bad mode itself
@@ -488,11 +458,10 @@ class Worker(threading.Thread):
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
         if job.opened and job.slot is not None:
-            try:  # the engine put the prompt and answer into the scope's store: keep the budget
+            try:  # the proposer put the prompt and answer into the scope's store
                 r = job.req
                 if (job.plain and job.row is not None and r.use_suffix
-                        and r.suffix_scope is not None):
-                    # decoded plainly (no proposer to keep it): its text helps later requests
+                        and r.suffix_scope is not None):  # no proposer kept it
                     self.suffix.get(r.suffix_scope).add(job.row.context)
                 self.suffix.evict_to_budget()
             except Exception:
