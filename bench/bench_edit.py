@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the per-function results as JSON here")
     args = ap.parse_args(argv)
 
-    from mlxspec.engine import load
+    from mlxspec.loading import load
     from mlxspec.recipe import heldout_functions
 
     engine = load(args.model, mode="none", num_draft=args.num_draft)

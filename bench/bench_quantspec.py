@@ -25,7 +25,8 @@ from mlx_lm.generate import generate_step
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import backend
-from mlxspec.engine import Engine, PromptCache, load
+from mlxspec.engine import Engine, PromptCache
+from mlxspec.loading import load
 from mlxspec.quant.memory import format_memory_table, hybrid_memory_table, kv_memory_for_model
 from mlxspec.quant.report import quality_report, step_bytes
 from mlxspec.recipe.heldout import heldout_eval_texts

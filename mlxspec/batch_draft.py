@@ -1,22 +1,7 @@
-"""The draft model for several rows at once: k draft forwards over the batch instead of k per row.
-
-Every row drafting with a draft model (`mode draft`, or `auto` choosing `draft`) keeps its
-`DraftModelProposer` (its sampling, its `cached` token list, its keys), but while it is in the
-batch its draft cache lives here, as one row of a `RaggedKVCache` per draft layer (the
-proposer's own `cache` is None meanwhile and comes back on leaving). A step does what
-`DraftModelProposer.propose` does, for all drafting rows together:
-
-1. feed each row what its draft has not seen (usually the target's last token, and the last
-   drafted one when all were accepted), padded to a common width: one forward;
-2. k_max - 1 one-token forwards, row b sampling its i-th token from its own logits with its
-   own i-th key (`mx.random.split(key, k_b)`, as the single path), a row done drafting (or
-   not drafting this step) sitting the forward out (fed padding, trimmed at once);
-3. after verification (`update`), each row's drafted tokens beyond the accepted ones are
-   trimmed, exactly as `DraftModelProposer.update` rolls back.
-
-So each row's draft tokens and probabilities are what the row alone would draft (up to a
-batched matmul's rounding), and its draft cache holds the same tokens afterwards. Only drafts
-whose every layer is a plain `KVCache` join (`joins`); others draft one row at a time.
+"""The draft model for several rows at once: k draft forwards over the batch instead of k per
+row, each row's draft cache a row of one `RaggedKVCache` per layer while it is in the batch.
+Each row drafts the tokens and probabilities it would alone (up to a batched matmul's
+rounding), and its draft cache ends holding the same tokens. See docs/HOW_IT_WORKS.md.
 """
 
 from __future__ import annotations
@@ -51,6 +36,7 @@ class BatchDraft:
 
     @staticmethod
     def joins(proposer: DraftModelProposer) -> bool:
+        """Only drafts with plain `KVCache` layers join; others draft one row at a time."""
         return (proposer.cache is not None and plain_attention(proposer.cache)
                 and not proposer._fed_drafts)
 
@@ -80,9 +66,10 @@ class BatchDraft:
             self.cache = None
 
     def _forward(self, tokens: list[list[int] | mx.array | None]) -> mx.array:
-        """One forward over every member: row b is fed tokens[b] (None: sits out); returns
-        the logits (B, width, vocab). Padding is trimmed again at once."""
-        width = max(len(t) if isinstance(t, list) else 1 for t in tokens if t is not None)
+        """Logits (B, width, vocab) of one forward feeding row b tokens[b] (None: sits out);
+        the padding is trimmed again at once."""
+        sizes = [0 if t is None else len(t) if isinstance(t, list) else 1 for t in tokens]
+        width = max(sizes)
         rows = []
         for t in tokens:
             if t is None:
@@ -93,8 +80,7 @@ class BatchDraft:
                 rows.append(mx.concatenate([t.reshape(1).astype(mx.uint32),
                                             mx.zeros((width - 1,), mx.uint32)]))
         logits = self.model(mx.stack(rows), cache=self.cache)
-        drop = [width if t is None else width - (len(t) if isinstance(t, list) else 1)
-                for t in tokens]
+        drop = [width - s for s in sizes]
         for c in self.cache:
             c.trim_rows(drop)
         self.forwards += 1
@@ -102,8 +88,8 @@ class BatchDraft:
 
     def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, mx.array | None]],
                 ) -> list[Proposal]:
-        """requests: (member, context, k >= 1, key) per drafting row; each row's proposal, as
-        its `DraftModelProposer.propose(context, k, key)` would make it."""
+        """Per (member, context, k >= 1, key), the proposal `member.propose(context, k, key)`
+        would make."""
         at = {id(p): i for i, p in enumerate(self.members)}
         rows = [at[id(p)] for p, _, _, _ in requests]
         # 1. what each row's draft has not seen yet; the logits after its last one
@@ -129,7 +115,8 @@ class BatchDraft:
                 mx.eval([c.state for c in self.cache])
         for (p, _, _, _), b in zip(requests, rows):
             p.cached += pending[b]
-        # 2. the drafted tokens, k_max - 1 more forwards
+        # 2. the drafted tokens, k_max - 1 more forwards; row b draws its i-th with its own
+        # i-th key, as alone
         keys = [mx.random.split(key, k) if key is not None else [None] * k
                 for _, _, k, key in requests]
         tokens = [[] for _ in requests]

@@ -232,7 +232,6 @@ class BatchSpeculator:
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        req.num_draft or MAX_NUM_DRAFT, req.stops,
                        seeded=request.get("seed", 0) is not None or self.alone)
-
         if any(r.pc is pc for r in self.opening + self.rows):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
@@ -327,7 +326,7 @@ class BatchSpeculator:
             self.rows.append(row)
         if row in self.rows:
             self._leave(row)
-        row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+        row.pc.drop()
 
     def _make_room(self, n: int, layers: int) -> None:
         """At least n empty slots."""
@@ -459,7 +458,7 @@ class BatchSpeculator:
                 self._drop_queued_own()
                 row.pc.tokens = row.context[:-1]
             else:  # state unknown after a failed step: not reused
-                row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+                row.pc.drop()
             self.rows.remove(row)
             self.own, self.cache, self.queued, self.slots = None, None, None, []
             return
@@ -478,13 +477,9 @@ class BatchSpeculator:
                 del self.drafts[id(row.draft.model)]
             row.draft = None
         layers = [c.take_row(b) for c in self.cache]
+        row.pc.drop()  # (a row that failed: its state unknown, not reused)
         if row.error is None:
-            row.pc.cache = layers
-            row.pc.kind = "kv"
-            row.pc.tokens = row.context[:-1]
-            row.pc.checkpoint = None
-        else:  # state unknown after a failed step: not reused
-            row.pc.cache, row.pc.tokens, row.pc.checkpoint = None, [], None
+            row.pc.cache, row.pc.kind, row.pc.tokens = layers, "kv", row.context[:-1]
         if not self.rows:
             self.cache, self.queued, self.slots = None, None, []
         else:

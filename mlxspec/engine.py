@@ -249,7 +249,7 @@ class Engine:
                 if pc.cache is not None and any(
                         getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
                         for c in caches.leaves(pc.cache)):
-                    pc.cache, pc.tokens, pc.checkpoint = None, [], None
+                    pc.drop()
 
     def open(self, prompt: str | list[int], **kwargs) -> BatchRow:
         """A request alone, opened: a batch of one on its own cache (of any kind). Whoever
@@ -352,7 +352,7 @@ class Engine:
                 if progress is not None:
                     progress(done, len(todo))
         except BaseException:
-            pc.cache, pc.tokens, pc.checkpoint = None, [], None  # state unknown mid-chunk
+            pc.drop()  # state unknown mid-chunk
             raise
         if len(pc.tokens) == len(target):
             pc.remember()

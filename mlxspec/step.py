@@ -1,13 +1,8 @@
-"""One decode step for B >= 1 rows, the same for every mode: one target forward over each row's
-[last committed token] + proposal (a chain, a tree, or nothing), exact verification
-(`verify.py`, `tree_verify.py`), one host sync, and the rollback of whatever was rejected.
-
-A single request is a batch of one on its own cache, of any kind (`caches.rollback`: a trim, a
-restored recurrent state, a compacted tree path). Several rows share a `RaggedKVCache` per layer
-(`caches/ragged.py`), their chains padded to one width; rolling a row back is lowering its
-length. Trees run one row at a time.
-
-Invariant, before and after: each row's cache holds every committed token but the last.
+"""One decode step for B >= 1 rows, every mode: one target forward over each row's [last
+committed token] + proposal, exact verification, one host sync, rollback of what was rejected
+(one row: any cache, `caches.rollback`; several: a `RaggedKVCache`, chains only). See
+docs/HOW_IT_WORKS.md, "The loop". Invariant: each row's cache holds every committed token but
+the last.
 """
 
 from __future__ import annotations
@@ -45,12 +40,10 @@ def decode_step(model: nn.Module, cache: list, last_tokens: list[int | None],
                 proposals: list[Proposal | None], samplings: list[SamplingParams],
                 keys: list[mx.array | None], max_accepts: list[int | None],
                 sync=None) -> list[StepResult | None]:
-    """Row b verifies proposals[b] (None or empty: a plain step) after last_tokens[b], with
-    samplings[b] and keys[b]; at most max_accepts[b] draft tokens are accepted (the row's
-    remaining budget). A row whose last token is None sits the step out (fed padding, trimmed
-    at once; its result None). `sync` (a sharded target, `distributed.py`) maps the step's
-    result array to rank 0's, inside the graph, before the host sync, so that every rank
-    commits and rolls back the same tokens."""
+    """Row b verifies proposals[b] (None or empty: plain) after last_tokens[b] (None: sits
+    out, result None), accepting at most max_accepts[b] draft tokens. `sync` (a sharded
+    target) maps the result array to rank 0's before the host sync, so every rank commits the
+    same tokens."""
     ragged = isinstance(cache[0], RaggedKVCache)
     if not ragged and len(last_tokens) != 1:
         raise ValueError("several rows need a RaggedKVCache per layer")

@@ -198,7 +198,8 @@ def test_bundled_model_greedy_is_token_identical():
 
     path = bundled_model_path("target")  # shipped in models/: its absence is a failure
     from mlxspec.bench.workloads import build_workload
-    from mlxspec.engine import Engine, load_model
+    from mlxspec.engine import Engine
+    from mlxspec.loading import load_model
     from mlxspec.proposers.ngram_tree import TreeNgramProposer
 
     model, tok, _, _ = load_model(str(path))

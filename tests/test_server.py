@@ -530,6 +530,42 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
         stop(srv)
 
 
+def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_after_it(
+        model_dirs, ref):
+    """The worker opens every request as a row: greedy ones of the shared batch, a seeded
+    sampled one of a batch of its own (it draws what it would alone), even when opened first
+    in its round with more requests waiting to open after it; the worker steps every batch
+    once a round and each answer equals `generate`'s."""
+    from mlxspec.batch_step import BatchRow
+    from mlxspec.server.protocol import GenRequest
+    from mlxspec.server.worker import Done, Worker
+
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    worker = Worker(engine)
+    prompts = [engine.encode(p) for p in CONCURRENT[:4]]
+    seeded = worker.submit(GenRequest("completions", prompts[0], 8, temperature=1.0, seed=5))
+    greedy = [worker.submit(GenRequest("completions", p, 8)) for p in prompts[1:]]
+    worker._admit(block=False)
+    for job in worker.jobs:
+        worker._open_job(job)
+    assert all(isinstance(job.row, BatchRow) for job in worker.jobs)
+    assert not seeded.shared and seeded.row.batch is not worker.spec_batch
+    assert all(job.shared and job.row.batch is worker.spec_batch for job in greedy)
+    while worker.jobs:
+        worker._step_all()
+    texts = []
+    for job in [seeded, *greedy]:
+        events = []
+        while not job.events.empty():
+            events.append(job.events.get())
+        assert isinstance(events[-1], Done), events[-1]
+        texts.append("".join(e.text for e in events[:-1]))
+    alone = engine.generate(prompts[0], max_tokens=8, temperature=1.0, seed=5)
+    assert texts[0] == alone.text
+    for text, p in zip(texts[1:], prompts[1:]):
+        assert text == engine.generate(p, max_tokens=8, temperature=0).text
+
+
 def test_disconnect_mid_stream_frees_the_worker(server, client, ref):
     assert ref["long"] is not None, "the fixture must provide a prompt with a long answer"
     cancels = server.metrics.cancels

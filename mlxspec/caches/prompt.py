@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
 from . import Checkpoint, leaves, restore, trim_exact
 from . import checkpoint as checkpoint_states
 
@@ -19,11 +22,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class PromptCache:
-    """A target cache and the tokens it holds; reused when a prompt shares a prefix with them.
-
-    Recurrent layers cannot be trimmed back, so for them a checkpoint is kept at the end of the
-    last prefill (the prompt but its last token): a prompt that shares at least that prefix
-    (the same request again, the next chat turn) restores it instead of starting over."""
+    """A target cache and its tokens. Recurrent layers cannot be trimmed, so a checkpoint at the
+    end of the last prefill is restored by a prompt sharing at least that prefix."""
 
     cache: list | None = None
     tokens: list[int] = field(default_factory=list)
@@ -38,9 +38,8 @@ class PromptCache:
         return held
 
     def reuse_prefix(self, tokens: list[int], kind: str) -> int:
-        """Bring the cache back to its longest reusable common prefix with `tokens` and return
-        that length; 0 means nothing is reusable (no cache, another kind, or a cache that
-        cannot go back so far)."""
+        """Bring the cache back to its longest reusable common prefix with `tokens`; its length
+        (0: nothing reusable)."""
         if self.cache is None or self.kind != kind:
             return 0
         keep = common_prefix_len(self.tokens, tokens)
@@ -54,7 +53,63 @@ class PromptCache:
                 return at
         return 0
 
+    def drop(self) -> None:
+        """Forget the cache: its state is unknown (a failed step or prefill)."""
+        self.cache, self.tokens, self.checkpoint = None, [], None
+
     def remember(self) -> None:
         """Checkpoint the recurrent states at the current end (after a prefill)."""
         ckpt = checkpoint_states(self.cache or [])
         self.checkpoint = (len(self.tokens), ckpt) if ckpt is not None else None
+
+
+class PromptCacheStore:
+    """A few `PromptCache`s (one per recent conversation or file), least recently used out
+    first, bounded by bytes and count: a request takes the one sharing the longest prefix."""
+
+    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 8):
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.entries: list[PromptCache] = []  # least recently used first
+
+    def nbytes(self) -> int:
+        return sum(pc.nbytes() for pc in self.entries)
+
+    def take(self, tokens: list[int]) -> PromptCache:
+        best, best_len = None, 0
+        for pc in self.entries:
+            n = common_prefix_len(pc.tokens, tokens)
+            if n > best_len:
+                best, best_len = pc, n
+        if best is None:
+            return PromptCache()
+        if best_len * 2 >= len(best.tokens):
+            # Mostly shared (the next keystroke, the next chat turn): take it over.
+            self.entries.remove(best)
+            return best
+        # A short shared prefix (a common system prompt): copy that prefix, keep the entry.
+        return copy_prefix(best, best_len) or PromptCache()
+
+    def put(self, pc: PromptCache | None) -> None:
+        if pc is None or pc.cache is None or not pc.tokens:
+            return
+        self.entries = [e for e in self.entries if e is not pc]
+        self.entries.append(pc)
+        while self.entries and (len(self.entries) > self.max_entries
+                                or self.nbytes() > self.max_bytes):
+            self.entries.pop(0)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
+    """A new PromptCache holding the first n tokens of `pc` (plain KV caches only)."""
+    if n <= 0 or not pc.cache or any(type(c) is not KVCache or c.keys is None for c in pc.cache):
+        return None
+    caches = []
+    for c in pc.cache:
+        new = KVCache()
+        new.keys, new.values, new.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        caches.append(new)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return PromptCache(caches, pc.tokens[:n], pc.kind)

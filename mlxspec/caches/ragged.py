@@ -1,11 +1,6 @@
-"""The KV cache of a batch of rows of different lengths (the batched step's, `batch_step.py`).
-
-`RaggedKVCache`, one per layer, stores row b's tokens left-aligned in slots [0, length_b) of a
-(B, heads, capacity, head_dim) buffer. A forward writes row b's L new entries at slots
-length_b .. length_b + L - 1 (a scatter), RoPE rotates each row from its own offset (an array
-of lengths: `mx.fast.rope` takes one offset per batch row), and the mask lets query j of row b
-see slots <= length_b + j only. Rolling back a row is lowering its length: whatever lies beyond
-is masked and later overwritten, so there is no compaction to do.
+"""The KV cache of a batch of rows of different lengths (`batch_step.py`): row b left-aligned
+in slots [0, length_b), one offset per row for RoPE and the mask, rollback by lowering a
+row's length. See docs/HOW_IT_WORKS.md, "Several requests".
 """
 
 from __future__ import annotations
@@ -15,10 +10,8 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import MlxspecError
 
-# Every layer of a batch holds the same lengths, so a step's position arrays (RoPE offsets, the
-# slots its new entries go to) are made once for all layers, not once per layer (on a small
-# model a step is mostly per-op cost). Keyed by the lengths themselves, so that caches of
-# other batches (a draft's) simply miss.
+# A step's position arrays, made once for all layers (on a small model a step is mostly
+# per-op cost); keyed by the lengths, so that other batches' caches (a draft's) simply miss.
 _positions: dict = {}
 
 
@@ -52,7 +45,6 @@ class RaggedKVCache:
         self.keys = self.values = None  # (B, heads, capacity, head_dim)
         self.lengths: list[int] = []
 
-    # -- what mlx-lm's attention asks of a cache
     @property
     def offset(self) -> mx.array:
         return _offset_array(self.lengths)
@@ -99,34 +91,25 @@ class RaggedKVCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
-    # -- rows
     def _reserve(self, size: int) -> None:
-        if self.keys is None:
-            return
         have = self.keys.shape[2]
         if size <= have:
             return
         grow = ((size - have + self.step - 1) // self.step) * self.step
-
-        def pad(a):
-            b, h, _, d = a.shape
-            return mx.concatenate([a, mx.zeros((b, h, grow, d), a.dtype)], axis=2)
-
-        self.keys, self.values = pad(self.keys), pad(self.values)
+        self.keys, self.values = (
+            mx.concatenate([a, mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype)], axis=2)
+            for a in (self.keys, self.values))
 
     def trim_rows(self, drop: list[int]) -> None:
         """Remove the last drop[b] tokens of row b."""
         self.lengths = [x - d for x, d in zip(self.lengths, drop)]
 
     def put_row(self, b: int, c: KVCache) -> None:
-        """Row b (an empty slot, or b == the batch size: a new one) now holds what the
-        single-request cache `c` holds. Written in place: a slot costs one row's copy, a new
-        slot (the batch grows past its widest) one copy of the buffer."""
+        """Row b (an empty slot, or b == the batch size: a new one) now holds what `c` holds;
+        in place: a slot costs one row's copy, a new one a copy of the buffer."""
         n = c.offset if c.keys is not None else 0
         if b == len(self.lengths):
-            self.lengths.append(0)
-            if self.keys is not None:
-                self.keys, self.values = self._grown(self.keys, 1), self._grown(self.values, 1)
+            self.add_empty_rows(1)
         if not n:
             self.lengths[b] = 0
             return
@@ -141,8 +124,7 @@ class RaggedKVCache:
         self.lengths[b] = n
 
     def row_view(self, b: int) -> KVCache:
-        """A single-request cache over row b's entries (views of the batch's buffers, for
-        `put_row` into another batch: not to be updated in place)."""
+        """A single-request cache viewing row b's entries (for `put_row` elsewhere only)."""
         n = self.lengths[b]
         out = KVCache()
         if n:
@@ -151,8 +133,8 @@ class RaggedKVCache:
         return out
 
     def take_row(self, b: int) -> KVCache:
-        """A single-request cache holding row b (its own copy, evaluated: no view keeps the
-        batch's buffer from being updated in place); the slot is left empty."""
+        """Row b as a single-request cache, the slot left empty; a copy, evaluated, so that no
+        view keeps the batch's buffer from being updated in place."""
         out = self.row_view(b)
         if out.offset:
             out.keys, out.values = mx.contiguous(out.keys), mx.contiguous(out.values)
@@ -173,7 +155,8 @@ class RaggedKVCache:
         """n more rows, empty: one copy of the buffers for all of them."""
         self.lengths.extend([0] * n)
         if self.keys is not None:
-            self.keys, self.values = self._grown(self.keys, n), self._grown(self.values, n)
+            self.keys, self.values = (mx.concatenate([a, mx.zeros((n, *a.shape[1:]), a.dtype)])
+                                      for a in (self.keys, self.values))
 
     def add_row(self, c: KVCache) -> None:
         """Append a row holding what the single-request cache `c` holds."""
@@ -185,12 +168,9 @@ class RaggedKVCache:
         self.keep_rows([i for i in range(len(self.lengths)) if i != b])
         return out
 
-    @staticmethod
-    def _grown(a: mx.array, rows: int) -> mx.array:
-        b, h, cap, d = a.shape
-        return mx.concatenate([a, mx.zeros((rows, h, cap, d), a.dtype)])
-
 
 def plain_attention(cache: list) -> bool:
-    """Whether a single-request cache can join the batch (every layer a plain KVCache)."""
+    """Whether a single-request cache can join the batch (every layer a plain KVCache). Not
+    yet windows (a rotating buffer per row) nor recurrent states (a checkpoint per row to roll
+    back): their requests keep a batch of one each, exact on their own caches."""
     return bool(cache) and all(type(c) is KVCache for c in cache)

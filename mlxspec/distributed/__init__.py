@@ -13,9 +13,10 @@ with identical shapes. Rank 0 decides everything else and the others follow:
   the graph before the step's one host sync (`Coordinator.sync`, `step.decode_step(sync=...)`),
   and so is every plain token: every rank trims its cache the same way, and nothing depends on
   logits being bit-identical across ranks;
-- whole generations are mirrored: rank 0's `stream_steps` (from generate, chat, bench or the
-  server's worker) sends each request, step and close to the other ranks, which run `follow`
-  instead of the command; only rank 0 reads input, prints, writes files and serves HTTP.
+- whole requests are mirrored: rank 0 opens each as a row of a batch of one
+  (`Engine.open`: a `MirroredRow`, from generate, chat, bench or the server's worker) and sends
+  its opening, steps and close to the other ranks, which run `follow` instead of the command;
+  only rank 0 reads input, prints, writes files and serves HTTP.
 
 - prompt caches: before each prefill every rank agrees (one all_min) on the prefix it keeps,
   so the prefill runs the same forwards everywhere; the followers hold their shard of each of

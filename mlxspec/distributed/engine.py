@@ -1,5 +1,5 @@
 """The engine over a sharded target (`DistributedEngine`: every rank runs its generations in
-step) and the mirroring of whole generations: rank 0's `Mirrored`, the followers' `follow`."""
+step) and the mirroring of whole requests: rank 0's `MirroredRow`, the followers' `follow`."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def _engine_class():
                     break
                 limit = lo  # the ranks that hold more trim to the shortest and ask again
             if keep == 0:  # nothing reused anywhere: no rank may find a prefix later either
-                pc.cache, pc.tokens, pc.checkpoint = None, [], None
+                pc.drop()
             return keep
 
     return DistributedEngine

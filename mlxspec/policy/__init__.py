@@ -1,12 +1,6 @@
-"""The policies: how many tokens to propose per step, and from which source.
-
-- `adaptive.py`: one request's (or one row's) policy, `FixedK` or `AdaptiveK` (source and k
-  from measured acceptance and step cost), behind the `Policy` protocol; kept across
-  processes (`read_states`, `write_states`).
-- `batch.py`: the batch's, `BatchPolicy` (every row's k in one batched forward, from a
-  measured cost by rows x width x context) and `RowPolicy` (a row's side of it).
-
-A change of policy is a change here; the decode loop (`batch_step.py`) only asks and tells.
+"""The policies: how many tokens to propose per step, and from which source. `adaptive.py`:
+one request's (`FixedK`, `AdaptiveK`, kept across processes); `batch.py`: a batch's widths
+(`BatchPolicy`, `RowPolicy`). The decode loop (`batch_step.py`) only asks and tells them.
 """
 
 from .adaptive import (

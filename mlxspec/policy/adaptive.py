@@ -1,29 +1,6 @@
-"""How many tokens to propose per step, and from which source: one object per engine, asked
-once per step (`plan`), told the outcome after (`observe` for a speculative step,
-`observe_plain` for each token of a pipelined plain stretch).
-
-`FixedK` always proposes k. `AdaptiveK` keeps, per proposal source ("arm": a proposer may split
-its offers by quality, e.g. `ngram:4` for a 4-gram match, `ngram:1` for a 1-gram one), running
-estimates of the acceptance probability at each draft position, and per cost group (the arm's
-name up to the first ':') a linear model of the step time in k; it picks the k that maximises
-expected tokens per second:
-
-    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j        (tokens a step emits)
-    T(k) = t_step + k * slope                       (seconds a speculative step takes, k >= 1)
-    T(0) = t_plain                                  (seconds per token of *pipelined* plain decoding)
-    k*   = argmax_k E(k) / T(k),  k = 0 meaning "do not speculate"
-
-The reference `t_plain` is what `none` really costs: the pipelined loop (`mx.async_eval`
-queues the next forward before the current token is read back), measured in the engine's plain
-stretches. A speculative step syncs with the host every step, so its intercept `t_step` is
-larger than `t_plain`; both are measured, never assumed (the priors only start the estimates).
-
-While an arm is switched off it is probed (`probe_k` tokens) on a schedule set by measured
-goodput: every `probe_every` tokens at first, twice as rarely after each probe that leaves it
-off (up to `probe_max`), and never more often than keeps the probes' expected loss (time
-beyond plain decoding, in tokens) under `probe_budget` of the tokens decoded (so an expensive
-source such as the draft model is probed every several hundred tokens, an n-gram arm every few
-dozen); soon again after a probe that was all accepted.
+"""Per-request policies: the source and k (tokens to propose) per step. `FixedK` always
+proposes k; `AdaptiveK` maximises expected tokens per second from measured acceptance and step
+cost (formulas, probe schedule: docs/HOW_IT_WORKS.md, `auto.py` under "Proposers").
 """
 
 from __future__ import annotations
@@ -48,9 +25,8 @@ def check_num_draft(num_draft: int) -> None:
 
 
 class Policy(Protocol):
-    """What the decode loop asks of a policy, one request (a batch of one) or a
-    row of the batch (`batch_step.BatchRow`, where `policy.batch.BatchPolicy` then chooses k
-    over the rows): a source and k from what the proposer offers, and how each step went."""
+    """Asked once per step (`plan`), told how it went (`observe`; `observe_plain` per token of
+    a plain stretch); per request, or per batch row (where `BatchPolicy` chooses k)."""
 
     @property
     def max_k(self) -> int: ...
@@ -64,8 +40,7 @@ class Policy(Protocol):
 
 @dataclass
 class FixedK:
-    """Always propose `num_draft` tokens (fewer near max_tokens), from the first source that
-    has any."""
+    """Always propose `num_draft` tokens (fewer near max_tokens), from the first source."""
 
     num_draft: int = 4
 
@@ -124,14 +99,13 @@ def cost_group(arm: str) -> str:
 
 @dataclass
 class AdaptiveK:
-    """Choose the source and k per step from measured acceptance and cost (see module
-    docstring)."""
+    """Source and k per step from measured acceptance per arm (`ngram:4`) and a step-cost
+    line per cost group (the arm's name up to the first ':')."""
 
     max_k: int = 8
     decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
     prior_accept: float = 0.5
-    # A draft model costs a forward per drafted token: it starts off (probed at once) rather
-    # than used on the prior from the first step, until its acceptance is measured.
+    # a draft model costs a forward per token: off (probed at once) until its acceptance is known
     group_prior_accept: dict[str, float] = field(default_factory=lambda: {"draft": 0.2})
     prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
     prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
@@ -158,10 +132,9 @@ class AdaptiveK:
     _memo: dict = field(default_factory=dict)  # (arm, limit) -> k, while the estimates hold
     _memo_plain: float = 0.0
 
-    # -- estimates
     def accept_probs(self, source: str) -> list[float]:
-        """P(accept position i | positions < i accepted). Each position is shrunk towards the
-        one before it, so positions not tried yet borrow the nearest measured estimate."""
+        """P(accept position i | positions < i accepted), each shrunk towards the one before
+        (so positions not tried yet borrow the nearest measured estimate)."""
         est = self.sources.get(source)
         probs, previous = [], self.group_prior_accept.get(cost_group(source), self.prior_accept)
         for i in range(self.max_k):
@@ -201,10 +174,6 @@ class AdaptiveK:
         intercept, slope = self.step_cost(source)
         return intercept + k * slope
 
-    def expected_rate(self, source: str, k: int) -> float:
-        return self.expected_tokens(source, k) / self.step_time(source, k)
-
-    # -- decisions
     def choose(self, source: str, limit: int | None = None) -> int:
         """The k <= limit with the highest expected tokens per second (0: do not speculate)."""
         limit = self.max_k if limit is None else min(limit, self.max_k)
@@ -227,13 +196,10 @@ class AdaptiveK:
         self._memo[(source, limit)] = best_k
         return best_k
 
-    def plain_due(self) -> bool:
-        return self.plain_weight < 1.5 or self._since_plain >= self.plain_every
-
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
         move in `observe` / `observe_plain`."""
-        if self.plain_due():
+        if self.plain_weight < 1.5 or self._since_plain >= self.plain_every:
             return "", 0  # (re)measure the plain rate first
         best_source, best_k, best_rate = "", 0, 0.0
         probe = None
@@ -246,7 +212,7 @@ class AdaptiveK:
                 if probe is None and (p is None or self.clock >= p.due):
                     probe = (source, min(self.probe_k, n))
                 continue
-            rate = self.expected_rate(source, k)
+            rate = self.expected_tokens(source, k) / self.step_time(source, k)
             if rate > best_rate:
                 best_source, best_k, best_rate = source, k, rate
         if best_k == 0 and probe is not None:
@@ -259,22 +225,19 @@ class AdaptiveK:
                 best_k -= 1
         return best_source, best_k
 
-    # -- across processes
     STATE_VERSION = 1
 
     def snapshot(self) -> dict:
-        """What was measured (acceptance per arm and position, step costs, the plain rate), as
-        JSON-able data for `resume` in a later process on this machine."""
+        """What was measured, as JSON-able data for `resume` in a later process."""
         return {"version": self.STATE_VERSION,
                 "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()},
                 "costs": {g: [c.w, c.k, c.kk, c.t, c.kt] for g, c in self.costs.items()},
                 "plain": [self.plain_time, self.plain_weight]}
 
     def resume(self, state: dict, weight: float = 8.0) -> bool:
-        """Start from an earlier process's `snapshot`, every estimate scaled down to at most
-        `weight` observations so that this process's own measurements take over within a few
-        steps. The plain rate is measured again first (it moves most with the machine's
-        load). False, and nothing changed, for a snapshot of another version or shape."""
+        """Start from an earlier `snapshot`, scaled down to at most `weight` observations so
+        that this process's measurements soon take over; the plain rate (which moves most with
+        the machine's load) is measured again first. False, nothing changed, on a bad shape."""
         try:
             if state.get("version") != self.STATE_VERSION:
                 return False
@@ -299,11 +262,9 @@ class AdaptiveK:
         self._memo.clear()
         return True
 
-    # -- learning
     def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
-        """`tokens` decoded by the pipelined plain loop; `seconds` (when given) is their
-        steady-state time (not the first token of a stretch, not the one consumed on leaving
-        it)."""
+        """`tokens` decoded by the pipelined plain loop; `seconds` their steady-state time
+        (excluding a stretch's first token and the one consumed on leaving it), or None."""
         self.clock += tokens
         if seconds is None or tokens <= 0:
             return
@@ -318,12 +279,10 @@ class AdaptiveK:
             self._since_plain = 0
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
-        """A step of the speculative loop: `drafted` positions verified, `accepted` of them
-        accepted, `seconds` for the whole step (plan, propose, verify, update)."""
+        """A speculative step; `seconds` for all of it (plan, propose, verify, update)."""
         self.clock += accepted + 1
         if not drafted:
             return  # a synced step that verified nothing: not the plain reference
-        d = self.decay
         self._steps += 1
         self._since_plain += 1
         self._fresh_plain = 0
@@ -335,16 +294,14 @@ class AdaptiveK:
         cost = self.costs.setdefault(cost_group(source), CostEstimate())
         if cost.w:
             seconds = min(seconds, self.outlier * self.step_time(source, drafted))
-        cost.add(drafted, seconds, d)
+        cost.add(drafted, seconds, self.decay)
         self._memo.clear()
         self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
 
     def observe_acceptance(self, source: str, drafted: int, accepted: int) -> None:
-        """Acceptance alone, measured without a step: the first `accepted` of `drafted`
-        tokens a deterministic source would have proposed were then committed (the batched
-        step watches a source it keeps from proposing, `batch_step.BatchRow.watch`; at
-        temperature 0 exactly what verifying them would have accepted, above it the same in
-        expectation: a one-hot proposal is accepted with the probability of drawing it)."""
+        """Acceptance without a step: the first `accepted` of `drafted` tokens a deterministic
+        source would have proposed were committed (`RowPolicy.watch`; exact at temperature 0,
+        the same in expectation above it)."""
         if not drafted:
             return
         self._count(source, drafted, accepted)
@@ -367,9 +324,8 @@ class AdaptiveK:
                 est.accepted[i] += 1.0
 
     def _schedule_probe(self, source: str, failed_probe: bool, lost: float = 0.0) -> None:
-        """After a step from `source`: when it is (still) off, when to try it again (twice as
-        late after a probe that was rejected; soon after one that was all accepted). `lost`:
-        what the probe just made cost, in tokens (the next one is expected to cost as much)."""
+        """When an arm still off is probed next; `lost`: what this probe cost, in tokens (the
+        next one is expected to cost as much)."""
         if self.choose(source) > 0:
             self.probes.pop(source, None)
             return
@@ -386,12 +342,9 @@ class AdaptiveK:
         self.probes[source] = Probe(interval, self.clock + interval)
 
 
-# ----------------------------------------------------------------------------- across processes
-
-
 def read_states(path: Path) -> dict[str, dict]:
-    """The policies' snapshots kept at `path` by an earlier process, by mode ({} when there
-    are none; a damaged file is said once and ignored: it only holds measurements)."""
+    """The policies' snapshots at `path`, by mode; {} if none (a damaged file is only warned
+    about: it holds nothing but measurements)."""
     try:
         data = json.loads(Path(path).read_text())
         states = data["policies"]
@@ -406,8 +359,7 @@ def read_states(path: Path) -> dict[str, dict]:
 
 
 def write_states(path: Path, states: dict[str, dict]) -> None:
-    """Keep `states` at `path` (merged into what is there; written whole, then renamed, so a
-    reader never sees half a file)."""
+    """Merge `states` into `path` (written whole, then renamed: never seen half written)."""
     path = Path(path)
     merged = {**read_states(path), **states}
     path.parent.mkdir(parents=True, exist_ok=True)

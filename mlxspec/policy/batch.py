@@ -1,41 +1,6 @@
-"""The batch's policy: in one batched speculative step (`batch_step.py`), how many tokens each
-row proposes. Every row's own policy (`adaptive.py`) still chooses its *source* and keeps
-learning its acceptance; this module chooses the widths, because what a proposal costs in a
-batch is not what it costs alone: the forward runs over B rows padded to one width
-W = 1 + max k, so a row proposing inside the width the batch pays for anyway costs almost
-nothing, and one row widening the batch makes every row pay.
-
-The step time is a decayed least-squares fit over the measured batched steps,
-
-    T = a + s*synced + n*N + m*N*S/1024 + e*K + d*D
-
-N = B*W the query rows of the forward (B rows padded to the width W = 1 + max k: a padded
-position costs what a row costs), S the keys each query attends (the longest row's length +
-W), synced 1 when the host waits for the step (a speculative step, or a plain one that could
-not be queued behind the previous), K = sum of the rows' k (verification, bookkeeping) and D
-the sequential draft-model forwards (the batched draft runs max k forwards over its rows,
-`batch_draft.py`). Plain steps at different batch sizes and context lengths measure n and m,
-so the price of width is learned before any wide step is tried: on this CPU a small model's
-attention makes N*S the largest term (8 rows at width 3 cost ~2x width 1), on a GPU the weights
-dominate and n, m come out near 0. Priors (relative to the intercept, rescaled to the measured
-times) start the fit and hold it where the data cannot separate two terms (a ridge towards
-the prior).
-
-Row b's expected tokens at k are E_b(k) = 1 + sum_{i<=k} s_b,i, s_b,i = P(positions 1..i
-accepted), from its own policy's estimates (`AdaptiveK.accept_probs`; a `FixedK` row: a shadow
-estimate of its measured acceptance, starting at AdaptiveK's neutral prior). Each step picks
-the width W in 1..1 + max cap, and whether the draft rows draft at all, maximising
-
-    R = sum_b E_b(k_b) / T(B, W, sum k_b, D),   k_b = min(cap_b, W-1, n_b)
-
-n_b the leading positions whose s_b,i beats their marginal cost e*R (R of the last step).
-W = 1 is the all-plain batch step; a row whose proposal does not pay at the chosen width (a
-draft row when the draft's forwards do not pay, a position below the per-token cost) proposes
-nothing. Rows with `forced` tokens (a probe of a switched-off arm on its own schedule, or a
-pinned k, see `batch_step.BatchRow.offer`) propose them whatever the rest: the width grows to
-fit them, and the other rows fill it for free.
-
-Exactness does not depend on any of this: the policy chooses k only.
+"""The batch's policy: how many tokens each row of a batched step proposes (its own policy
+still picks the source), from a fitted cost of the padded forward. The policy chooses k only:
+exactness never depends on it. See docs/HOW_IT_WORKS.md, "Several requests".
 """
 
 from __future__ import annotations
@@ -48,10 +13,8 @@ import numpy as np
 from ..caches.prompt import common_prefix_len
 from .adaptive import AdaptiveK, Policy
 
-# prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept: a query
-# row 3.5 % plus 26 % per 1024 keys attended (the bundled 6.4 M target's forward on this CPU,
-# fitted by `python bench/bench_batch_cost.py`), a synced step's unhidden host work ~30 %, a
-# proposed token's own work ~1 %, a draft forward ~30 %
+# prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept; N's and
+# N*S's from the bundled target on this CPU (`python bench/bench_batch_cost.py`)
 PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 # the feature values at which the prior counts as `prior_weight` observations
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
@@ -83,13 +46,11 @@ class BatchCost:
     _terms: tuple[float, ...] = ()  # _coef as floats: `time` is asked ~10 times a step
     _unsolved: int = 0  # steps added since the last solve
 
-    def scale(self) -> float:
-        """Seconds per unit of the prior (1.0 before any step: only ratios matter then)."""
-        return self.seconds / self.prior_seconds if self.prior_seconds else 1.0
-
     def coef(self) -> np.ndarray:
         if self._coef is None:
-            prior = self.scale() * np.array(self.prior)
+            # the prior in seconds (1 per unit before any step: only ratios matter then)
+            scale = self.seconds / self.prior_seconds if self.prior_seconds else 1.0
+            prior = scale * np.array(self.prior)
             ridge = self.prior_weight * np.square(PRIOR_AT)
             coef = np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior)
             self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
@@ -100,8 +61,8 @@ class BatchCost:
 
     def time(self, rows: int, width: int, proposed: int = 0, draft_forwards: int = 0,
              span: int = 0, synced: bool = True) -> float:
-        """Predicted seconds of a step; `span` the longest row's cached length before it.
-        Plain Python: numpy's per-call cost is larger than this arithmetic."""
+        """Predicted seconds; `span`: the longest row's cached length. Plain Python: numpy's
+        per-call cost is larger than this arithmetic."""
         self.coef()
         x = features(rows, width, proposed, draft_forwards, span, synced)
         return sum(c * v for c, v in zip(self._terms, x))
@@ -149,50 +110,9 @@ def survival(accept_probs: list[float], cap: int) -> list[float]:
     return out
 
 
-def row_offer(policy, shadow, available: dict[str, int],
-              pinned: bool = False) -> tuple[str, RowOffer]:
-    """The source a row would propose from and what it offers the batch (its `available`
-    offers, capped already). The row's own policy chooses the source; the batch chooses k.
-
-    - `AdaptiveK`: the source of its plan, capped by what the source offers (the width may
-      be paid by other rows). A probe of a switched-off arm is forced, so probes keep their
-      own schedule whatever the batch. When it plans nothing (its arms off, or t_plain being
-      measured), its best offer by expected tokens, which the batch takes only where it pays
-      at the batch's cost.
-    - any other policy (`FixedK`): its source and k, with acceptance measured on this row by
-      a `shadow` `AdaptiveK` (neutral prior at first) that also schedules its probes as
-      above. A `pinned` row (seeded, at temperature > 0) keeps that k: its draws depend on k,
-      and a seeded output must not depend on the rest of the batch (at temperature 0 it
-      never does, whatever k; unseeded, only its distribution is promised, which no k
-      changes).
-    """
-    if not available:
-        return "", RowOffer([])
-    if shadow is not None:
-        source, k = policy.plan(available)
-        if not k:
-            return "", RowOffer([])
-        if pinned:
-            return source, RowOffer(survival(shadow.accept_probs(source), k),
-                                    source == "draft", forced=k)
-        policy, available = shadow, {source: k}
-    source, k = policy.plan(available)
-    if k and policy.choose(source, available[source]) == 0:  # a probe
-        return source, RowOffer(survival(policy.accept_probs(source), k), source == "draft",
-                                forced=k, probe=True)
-    if not k:
-        offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
-        if not offered:
-            return "", RowOffer([])
-        source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
-    n = min(available[source], policy.max_k)
-    return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
-
-
 @dataclass
 class BatchPolicy:
-    """Chooses every row's k for a batched step (see module docstring); told each step's
-    shape and time after it (`observe`)."""
+    """Chooses every row's k for a batched step; told each step's shape and time after it."""
 
     cost: BatchCost = field(default_factory=BatchCost)
     margin: float = 0.0  # a wider step must beat the narrower best by this fraction
@@ -202,9 +122,9 @@ class BatchPolicy:
 
     def decide(self, offers: list[RowOffer], rows: int | None = None, span: int = 0,
                pipelined: bool = False) -> list[int]:
-        """Each row's k (0: propose nothing); `rows` the forward's batch size when rows that
-        sit the step out are fed too (default: the offers), `span` the longest row's cached
-        length, `pipelined` whether an all-plain step would be queued unsynced."""
+        """Each row's k (0: none); `rows` the forward's batch size if rows sitting out are
+        fed too, `span` the longest row's cached length, `pipelined` whether an all-plain step
+        would be queued unsynced."""
         ks, self.rate = choose_ks(self.cost, offers, self.rate, self.margin, rows, span,
                                   pipelined)
         return ks
@@ -216,13 +136,9 @@ class BatchPolicy:
     def limit_probes(self, offers: list[tuple[str, RowOffer]], step: int, commit: bool = True,
                      rows: int | None = None, span: int = 0,
                      pipelined: bool = False) -> list[tuple[str, RowOffer]]:
-        """A forced probe makes the whole batch take a synced, wider step, and every row has
-        its own probe schedule: the batch considers forcing probes once every `probe_gap`
-        steps (`step`: the batch's step count), and forces them only where an arm could pay
-        here (were the first probing row's arm accepted at `OPTIMISTIC`, the batch would
-        give it a k): what cannot pay in a batch this wide is not worth a wide step to
-        learn. A probe not forced stays due (the row's policy asks again), and the batch may
-        still take it where it pays. `commit=False`: only asking."""
+        """Force probes at most once every `probe_gap` steps, and only where the first
+        probing row's arm could pay here at `OPTIMISTIC` acceptance (a forced probe widens and
+        syncs the whole batch); one not forced stays due. `commit=False`: only asking."""
         probing = [i for i, (_, o) in enumerate(offers) if o.probe]
         if not probing:
             return offers
@@ -243,10 +159,9 @@ class BatchPolicy:
 def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
               margin: float = 0.0, rows: int | None = None, span: int = 0,
               pipelined: bool = False) -> tuple[list[int], float]:
-    """The per-row k maximising expected tokens per second of the batched step, and that
-    rate. Candidates: every width W from the forced minimum to 1 + the largest cap, with the
-    draft rows drafting or not; a step with a proposal is synced, an all-plain one is not
-    when `pipelined`. Asked every step: plain Python over a few rows."""
+    """The per-row k maximising expected tokens per second, and that rate, over every width
+    from the forced minimum to 1 + the largest cap, draft rows drafting or not. Plain Python:
+    asked every step, over a few rows."""
     if not offers:
         return [], 0.0
     rows = max(rows or 0, len(offers))
@@ -274,14 +189,11 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
         round_ks, round_rate, seen = None, 0.0, set()
         for width in range(narrowest, widest + 1):
             for drafting in ((False, True) if has_draft else (False,)):
-                ks = []
-                for o, cap, w, f in zip(offers, caps, worth, forced):
-                    k = min(cap, width - 1, w) if drafting or not o.draft else 0
-                    ks.append(max(k, f))
-                shape = tuple(ks)
-                if shape in seen:
+                ks = tuple(max(min(cap, width - 1, w) if drafting or not o.draft else 0, f)
+                           for o, cap, w, f in zip(offers, caps, worth, forced))
+                if ks in seen:
                     continue
-                seen.add(shape)
+                seen.add(ks)
                 draft_forwards = max((k for o, k in zip(offers, ks) if o.draft), default=0)
                 t = seconds(1 + max(ks), sum(ks), draft_forwards, not pipelined or any(ks))
                 rate = sum(x[k] for x, k in zip(expected, ks)) / t
@@ -289,41 +201,59 @@ def choose_ks(cost: BatchCost, offers: list[RowOffer], last_rate: float = 0.0,
                     round_ks, round_rate = ks, rate
         if best_ks is None or round_rate >= best_rate:
             best_ks, best_rate = round_ks, round_rate
-    return best_ks, best_rate
+    return list(best_ks), best_rate
 
 
 class RowPolicy:
-    """A row's side of the batch's planning: its own policy (the source, and k when alone), a
-    `shadow` AdaptiveK measuring a FixedK row's acceptance for the batch's policy, and the
-    watch of a source the batch kept plain (`watch`)."""
+    """A row's side of the batch's planning: its own policy, a `shadow` AdaptiveK measuring a
+    FixedK row's acceptance, and the watch of a source the batch kept plain."""
 
     def __init__(self, policy: Policy, proposer, batched: bool):
         self.policy, self.proposer = policy, proposer
         self.shadow = None if not batched or isinstance(policy, AdaptiveK) else \
             AdaptiveK(max_k=max(policy.max_k, 1), dither=False)
-        # (context length, source, tokens): what a free source would have proposed when the
-        # batch kept the row plain, compared with what the row commits next
+        # (context length, source, tokens): what a free source kept plain would have proposed
         self.watching: tuple[int, str, list[int]] | None = None
-        # (source, k) the batch's last plan kept plain for this row: watched again after each
-        # watch ends, until the next plan (in a plain stretch the batch plans every few steps)
+        # (source, k) the last plan kept plain: watched after each watch ends, till the next plan
         self.watch_for: tuple[str, int] | None = None
 
     def plan(self, available: dict[str, int] | None) -> tuple[str, int]:
-        """What the row's own policy proposes, as if it were alone (asked even when nothing is
-        offered: a sharded rank's policy agrees with rank 0's in every plan)."""
+        """The row's own plan, as if alone (asked even when nothing is offered, so that a
+        sharded rank's policy agrees with rank 0's)."""
         return ("", 0) if available is None else self.policy.plan(available)
 
     def offer(self, available: dict[str, int], pinned: bool) -> tuple[str, RowOffer]:
-        return row_offer(self.policy, self.shadow, available, pinned)
+        """The source the row proposes from (its policy's choice) and what it offers the batch.
+        A probe is forced (it keeps its own schedule); a `pinned` (seeded, temperature > 0)
+        FixedK row keeps its k: its draws depend on k, and must not depend on the batch."""
+        policy, shadow = self.policy, self.shadow
+        if not available:
+            return "", RowOffer([])
+        if shadow is not None:
+            source, k = policy.plan(available)
+            if not k:
+                return "", RowOffer([])
+            if pinned:
+                return source, RowOffer(survival(shadow.accept_probs(source), k),
+                                        source == "draft", forced=k)
+            policy, available = shadow, {source: k}
+        source, k = policy.plan(available)
+        if k and policy.choose(source, available[source]) == 0:  # a probe
+            return source, RowOffer(survival(policy.accept_probs(source), k), source == "draft",
+                                    forced=k, probe=True)
+        if not k:  # arms off or t_plain due: its best offer, taken only where it pays
+            offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
+            if not offered:
+                return "", RowOffer([])
+            source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
+        n = min(available[source], policy.max_k)
+        return source, RowOffer(survival(policy.accept_probs(source), n), source == "draft")
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float | None,
                 context: list[int]) -> None:
-        """A speculative step from `source` (the plan's arm, `ngram:4`), or a plain one
-        (drafted 0; seconds None: not the steady-state cost of a plain token, only counted);
-        `context` the row's committed tokens after it."""
-        for policy in (self.policy, self.shadow):
-            if policy is None:
-                continue
+        """A speculative step from `source`, or a plain one (drafted 0; seconds None: only
+        counted); `context`: the row's committed tokens after it."""
+        for policy in [p for p in (self.policy, self.shadow) if p is not None]:
             if drafted:
                 policy.observe(source, drafted, accepted, seconds)
             else:
@@ -331,11 +261,9 @@ class RowPolicy:
         self._check_watch(context)
 
     def watch(self, source: str, k: int, context: list[int]) -> None:
-        """The batch keeps this row plain although `source` offered k tokens: when they cost
-        nothing to make (`Proposer.peek`), remember them and, as the row commits tokens,
-        count how many would have been accepted (`AdaptiveK.observe_acceptance`). Without
-        this a source kept off by the batch's cost is never measured again, and an estimate
-        too low to pay keeps it off for good."""
+        """The batch keeps this row plain although `source` offered k tokens: count how many
+        of them (`Proposer.peek`) the row then commits, or a source kept off by the batch's
+        cost is never measured again and a low estimate keeps it off for good."""
         self.watch_for = (source, k) if k and self.proposer is not None else None
         self._start_watch(context)
 
@@ -364,10 +292,8 @@ class RowPolicy:
 
 def plan_rows(policy: BatchPolicy, rows: list, step: int, commit: bool, slots: int,
               span: int, pipelined: bool) -> list[tuple[str, int]]:
-    """Every row's (source, k) for a batched step: the rows' offers (`BatchRow.offer`), the
-    forced probes the batch allows now, the widths `policy` chooses; a row kept plain
-    watches its source (`RowPolicy.watch`), a draft's excepted (its tokens cost forwards).
-    `commit=False`: only asking (a forced probe allowed now is not counted as taken)."""
+    """Every row's (source, k) for a batched step; a row kept plain watches its source unless
+    a draft's (its tokens cost forwards). `commit=False`: only asking."""
     offers = policy.limit_probes([r.offer() for r in rows], step, commit, slots, span,
                                  pipelined)
     ks = policy.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)

@@ -32,9 +32,9 @@ from mlx_lm.models.cache import KVCache
 
 from .. import caches
 from ..batch_step import BatchRow, BatchSpeculator
-from ..engine import Engine, PromptCache
+from ..caches.prompt import PromptCache, PromptCacheStore
+from ..engine import Engine
 from ..errors import MlxspecError
-from ..proposers.draft import common_prefix_len
 from ..stats import Stats
 from ..suffix_store import SuffixStores
 from .protocol import ApiError, GenRequest, IndentStop, Usage
@@ -100,61 +100,6 @@ class Job:
         self.cancelled.set()
 
 
-# ----------------------------------------------------------------------------- prompt cache
-
-
-class PromptCacheStore:
-    """A few `PromptCache`s (one per recent conversation or file), least recently used out
-    first, bounded by bytes and count: a request takes the one sharing the longest prefix."""
-
-    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 8):
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self.entries: list[PromptCache] = []  # least recently used first
-
-    def nbytes(self) -> int:
-        return sum(pc.nbytes() for pc in self.entries)
-
-    def take(self, tokens: list[int]) -> PromptCache:
-        best, best_len = None, 0
-        for pc in self.entries:
-            n = common_prefix_len(pc.tokens, tokens)
-            if n > best_len:
-                best, best_len = pc, n
-        if best is None:
-            return PromptCache()
-        if best_len * 2 >= len(best.tokens):
-            # Mostly shared (the next keystroke, the next chat turn): take it over.
-            self.entries.remove(best)
-            return best
-        # A short shared prefix (a common system prompt): copy that prefix, keep the entry.
-        return copy_prefix(best, best_len) or PromptCache()
-
-    def put(self, pc: PromptCache | None) -> None:
-        if pc is None or pc.cache is None or not pc.tokens:
-            return
-        self.entries = [e for e in self.entries if e is not pc]
-        self.entries.append(pc)
-        while self.entries and (len(self.entries) > self.max_entries
-                                or self.nbytes() > self.max_bytes):
-            self.entries.pop(0)
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-def copy_prefix(pc: PromptCache, n: int) -> PromptCache | None:
-    """A new PromptCache holding the first n tokens of `pc` (plain KV caches only)."""
-    if n <= 0 or not pc.cache or any(type(c) is not KVCache or c.keys is None for c in pc.cache):
-        return None
-    caches = []
-    for c in pc.cache:
-        new = KVCache()
-        new.keys, new.values, new.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-        caches.append(new)
-    mx.eval([(c.keys, c.values) for c in caches])
-    return PromptCache(caches, pc.tokens[:n], pc.kind)
-
-
 # ----------------------------------------------------------------------------- the worker
 
 
@@ -186,7 +131,7 @@ class Worker(threading.Thread):
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
-        # (sliding-window and recurrent models: every request a batch of its own)
+        # (sliding-window and recurrent models: a batch of one per request, see plain_attention)
         self.batchable = all(type(c) is KVCache for c in caches.leaves(
             caches.make_cache(engine.model)))
 
