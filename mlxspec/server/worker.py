@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import KVCache
 
 from .. import caches
@@ -212,9 +213,10 @@ class Worker(threading.Thread):
     def run(self) -> None:
         # All MLX work runs here, on a stream of its own, destroyed before the thread ends
         # (or the process may abort at exit: "terminate called without an active exception").
+        # The weights stay wired (Metal) while it runs, for every request alike.
         stream = mx.new_stream(mx.default_device())
         try:
-            with mx.stream(stream):
+            with mx.stream(stream), wired_limit(self.engine.model, [stream]):
                 self._loop(stream)
         finally:
             mx.synchronize(stream)
