@@ -146,7 +146,6 @@ class BatchRow:
         self.stats.record_step(source, drafted, accepted, len(tokens))
         self.pending = (self.pending or []) + tokens  # one that has not read yet gets both
 
-
     def read(self) -> StepOutput | None:
         """The output of the tokens committed since the last read (None: none, or ended);
         raises the error of a step that failed."""
@@ -409,7 +408,6 @@ class BatchSpeculator:
         self._admit(row)
 
     def _drop_queued_own(self) -> None:
-
         q, self.queued = self.queued, None
         if q is not None and q.rows[0] is not None:
             self._undo_own(q)
@@ -538,7 +536,7 @@ class BatchSpeculator:
             stepped = {i: res for i, res in zip(order, results) if i is not None}
             results = [stepped[i] for i in range(len(rows))]  # in the order of `rows`
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
             return
         seconds = time.perf_counter() - start
         self.steps += 1
@@ -632,7 +630,7 @@ class BatchSpeculator:
             self._queue_next(after, tokens)
             host = tokens.tolist()
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
             return
         self._delivered = time.perf_counter()
         live = [(r, t) for r, t in zip(fed, host) if r is not None]
@@ -666,7 +664,7 @@ class BatchSpeculator:
                 self._queue_next(fed, inputs)
             host = q.tokens.tolist()
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
             return
         now = time.perf_counter()
         seconds, self._delivered = now - self._delivered, now
@@ -720,7 +718,8 @@ class BatchSpeculator:
             # (a lone row's policy takes only the steady state: not a stretch's synced first)
             r.commit([token], seconds=None if synced and self.own is not None else seconds)
 
-    def _fail(self, e: BaseException) -> None:
+    def fail(self, e: BaseException) -> None:
+        """A step failed: every row reports `e` at its next read."""
         self.queued = None
         for r in self.rows:
             r.error = e
@@ -751,6 +750,18 @@ class BatchSpeculator:
             widest = max(widest, max(plans[i][1] for i in members))
         return proposals, draft_forwards + widest
 
+
+def next_output(row: BatchRow) -> StepOutput:
+    """The row's next output, stepping its batch until there is one (StopIteration once it
+    has ended or left): reading rows one at a time, in tests and benchmarks."""
+    if row.opening is not None:  # its first token comes from its prefill, not a step
+        row.batch._open_pending()
+    while not (row.closed or row.finished):
+        out = row.read()
+        if out is not None:
+            return out
+        row.batch.step()
+    raise StopIteration
 
 def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
            sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,

@@ -10,11 +10,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from batch_helpers import next_output
 from conftest import build_model, make_engine
 
 from mlxspec import caches
-from mlxspec.batch_step import BatchSpeculator
+from mlxspec.batch_step import BatchSpeculator, next_output
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival

@@ -530,24 +530,40 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
         stop(srv)
 
 
+def _opened_worker(model_dirs, greedy: int):
+    """A worker (its thread not started) with a seeded sampled request submitted first and
+    `greedy` greedy ones after it, all admitted and opened in one round."""
+    from mlxspec.server.protocol import GenRequest
+    from mlxspec.server.worker import Worker
+
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
+    worker = Worker(engine)
+    prompts = [engine.encode(p) for p in CONCURRENT[: 1 + greedy]]
+    seeded = worker.submit(GenRequest("completions", prompts[0], 8, temperature=1.0, seed=5))
+    others = [worker.submit(GenRequest("completions", p, 8)) for p in prompts[1:]]
+    worker._admit(block=False)
+    for job in worker.jobs:
+        worker._open_job(job)
+    return engine, worker, prompts, seeded, others
+
+
+def _events(job) -> list:
+    events = []
+    while not job.events.empty():
+        events.append(job.events.get())
+    return events
+
+
 def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_after_it(
-        model_dirs, ref):
+        model_dirs):
     """The worker opens every request as a row: greedy ones of the shared batch, a seeded
     sampled one of a batch of its own (it draws what it would alone), even when opened first
     in its round with more requests waiting to open after it; the worker steps every batch
     once a round and each answer equals `generate`'s."""
     from mlxspec.batch_step import BatchRow
-    from mlxspec.server.protocol import GenRequest
-    from mlxspec.server.worker import Done, Worker
+    from mlxspec.server.worker import Done
 
-    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
-    worker = Worker(engine)
-    prompts = [engine.encode(p) for p in CONCURRENT[:4]]
-    seeded = worker.submit(GenRequest("completions", prompts[0], 8, temperature=1.0, seed=5))
-    greedy = [worker.submit(GenRequest("completions", p, 8)) for p in prompts[1:]]
-    worker._admit(block=False)
-    for job in worker.jobs:
-        worker._open_job(job)
+    engine, worker, prompts, seeded, greedy = _opened_worker(model_dirs, 3)
     assert all(isinstance(job.row, BatchRow) for job in worker.jobs)
     assert not seeded.shared and seeded.row.batch is not worker.spec_batch
     assert all(job.shared and job.row.batch is worker.spec_batch for job in greedy)
@@ -555,15 +571,33 @@ def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_afte
         worker._step_all()
     texts = []
     for job in [seeded, *greedy]:
-        events = []
-        while not job.events.empty():
-            events.append(job.events.get())
+        events = _events(job)
         assert isinstance(events[-1], Done), events[-1]
         texts.append("".join(e.text for e in events[:-1]))
     alone = engine.generate(prompts[0], max_tokens=8, temperature=1.0, seed=5)
     assert texts[0] == alone.text
     for text, p in zip(texts[1:], prompts[1:]):
         assert text == engine.generate(p, max_tokens=8, temperature=0).text
+
+
+def test_a_batch_whose_step_raises_fails_its_own_rows_only(model_dirs, monkeypatch):
+    from mlxspec.server.worker import Done, Failed
+
+    engine, worker, prompts, seeded, (greedy,) = _opened_worker(model_dirs, 1)
+
+    def broken():
+        raise RuntimeError("a step that raised")
+
+    monkeypatch.setattr(seeded.row.batch, "step", broken)
+    while worker.jobs:
+        worker._step_all()
+    (failed,) = _events(seeded)
+    assert isinstance(failed, Failed) and failed.error.status == 500
+    assert "a step that raised" in failed.error.message
+    events = _events(greedy)
+    assert isinstance(events[-1], Done)
+    assert "".join(e.text for e in events[:-1]) == engine.generate(
+        prompts[1], max_tokens=8, temperature=0).text
 
 
 def test_disconnect_mid_stream_frees_the_worker(server, client, ref):

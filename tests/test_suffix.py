@@ -281,9 +281,7 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     """Through the Python API alone (no server, chat or edit around it), both single and
     batched: the prompt and answer are in the store when the generation ends, not at the next
     request's start."""
-    from batch_helpers import next_output
-
-    from mlxspec.batch_step import BatchSpeculator
+    from mlxspec.batch_step import BatchSpeculator, next_output
 
     store = SuffixIndex()
     engine = make_engine(tiny, "suffix", store=store)

@@ -181,12 +181,18 @@ class MirroredRow:
         self.error: BaseException | None = None
         self.done = self.closed = False
         self.row = None
+        if self.coord.broken:  # a server between a lost rank and its exit
+            raise DistributedFailure(self.coord.broken)
         self.coord.arm("a generation")
-        request = _request(engine, prompt, kwargs)
-        self._guard(self._send, OPEN, request)
-        kwargs = dict(kwargs)
-        kwargs["seed"] = request["kwargs"].get("seed", 0)
-        self.row = self._guard(engine.open_local, prompt, kwargs)
+        try:
+            request = _request(engine, prompt, kwargs)
+            self._guard(self._send, OPEN, request)
+            kwargs = dict(kwargs)
+            kwargs["seed"] = request["kwargs"].get("seed", 0)
+            self.row = self._guard(engine.open_local, prompt, kwargs)
+        except BaseException:  # no row to close: nothing is left watched
+            self.coord.disarm()
+            raise
 
     @property
     def finished(self) -> bool:
@@ -234,9 +240,12 @@ class MirroredRow:
         try:
             self._guard(self._send, STEP)
             self.coord.tick()
-            self.row.batch.step()
+            self._guard(self.row.batch.step)
         except Exception as e:
-            self.error = e
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        self.error = e
 
     def read(self):
         if self.error is not None:
@@ -277,7 +286,15 @@ def follow(engine, on_step=None) -> None:
     """A follower rank's whole life: open, step and close rank 0's requests in step until it
     says stop. `on_step(gid, output)` sees each step's output (tests: the tokens every rank
     commits)."""
+    from mlx_lm.generate import wired_limit
+
+    with wired_limit(engine.model):  # the weights wired (Metal), as on rank 0
+        _follow(engine, on_step)
+
+
+def _follow(engine, on_step) -> None:
     from ..engine import PromptCache
+
     coord = engine.coord
     rows: dict[int, object] = {}
     slots = {0: engine}
@@ -315,8 +332,8 @@ def follow(engine, on_step=None) -> None:
                         raise
             elif op == STEP and gid in rows:
                 row = rows[gid]
-                row.batch.step()
                 try:
+                    row.batch.step()
                     out = row.read()
                 except MlxspecError as e:  # rank 0 hits the same error, and closes its own
                     if isinstance(e, DistributedFailure):

@@ -311,7 +311,6 @@ class Worker(threading.Thread):
             job.row = job.slot.open(r.prompt, **kwargs)
 
     def _proposer(self, job: Job):
-
         slot, mode = job.slot, "none" if job.plain else job.req.mode
         return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
 
@@ -355,7 +354,11 @@ class Worker(threading.Thread):
         then each job's new text to its request."""
         live = [job for job in list(self.jobs) if job.opened and self._live(job)]
         for batch in {id(job.row.batch): job.row.batch for job in live}.values():
-            batch.step()  # (a failed step fails its rows: raised by their `read`)
+            try:
+                batch.step()
+            except Exception as e:  # its rows fail (at their `read`), not the other batches'
+                log.error("a step failed:\n%s", traceback.format_exc())
+                batch.fail(e)
         for job in live:
             self._emit(job)
 
