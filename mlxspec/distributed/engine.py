@@ -179,10 +179,11 @@ class MirroredRow:
         self.gid = next(_gen_ids)
         self.batch = self
         self.error: BaseException | None = None
-        self.done = self.closed = False
+        self.done = self.closed = self.released = False
         self.row = None
         if self.coord.broken:  # a server between a lost rank and its exit
             raise DistributedFailure(self.coord.broken)
+        self.coord.mirrored += 1
         self.coord.arm("a generation")
         try:
             request = _request(engine, prompt, kwargs)
@@ -190,9 +191,17 @@ class MirroredRow:
             kwargs = dict(kwargs)
             kwargs["seed"] = request["kwargs"].get("seed", 0)
             self.row = self._guard(engine.open_local, prompt, kwargs)
-        except BaseException:  # no row to close: nothing is left watched
-            self.coord.disarm()
+        except BaseException:  # no row to close
+            self._release()
             raise
+
+    def _release(self) -> None:
+        """This request no longer needs the watchdog; it is off once no mirrored one does."""
+        if not self.released:
+            self.released = True
+            self.coord.mirrored -= 1
+            if not self.coord.mirrored:
+                self.coord.disarm()
 
     @property
     def finished(self) -> bool:
@@ -227,7 +236,7 @@ class MirroredRow:
             raise
         except MlxspecError:  # a bad request: every rank raises it at the same point
             self.done = True
-            self.coord.disarm()
+            self._release()
             raise
         except RuntimeError as e:
             self._lost(lost(self.coord.rank, e))
@@ -279,7 +288,7 @@ class MirroredRow:
             self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
         finally:
-            self.coord.disarm()
+            self._release()
 
 
 def follow(engine, on_step=None) -> None:

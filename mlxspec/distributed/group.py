@@ -82,6 +82,7 @@ class Coordinator:
         # A command (cli_engine): a lost rank ends the process even where the command would
         # report an error and go on (chat). The Python API raises DistributedFailure instead.
         self.exit_on_loss = False
+        self.mirrored = 0  # rank 0's requests open on every rank: the watchdog covers them all
         self._idle_checked = 0.0
         # Rank 0: the prompt caches it has handed to mirrored generations, by id (weakly: an
         # id whose cache rank 0 dropped is dropped by the followers at the next request).
