@@ -205,9 +205,8 @@ class BatchSpeculator:
         """Whether a request can share a batch: plain attention, a chain proposer, unsharded."""
         if engine.kv != "fp" or engine.sync is not None:
             return False
-        mode = mode or engine.mode
         try:
-            proposer = engine.proposer if mode == engine.mode else engine.proposer_for(mode)
+            proposer = engine.proposer_of(mode)
         except MlxspecError:
             return False  # the engine path reports it
         if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
@@ -230,7 +229,7 @@ class BatchSpeculator:
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        req.num_draft or MAX_NUM_DRAFT, req.stops,
-                       seeded=request.get("seed", 0) is not None or self.alone)
+                       seeded=req.seeded or self.alone)
         if any(r.pc is pc for r in self.opening + self.rows):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()

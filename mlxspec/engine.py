@@ -56,6 +56,7 @@ class Request:
     stats: Stats
     key: mx.array
     num_draft: int | None
+    seeded: bool  # a seed was given: its draws are its own whatever else runs
 
 
 class Engine:
@@ -136,6 +137,10 @@ class Engine:
                 raise MlxspecError(f"mode {mode!r}: {e}") from None
             self._proposers[key] = proposer
         return self._proposers[key]
+
+    def proposer_of(self, mode: str | None) -> Proposer | None:
+        """The proposer a request in `mode` uses (None: the engine's mode, with its options)."""
+        return self.proposer if mode in (None, self.mode) else self.proposer_for(mode)
 
     def policy_for(self, proposer: Proposer | None):
         """The proposer's one policy, kept so that it keeps learning: `AdaptiveK` for auto
@@ -286,7 +291,7 @@ class Engine:
             max_tokens = min(max_tokens, self.max_context - len(tokens))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         mode = mode or self.mode
-        proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+        proposer = self.proposer_of(mode)
         self.check_exact(mode, proposer)
         if proposer is not None:
             if isinstance(prediction, str):
@@ -297,6 +302,7 @@ class Engine:
             proposer=proposer, policy=policy or self.policy_for(proposer),
             pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
+            seeded=seed is not None,
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
     def start_proposer(self, req: Request, prefill_seconds: float) -> None:

@@ -73,9 +73,8 @@ def _engine_class():
         def open_local(self, prompt, kwargs):
             """The request opened here (every rank, in step): the ranks agree on the prompt
             cache's prefix first, so that the prefill runs the same forwards everywhere."""
-            mode = kwargs.get("mode") or self.mode
             policy = kwargs.pop("policy", None)
-            proposer = self.proposer if mode == self.mode else self.proposer_for(mode)
+            proposer = self.proposer_of(kwargs.get("mode"))
             if policy is not None:
                 kwargs["policy"] = self.wrap_policy(policy, proposer)
             pc = kwargs.get("prompt_cache")

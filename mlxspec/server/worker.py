@@ -310,10 +310,6 @@ class Worker(threading.Thread):
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
             job.row = job.slot.open(r.prompt, **kwargs)
 
-    def _proposer(self, job: Job):
-        slot, mode = job.slot, "none" if job.plain else job.req.mode
-        return slot.proposer if mode in (None, slot.mode) else slot.proposer_for(mode)
-
     def _live(self, job: Job) -> bool:
         """Whether the job goes on; a cancelled or ended one is closed or finished here."""
         if job.cancelled.is_set():
@@ -392,7 +388,7 @@ class Worker(threading.Thread):
     def _bind_suffix(self, job: Job) -> None:
         """The store of the request's scope for its suffix source (none: opted out)."""
         try:
-            proposer = self._proposer(job)
+            proposer = job.slot.proposer_of("none" if job.plain else job.req.mode)
         except Exception:  # the engine reports a bad mode itself
             return
         if hasattr(proposer, "set_store"):
