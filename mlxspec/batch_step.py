@@ -240,12 +240,17 @@ class BatchSpeculator:
         if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
             row.chunk = prefill_chunk
             self.prefilling.append(row)
-        elif self.policy is None or len(tokens) - keep > GROUP_PREFILL_MAX:
-            # (`row_plans`: every step as alone, the first one too)
-            self._prefill_and_join(row, progress)
         else:
-            self.opening.append(row)
+            self._prefill(row, progress)
         return row
+
+    def _prefill(self, row: BatchRow, progress=None) -> None:
+        """A short rest of the prompt waits for the round's joiners, a longer one is prefilled
+        now (`row_plans`: every step as alone, the first one too)."""
+        if self.policy is not None and len(row.context) - len(row.pc.tokens) <= GROUP_PREFILL_MAX:
+            self.opening.append(row)
+        else:
+            self._prefill_and_join(row, progress)
 
     def _prefill_chunks(self) -> None:
         """A chunk of every long prompt; one whose rest fits a chunk is prefilled and joins."""
@@ -259,10 +264,7 @@ class BatchSpeculator:
                     row.opening = (req, keep, seconds + time.perf_counter() - start)
                     continue
                 self.prefilling.remove(row)
-                if self.policy is not None and rest < GROUP_PREFILL_MAX:
-                    self.opening.append(row)  # its last tokens with the round's joiners
-                else:
-                    self._prefill_and_join(row)
+                self._prefill(row)
             except Exception as e:
                 self._fail_open(row, e)
 
@@ -507,33 +509,32 @@ class BatchSpeculator:
         if self.queued is not None:
             self._deliver_queued()
             return
-        rows = [r for r in self.rows if r.waiting]
+        fed = [r if r is not None and r.waiting else None for r in self.slots]
+        rows = [r for r in fed if r is not None]  # in the order of the cache's rows
         if not rows:
             return
         start = time.perf_counter()
         span = self._span()
-        verify_keys, propose_keys = [], []
         try:
-            for r in rows:
-                propose_key, verify_key = r.step_keys()
-                propose_keys.append(propose_key)
-                verify_keys.append(verify_key)
+            propose_keys, verify_keys = zip(*(r.step_keys() for r in rows))
             plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
-                self._plain_stretch({id(r): key for r, key in zip(rows, verify_keys)}, start)
+                # a plain stretch's first step, delivered as a queued one is
+                inputs = mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32)
+                tokens = self._plain_forward(fed, inputs, _spread(fed, verify_keys))
+                if self.own is not None:
+                    # started on its own: a sharded target's ranks then run the two forwards'
+                    # collectives in the same order
+                    mx.async_eval(tokens)
+                self.queued = QueuedPlainStep(fed, tokens)
+                self._deliver_queued(started=start)
                 return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
-            stepping = {id(r): i for i, r in enumerate(rows)}
-            order = [stepping.get(id(r)) if r is not None else None for r in self.slots]
             results = decode_step(
-                self.model, self.cache,
-                [r.context[-1] if i is not None else None for r, i in zip(self.slots, order)],
-                [proposals[i] if i is not None else None for i in order],
-                [r.sampling if r is not None else GREEDY for r in self.slots],
-                [verify_keys[i] if i is not None else None for i in order],
-                [plans[i][1] if i is not None else 0 for i in order], sync=self.sync)
-            stepped = {i: res for i, res in zip(order, results) if i is not None}
-            results = [stepped[i] for i in range(len(rows))]  # in the order of `rows`
+                self.model, self.cache, _spread(fed, [r.context[-1] for r in rows]),
+                _spread(fed, proposals), [r.sampling if r else GREEDY for r in fed],
+                _spread(fed, verify_keys), _spread(fed, [k for _, k in plans], 0), self.sync)
+            results = [res for res in results if res is not None]
         except Exception as e:
             self.fail(e)
             return
@@ -571,35 +572,21 @@ class BatchSpeculator:
 
     def _draw(self, fed: list[BatchRow | None], logits: mx.array,
               keys: list[mx.array | None]) -> mx.array:
-        # Unseeded sampled rows with one sampling draw together (exact in distribution); a
-        # seeded one with its own key, as `verify_chain` draws.
-        groups: dict[SamplingParams, list[int]] = {}
-        greedy = False
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
+        # Sampled rows: a seeded one with its own key, as `verify_chain` draws; unseeded ones
+        # with one sampling together, from MLX's global generator (exact in distribution).
+        groups: dict[SamplingParams | int, list[int]] = {}
         for b, r in enumerate(fed):
             if r is not None and not r.sampling.greedy:
-                groups.setdefault(None if r.seeded else r.sampling, []).append(b)
-            elif r is not None:
-                greedy = True
-        if len(groups) == 1 and not greedy and None not in groups:
-            # (free text: one draw over all slots, an empty slot's token unused)
-            (sampling,) = groups
-            return sample(probs_from_logits(logits, sampling), None).astype(mx.uint32)
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
-        if not groups:
-            return tokens
-        rows, drawn = [], []
-        empty = mx.array([], mx.uint32)
-        for sampling, members in groups.items():
-            if sampling is None:
-                for b in members:
-                    rows.append(b)
-                    drawn.append(verify_chain(logits[b : b + 1], empty, None, fed[b].sampling,
-                                              keys[b])[1].reshape(1))
-            else:  # unseeded: MLX's global generator
-                idx = mx.array(members, mx.int32)
-                rows.extend(members)
-                drawn.append(sample(probs_from_logits(logits[idx], sampling), None))
-        tokens[mx.array(rows, mx.int32)] = mx.concatenate(drawn).astype(mx.uint32)
+                groups.setdefault(b if r.seeded else r.sampling, []).append(b)
+        for group, members in groups.items():
+            if isinstance(group, int):
+                empty = mx.array([], mx.uint32)
+                drawn = verify_chain(logits[group : group + 1], empty, None, fed[group].sampling,
+                                     keys[group])[1].reshape(1)
+            else:
+                drawn = sample(probs_from_logits(logits[mx.array(members, mx.int32)], group), None)
+            tokens[mx.array(members, mx.int32)] = drawn.astype(mx.uint32)
         return tokens
 
     def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
@@ -610,37 +597,13 @@ class BatchSpeculator:
         mx.async_eval(queued)
         self.queued = QueuedPlainStep(fed, queued, ckpt)
 
-    def _plain_stretch(self, keys: dict[int, mx.array], start: float) -> None:
-        """The first step of a plain stretch for the rows in `keys` (by id): the next step is
-        queued (`mx.async_eval`) before this one's tokens are read back, so the forward runs
-        while the host reads, detokenizes and plans."""
-        span = self._span()
-        fed = [r if r is not None and id(r) in keys else None for r in self.slots]
-        try:
-            tokens = self._plain_forward(
-                fed, mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32),
-                [keys[id(r)] if r is not None else None for r in fed])
-            if self.own is not None:
-                # started on its own: a sharded target's ranks then run the two forwards'
-                # collectives in the same order
-                mx.async_eval(tokens)
-            # the next step feeds each row this step's token, where it wants one after it
-            after = [r if r is not None and r.wants_two else None for r in fed]
-            self._queue_next(after, tokens)
-            host = tokens.tolist()
-        except Exception as e:
-            self.fail(e)
-            return
-        self._delivered = time.perf_counter()
-        live = [(r, t) for r, t in zip(fed, host) if r is not None]
-        self._commit_plain([r for r, _ in live], [t for _, t in live],
-                           self._delivered - start, span, synced=True)
-
-    def _deliver_queued(self) -> None:
-        """The queued step's tokens are its rows' next output. Before reading them back the
-        step after is queued, while the batch wants no proposal: it feeds the queued rows
-        their queued tokens, rows that joined meanwhile their last token, so a stretch
-        survives requests coming, leaving and ending."""
+    def _deliver_queued(self, started: float | None = None) -> None:
+        """The queued step's tokens are its rows' next output (`started`: when a stretch's
+        first step, planned and run just now, started). Before reading them back the step
+        after is queued, while the batch wants no proposal, so that its forward runs while the
+        host reads, detokenizes and plans: it feeds the queued rows their queued tokens, rows
+        that joined meanwhile their last token, so a stretch survives requests coming, leaving
+        and ending."""
         q, self.queued = self.queued, None
         span = self._span() - 1  # the queued step's token is cached already
         try:
@@ -649,8 +612,9 @@ class BatchSpeculator:
                    else (r if r.waiting else None) for r in self.slots]
             stepping = [r for r in fed if r is not None]
             # (a lone row asks every step, as cheap sources end a stretch at once)
-            replan = self.own is not None or self.pipelined % self.replan_gap == 0 or any(
-                r is not None and id(r) not in at for r in fed)
+            replan = started is None and (
+                self.own is not None or self.pipelined % self.replan_gap == 0
+                or any(r is not None and id(r) not in at for r in fed))
             again = (stepping and self._can_pipeline(stepping) and not (
                 replan and any(k for _, k in self._plans(stepping, commit=False))))
             if again:
@@ -666,7 +630,7 @@ class BatchSpeculator:
             self.fail(e)
             return
         now = time.perf_counter()
-        seconds, self._delivered = now - self._delivered, now
+        seconds, self._delivered = now - (started or self._delivered), now
         keep, drop = [], []
         for r, token in zip(q.rows, host):
             if r is None:
@@ -680,21 +644,19 @@ class BatchSpeculator:
         elif drop:
             for c in self.cache:
                 c.trim_rows([1 if r in drop else 0 for r in self.slots])
-        self.pipelined += 1
+        self.pipelined += started is None
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
         self._commit_plain([r for r, _ in keep], [t for _, t in keep],
-                           seconds if again else None, span, synced=False)
-
-    def _alone_adaptive(self) -> bool:
-        """One adaptive row: planned by its own policy (the batch's cost model, fitted on
-        wider batches, misjudges a draft model there)."""
-        return len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)
+                           seconds if again or started else None, span, synced=bool(started))
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or each row's
-        own plan. `commit=False`: only asking (a forced probe is not counted as taken)."""
-        if self.policy is None or self.own is not None or self._alone_adaptive():
+        own plan (one adaptive row too: the batch's cost model, fitted on wider batches,
+        misjudges a draft model there). `commit=False`: only asking (a forced probe is not
+        counted as taken)."""
+        if self.policy is None or self.own is not None or (
+                len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)):
             return [r.plan() for r in rows]
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
@@ -750,6 +712,12 @@ class BatchSpeculator:
         return proposals, draft_forwards + widest
 
 
+def _spread(fed: list, values, empty=None) -> list:
+    """`values` (one per row fed, in order) at the rows' places in `fed`, `empty` elsewhere."""
+    it = iter(values)
+    return [next(it) if r is not None else empty for r in fed]
+
+
 def next_output(row: BatchRow) -> StepOutput:
     """The row's next output, stepping its batch until there is one (StopIteration once it
     has ended or left): reading rows one at a time, in tests and benchmarks."""
@@ -761,6 +729,7 @@ def next_output(row: BatchRow) -> StepOutput:
             return out
         row.batch.step()
     raise StopIteration
+
 
 def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
            sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,

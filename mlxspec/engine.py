@@ -87,7 +87,6 @@ class Engine:
         self._policy_modes: dict = {}  # id(proposer) -> its mode's name, for `save_policies`
         # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
-        self._recurrent: bool | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
         self.num_draft_set = num_draft is not None
         self.num_draft = DEFAULT_NUM_DRAFT
@@ -195,15 +194,12 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=add_special)
         return [int(t) for t in prompt]
 
-    def has_recurrent_layers(self) -> bool:
-        if self._recurrent is None:
-            self._recurrent = caches.has_recurrent(caches.make_cache(self.model))
-        return self._recurrent
-
     def check_exact(self, mode: str, proposer: Proposer | None) -> None:
         """Refuse, before anything runs, a mode that cannot be exact on this model."""
-        if proposer is not None and proposer.uses_trees and self.has_recurrent_layers():
-            caches.check_tree_support(self.model, caches.make_cache(self.model), mode)
+        if proposer is not None and proposer.uses_trees:
+            cache = caches.make_cache(self.model)
+            if caches.has_recurrent(cache):
+                caches.check_tree_support(self.model, cache, mode)
 
     # -- generation
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
@@ -220,26 +216,13 @@ class Engine:
             if out.text:
                 yield out.text
 
-    def stream_steps(self, prompt: str | list[int], *, max_tokens: int = 128,
-                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
-                     prediction: str | list[int] | None = None, num_draft: int | None = None,
-                     prompt_cache: PromptCache | None = None, mode: str | None = None,
-                     policy: Policy | None = None,
-                     progress: Callable[[int, int], None] | None = None,
-                     prefill_chunk: int | None = None) -> Iterator[StepOutput | None]:
-        """Generate, yielding after every target forward. `prediction` (text or ids): a
-        predicted output the n-gram proposer copies from; `prompt_cache` (default: the
-        engine's): reused where the prompt shares a prefix with it; `mode`, `num_draft` (a cap
-        on k), `policy`: for this call; `progress(done, total)`: during prefill;
-        `prefill_chunk`: a longer prompt is prefilled that many tokens per step, yielding None."""
+    def stream_steps(self, prompt: str | list[int], **kwargs) -> Iterator[StepOutput | None]:
+        """Generate, yielding after every target forward (None after a step that only
+        prefilled a chunk). Keyword arguments as `prepare`, and `progress(done, total)`
+        during prefill and `prefill_chunk` (a longer prompt prefilled that many tokens a step)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
-            row = self.open(prompt, max_tokens=max_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop,
-                            prediction=prediction, num_draft=num_draft,
-                            prompt_cache=prompt_cache, mode=mode, policy=policy,
-                            progress=progress, prefill_chunk=prefill_chunk)
+            row = self.open(prompt, **kwargs)
             pc = row.pc
             try:
                 while not row.finished:
@@ -270,7 +253,10 @@ class Engine:
                 prompt_cache: PromptCache | None = None, mode: str | None = None,
                 policy: Policy | None = None) -> Request:
         """Check a request (clear errors before any work) and resolve its mode, proposer,
-        policy, prompt cache and key."""
+        policy, prompt cache and key. `prediction` (text or ids): a predicted output the
+        n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
+        prompt shares a prefix with it; `mode`, `num_draft` (a cap on k), `policy`: for this
+        request; `seed` None: MLX's global generator."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()

@@ -1,20 +1,9 @@
 """The one thread that owns the model and runs every MLX computation of the server.
 
-Handlers submit a `Job` and read its events from the job's own queue. Every job runs on an engine
-*slot* (an `Engine` sharing the model, with its own proposers, policies and prompt cache). The
-worker loop, each round:
-
-1. admits new jobs and opens each as a row: on plain-attention models a row of the shared
-   `batch_step.BatchSpeculator` (one target forward per step for every row, each proposing
-   with its own source and k, or none; above `spec_max_concurrency` speculating requests a
-   new one decodes plainly there, k = 0, and above `spec_max_concurrency + max_batch` it waits
-   to open); otherwise (sliding windows, recurrent state, trees, QuantSpec, a sharded target)
-   a batch of one on its own cache (`Engine.open`; a sharded one mirrored on every rank);
-2. steps every batch once;
-3. reads every row's new tokens as text (`BatchRow.read`) and hands each request its text.
-
-A cancelled job (its client went away) is closed before its next step: closing its row leaves
-its cache consistent, and the cache goes back to the prompt-cache store.
+Handlers submit a `Job` and read its events from the job's own queue. Each round the worker
+opens new jobs as rows (of the shared `BatchSpeculator`, or a batch of one from `Engine.open`),
+steps every batch once and hands each request its new text; a cancelled job is closed before
+its next step. See docs/HOW_IT_WORKS.md, "Several requests".
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from ..engine import Engine
 from ..errors import MlxspecError
 from ..stats import Stats
 from ..suffix_store import SuffixStores
+from .metrics import Metrics
 from .protocol import ApiError, GenRequest, IndentStop, Usage
 
 log = logging.getLogger("mlxspec.server")
@@ -118,7 +108,7 @@ class Worker(threading.Thread):
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()
         self.request_timeout = request_timeout  # seconds from submission; None: no limit
         self.draining = False  # shutting down: new jobs are refused
         self.ending: str | None = None  # set: every job ends at its next step with this reason
@@ -139,13 +129,11 @@ class Worker(threading.Thread):
     # -- handler side
     def submit(self, req: GenRequest) -> Job:
         if self.draining:
-            if self.metrics:
-                self.metrics.rejected("shutting_down")
+            self.metrics.rejected("shutting_down")
             raise ApiError(503, "the server is shutting down; retry shortly",
                            type="server_busy", code="shutting_down", retry_after=5)
         if self.inbox.qsize() + self.active() >= self.max_queue:
-            if self.metrics:
-                self.metrics.rejected("queue_full")
+            self.metrics.rejected("queue_full")
             raise ApiError(503, f"the server is busy ({self.max_queue} requests queued or "
                                 "running); retry shortly", type="server_busy",
                            code="queue_full", retry_after=1)
@@ -186,8 +174,7 @@ class Worker(threading.Thread):
         if self.ending is not None:
             return self.ending
         if job.deadline is not None and time.perf_counter() > job.deadline:
-            if self.metrics:
-                self.metrics.timed_out("request")
+            self.metrics.timed_out("request")
             return "timeout"
         return None
 
@@ -258,7 +245,7 @@ class Worker(threading.Thread):
             if job is _WAKE:
                 continue
             if job.cancelled.is_set():
-                self._count_cancel(job)
+                self.metrics.cancelled()
                 continue
             reason = self._end_reason(job)
             if reason is not None:  # its time ran out in the queue: an empty answer
@@ -266,8 +253,7 @@ class Worker(threading.Thread):
                 continue
             self.last_prompt = job.req.prompt
             job.started = time.perf_counter()
-            if self.metrics:
-                self.metrics.queue_seconds(job.started - job.submitted)
+            self.metrics.queue_seconds(job.started - job.submitted)
             try:
                 self._start_engine(job)
             except Exception as e:
@@ -279,18 +265,17 @@ class Worker(threading.Thread):
                 job.events.put(Failed(ApiError(500, f"cannot start: {type(e).__name__}: {e}")))
 
     # -- jobs (each on an engine slot)
-    def _slot(self) -> Engine:
-        if self.idle_slots:
-            return self.idle_slots.pop()
-        return self.engine.clone()  # same weights, its own proposers, policies and cache
-
     def _start_engine(self, job: Job) -> None:
-        job.slot = self._slot()
+        # a slot: the same weights, its own proposers, policies and prompt cache
+        job.slot = self.idle_slots.pop() if self.idle_slots else self.engine.clone()
         job.cache = self.cache.take(job.req.prompt)
         self.jobs.append(job)
 
-    def _open_generation(self, job: Job) -> None:
+    def _open_job(self, job: Job) -> None:
+        """Open the job as a row, speculating unless spec_max_concurrency requests do."""
         r = job.req
+        speculating = sum(1 for j in self.jobs if j.plain is False)
+        job.plain = self.batchable and not r.warmup and speculating >= self.spec_max_concurrency
         self._bind_suffix(job)
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
@@ -313,7 +298,7 @@ class Worker(threading.Thread):
     def _live(self, job: Job) -> bool:
         """Whether the job goes on; a cancelled or ended one is closed or finished here."""
         if job.cancelled.is_set():
-            self._count_cancel(job)
+            self.metrics.cancelled()
             self._close_engine_job(job)
             return False
         reason = self._end_reason(job)
@@ -321,13 +306,6 @@ class Worker(threading.Thread):
             self._finish_engine(job, reason, job.stats)
             return False
         return True
-
-    def _open_job(self, job: Job) -> None:
-        """Open the job, speculating unless spec_max_concurrency requests do already."""
-        speculating = sum(1 for j in self.jobs if j.plain is False)
-        job.plain = (self.batchable and not job.req.warmup
-                     and speculating >= self.spec_max_concurrency)
-        self._open_generation(job)
 
     def _guarded(self, job: Job, work) -> tuple[bool, object]:
         """(True, work(job)), or (False, None) where it raised and the job failed."""
@@ -424,7 +402,7 @@ class Worker(threading.Thread):
         in_batch = job.shared
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
-        usage = usage_from_stats(stats)
+        usage = Usage.from_stats(stats)
         usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
         usage.batched_speculative = in_batch and not job.plain
         pc = job.cache
@@ -438,20 +416,12 @@ class Worker(threading.Thread):
         if job in self.jobs:
             self._close_engine_job(job)
         job.events.put(Failed(error))
-        if self.metrics:
-            self.metrics.failed()
+        self.metrics.failed()
 
     def _done(self, job: Job, done: Done) -> None:
         job.events.put(done)
-        if self.metrics:
-            self.metrics.generation(done.usage)
-
-    def _count_cancel(self, job: Job) -> None:
-        if self.metrics:
-            self.metrics.cancelled()
+        self.metrics.generation(done.usage)
 
 
 _WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
 
-
-usage_from_stats = Usage.from_stats
