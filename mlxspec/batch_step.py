@@ -269,14 +269,23 @@ class BatchSpeculator:
                 self._fail_open(row, e)
 
     def _prefill_and_join(self, row: BatchRow, progress=None) -> None:
-        """Prefill the rest of a row's prompt on its own cache, start its proposer, join."""
-        req, keep, seconds = row.opening
-        row.opening = None
+        """Prefill the rest of a row's prompt on its own cache, then start it."""
+        req = row.opening[0]
         start = time.perf_counter()
         row.engine.prefill(req.tokens, row.pc, req.proposer, progress=progress)
-        req.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
-        row.engine.start_proposer(req, seconds + time.perf_counter() - start)
-        self._join(row)
+        self._start(row, time.perf_counter() - start)
+
+    def _start(self, row: BatchRow, spent: float, first: int | None = None) -> None:
+        """A prefilled row starts its proposer and joins; with its `first` token where a
+        group's forward drew it (its cache then holds its whole prompt)."""
+        req, keep, seconds = row.opening
+        row.opening = None
+        row.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
+        row.engine.start_proposer(req, seconds + spent)
+        if first is not None:
+            row.pc.tokens = list(row.context)
+            row.commit([first], observe=False)
+        self._join(row, may_go_solo=first is None)
 
     def _open_pending(self) -> None:
         """The rows opened since the last step prefill together (the last prompt token too)
@@ -286,15 +295,11 @@ class BatchSpeculator:
         self.opening = []
         if not group:
             return
-        if len(group) == 1 and self._goes_solo(group[0]):
-            row = group[0]
-            try:  # alone: on its own cache
-                self._prefill_and_join(row)
-            except Exception as e:
-                self._fail_open(row, e)
-            return
         start = time.perf_counter()
         try:
+            if len(group) == 1 and self._goes_solo(group[0]):
+                self._prefill_and_join(group[0])  # alone: on its own cache
+                return
             firsts = self._prefill_group(group)
         except Exception as e:  # the state of every row's cache is unknown
             for r in group:
@@ -306,14 +311,8 @@ class BatchSpeculator:
         self._end_solo()
         self._make_room(len(group) + alone, len(group[0].pc.cache))
         for r, token in zip(group, firsts):
-            req, keep, seconds = r.opening
-            r.opening = None
             try:  # a failure here is this row's alone
-                r.pc.tokens = list(r.context)
-                r.stats.cached_tokens = keep
-                r.engine.start_proposer(req, seconds + spent)
-                r.commit([token], observe=False)
-                self._join(r, may_go_solo=False)
+                self._start(r, spent, token)
             except Exception as e:
                 self._fail_open(r, e)
 
@@ -343,38 +342,35 @@ class BatchSpeculator:
         """The group's uncached prompt tokens through the target, right-padded in one forward
         (a row with more than GROUP_CACHED_MAX cached: alone, on its own cache); returns the
         rows' first tokens, read back with one wait."""
-        drawn: list[mx.array | None] = [None] * len(group)
-        together = []
-        for i, r in enumerate(group):
+        drawn: dict[int, mx.array] = {}
+        rows = []
+        for r in group:
             if len(r.pc.tokens) <= GROUP_CACHED_MAX:
-                together.append(i)
+                rows.append(r)
                 continue
             todo = r.context[len(r.pc.tokens) :]
             logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
-            drawn[i] = r.first_draw(logits[0, -1])
-        if together:
-            rows = [group[i] for i in together]
+            drawn[id(r)] = r.first_draw(logits[0, -1])
+        if rows:
             todo = [r.context[len(r.pc.tokens) :] for r in rows]  # never empty: the last token
             width = max(len(t) for t in todo)
             layers = [RaggedKVCache() for _ in rows[0].pc.cache]
-            # the longest cached prefix first: its buffers then fit every row (one allocation)
-            order = sorted(range(len(rows)), key=lambda i: -len(rows[i].pc.tokens))
             for c in layers:
                 c.add_empty_rows(len(rows))
-            for i in order:
+            # the longest cached prefix first: its buffers then fit every row (one allocation)
+            for i in sorted(range(len(rows)), key=lambda i: -len(rows[i].pc.tokens)):
                 for ragged, c in zip(layers, rows[i].pc.cache):
                     ragged.put_row(i, c)
             # padding after a row's own tokens: nothing real attends to it; trimmed at once
             inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
             logits = self.model(inputs, cache=layers)
             last = logits[mx.arange(len(rows)), mx.array([len(t) - 1 for t in todo])]
-            for j, i in enumerate(together):
-                drawn[i] = group[i].first_draw(last[j])
             for c in layers:
                 c.trim_rows([width - len(t) for t in todo])
             for j, r in enumerate(rows):
+                drawn[id(r)] = r.first_draw(last[j])
                 r.pc.cache = [c.row_view(j) for c in layers]
-        return mx.concatenate(drawn).tolist()  # the group's one wait
+        return mx.concatenate([drawn[id(r)] for r in group]).tolist()  # the group's one wait
 
     # -- membership
     def _goes_solo(self, row: BatchRow) -> bool:
@@ -452,13 +448,13 @@ class BatchSpeculator:
                 row.opening = None
         if row not in self.rows:
             return
+        self.rows.remove(row)
         if row is self.own:  # its cache is its own already
             if row.error is None:
                 self._drop_queued_own()
                 row.pc.tokens = row.context[:-1]
             else:  # state unknown after a failed step: not reused
                 row.pc.drop()
-            self.rows.remove(row)
             self.own, self.cache, self.queued, self.slots = None, None, None, []
             return
         b = self.slots.index(row)
@@ -467,7 +463,6 @@ class BatchSpeculator:
             for c in self.cache:
                 c.trim_rows([1 if r is row else 0 for r in self.slots])
             q.rows[q.rows.index(row)] = None
-        self.rows.remove(row)
         self.slots[b] = None
         if row.draft is not None:
             batch = self.drafts[id(row.draft.model)]

@@ -83,8 +83,7 @@ class Engine:
         self.adaptive = adaptive
         self.prompt_cache = PromptCache()
         self._proposers: dict = {}
-        self._policies: dict = {}
-        self._policy_modes: dict = {}  # id(proposer) -> its mode's name, for `save_policies`
+        self._policies: dict[int, tuple[str, Policy]] = {}  # id(proposer) -> (its mode, policy)
         # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
@@ -141,47 +140,39 @@ class Engine:
         """The proposer a request in `mode` uses (None: the engine's mode, with its options)."""
         return self.proposer if mode in (None, self.mode) else self.proposer_for(mode)
 
-    def policy_for(self, proposer: Proposer | None):
+    def policy_for(self, proposer: Proposer | None) -> Policy:
         """The proposer's one policy, kept so that it keeps learning: `AdaptiveK` for auto
         (k capped by num_draft when set) or with adaptive=True, else `FixedK(num_draft)`."""
         if id(proposer) not in self._policies:
             if getattr(proposer, "adaptive", False):
-                cap = self.num_draft if self.num_draft_set else AUTO_MAX_K
-                policy = AdaptiveK(max_k=cap)
+                policy = AdaptiveK(max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K)
             elif self.adaptive:
                 policy = AdaptiveK(max_k=self.num_draft)
             else:
                 policy = FixedK(self.num_draft)
-            self._policies[id(proposer)] = policy
-            self._policy_modes[id(proposer)] = getattr(proposer, "name", "none")
+            self._policies[id(proposer)] = (getattr(proposer, "name", "none"), policy)
             if self.policy_file is not None:
-                self._resume_policy(id(proposer), read_states(self.policy_file))
-        return self._policies[id(proposer)]
+                self._resume_policies(read_states(self.policy_file))
+        return self._policies[id(proposer)][1]
 
-    def _resume_policy(self, key: int, states: dict[str, dict]) -> None:
-        """An adaptive policy that has measured nothing yet starts from its mode's state."""
-        policy, state = self._policies[key], states.get(self._policy_modes[key])
-        if isinstance(policy, AdaptiveK) and not policy.sources and state:
-            policy.resume(state)
+    def _resume_policies(self, states: dict[str, dict]) -> None:
+        """Adaptive policies that have measured nothing yet start from their mode's state."""
+        for mode, policy in self._policies.values():
+            if isinstance(policy, AdaptiveK) and not policy.sources and states.get(mode):
+                policy.resume(states[mode])
 
     def keep_policies(self, path: Path | None) -> None:
         """Start the adaptive policies from what earlier processes kept at `path`, and keep
         this one's there (`save_policies`)."""
         self.policy_file = path
-        if path is None:
-            return
-        states = read_states(path)
-        for key in self._policies:
-            self._resume_policy(key, states)
+        if path is not None:
+            self._resume_policies(read_states(path))
 
     def save_policies(self) -> None:
         """Keep what the adaptive policies measured at `policy_file` for the next process."""
-        if self.policy_file is None:
-            return
-        states = {self._policy_modes[key]: policy.snapshot()
-                  for key, policy in self._policies.items()
+        states = {mode: policy.snapshot() for mode, policy in self._policies.values()
                   if isinstance(policy, AdaptiveK) and policy.sources}
-        if states:
+        if states and self.policy_file is not None:
             try:
                 write_states(self.policy_file, states)
             except OSError as e:  # measurements only: never fail a command over them

@@ -70,7 +70,6 @@ class Job:
     cache: PromptCache | None = None
     stats: Stats | None = None
     text_so_far: str = ""
-    started: float = 0.0
     first_token: float = 0.0
     indent: IndentStop | None = None
     deadline: float | None = None  # perf_counter time after which it ends ("timeout")
@@ -252,8 +251,7 @@ class Worker(threading.Thread):
                 self._done(job, Done(reason, Usage(prompt_tokens=len(job.req.prompt))))
                 continue
             self.last_prompt = job.req.prompt
-            job.started = time.perf_counter()
-            self.metrics.queue_seconds(job.started - job.submitted)
+            self.metrics.queue_seconds(time.perf_counter() - job.submitted)
             try:
                 self._start_engine(job)
             except Exception as e:
