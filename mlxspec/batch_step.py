@@ -128,9 +128,7 @@ class BatchRow:
 
     def first_draw(self, logits: mx.array) -> mx.array:
         """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
-        _, verify_key = self.step_keys()
-        empty = mx.array([], mx.uint32)
-        return verify_chain(logits[None], empty, None, self.sampling, verify_key)[1].reshape(1)
+        return self.batch._draw([self], logits[None], [self.step_keys()[1]])
 
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:

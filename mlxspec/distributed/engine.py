@@ -152,7 +152,7 @@ def _policy_spec(policy) -> dict | None:
     from ..policy import AdaptiveK, FixedK
 
     if type(policy) is FixedK:
-        return {"kind": "fixed", "k": policy.num_draft}
+        return {"kind": "fixed", "k": policy.max_k}
     if type(policy) is AdaptiveK:
         return {"kind": "adaptive", "max_k": policy.max_k}
     return {"kind": "other"}

@@ -28,8 +28,7 @@ class Policy(Protocol):
     """Asked once per step (`plan`), told how it went (`observe`; `observe_plain` per token of
     a plain stretch); per request, or per batch row (where `BatchPolicy` chooses k)."""
 
-    @property
-    def max_k(self) -> int: ...
+    max_k: int
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]: ...
 
@@ -40,18 +39,14 @@ class Policy(Protocol):
 
 @dataclass
 class FixedK:
-    """Always propose `num_draft` tokens (fewer near max_tokens), from the first source."""
+    """Always propose `max_k` tokens (fewer near max_tokens), from the first source."""
 
-    num_draft: int = 4
-
-    @property
-    def max_k(self) -> int:
-        return self.num_draft
+    max_k: int = 4
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         for source, n in available.items():
             if n > 0:
-                return source, min(n, self.num_draft)
+                return source, min(n, self.max_k)
         return "", 0
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:

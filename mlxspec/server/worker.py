@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import KVCache
 
 from .. import caches
 from ..batch_step import BatchRow, BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
+from ..caches.ragged import plain_attention
 from ..engine import Engine
 from ..errors import MlxspecError
 from ..stats import Stats
@@ -120,10 +120,8 @@ class Worker(threading.Thread):
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
-        self.eos = sorted(getattr(engine.tokenizer, "eos_token_ids", None) or [])
         # (sliding-window and recurrent models: a batch of one per request, see plain_attention)
-        self.batchable = all(type(c) is KVCache for c in caches.leaves(
-            caches.make_cache(engine.model)))
+        self.batchable = plain_attention(caches.make_cache(engine.model))
 
     # -- handler side
     def submit(self, req: GenRequest) -> Job:
