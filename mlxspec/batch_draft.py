@@ -32,7 +32,6 @@ class BatchDraft:
         self.model = model
         self.members: list[DraftModelProposer] = []
         self.cache: list[RaggedKVCache] | None = None
-        self.forwards = 0  # batched draft forwards run
 
     @staticmethod
     def joins(proposer: DraftModelProposer) -> bool:
@@ -52,8 +51,6 @@ class BatchDraft:
 
     def leave(self, proposer: DraftModelProposer, failed: bool = False) -> None:
         """Give the row's draft cache back (a fresh one after a failed step: state unknown)."""
-        if proposer not in self.members:
-            return
         b = self.members.index(proposer)
         self.members.pop(b)
         layers = [c.remove_row(b) for c in self.cache]
@@ -65,25 +62,18 @@ class BatchDraft:
         if not self.members:
             self.cache = None
 
-    def _forward(self, tokens: list[list[int] | mx.array | None]) -> mx.array:
+    def _forward(self, tokens: list[mx.array | None]) -> mx.array:
         """Logits (B, width, vocab) of one forward feeding row b tokens[b] (None: sits out);
         the padding is trimmed again at once."""
-        sizes = [0 if t is None else len(t) if isinstance(t, list) else 1 for t in tokens]
+        sizes = [0 if t is None else t.size for t in tokens]
         width = max(sizes)
-        rows = []
-        for t in tokens:
-            if t is None:
-                rows.append(mx.zeros((width,), mx.uint32))
-            elif isinstance(t, list):
-                rows.append(mx.array(t + [0] * (width - len(t)), mx.uint32))
-            else:  # a lazy drafted token
-                rows.append(mx.concatenate([t.reshape(1).astype(mx.uint32),
-                                            mx.zeros((width - 1,), mx.uint32)]))
+        empty = mx.array([], mx.uint32)
+        rows = [mx.concatenate([empty if t is None else t.reshape(-1).astype(mx.uint32),
+                                mx.zeros((width - n,), mx.uint32)]) for t, n in zip(tokens, sizes)]
         logits = self.model(mx.stack(rows), cache=self.cache)
         drop = [width - s for s in sizes]
         for c in self.cache:
             c.trim_rows(drop)
-        self.forwards += 1
         return logits
 
     def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, mx.array | None]],
@@ -104,12 +94,11 @@ class BatchDraft:
         logits = {}
         longest = max(len(t) for t in pending.values())
         for start in range(0, longest, FEED_CHUNK):
-            chunk = [pending[b][start : start + FEED_CHUNK] if b in pending else None
+            chunk = [pending.get(b, [])[start : start + FEED_CHUNK]
                      for b in range(len(self.members))]
-            chunk = [t if t else None for t in chunk]
-            out = self._forward(chunk)
+            out = self._forward([mx.array(t, mx.uint32) if t else None for t in chunk])
             for b, t in enumerate(chunk):
-                if t is not None and start + len(t) == len(pending[b]):
+                if t and start + len(t) == len(pending[b]):
                     logits[b] = out[b, len(t) - 1]
             if start + FEED_CHUNK < longest:
                 mx.eval([c.state for c in self.cache])

@@ -76,10 +76,6 @@ class BatchRow:
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
 
     @property
-    def policy(self) -> Policy:
-        return self.planner.policy
-
-    @property
     def finished(self) -> bool:
         """Its last output was read (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
@@ -105,14 +101,10 @@ class BatchRow:
 
     def _available(self) -> dict[str, int] | None:
         # (every step emits a token beyond the accepted ones: k <= remaining - 1)
-        cap = min(self.num_draft, self.policy.max_k, self.end - len(self.context) - 1)
+        cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
         return self.proposer.available(self.context, cap)
-
-    def plan(self) -> tuple[str, int]:
-        """What the row's own policy proposes, as if it were alone."""
-        return self.planner.plan(self._available())
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
@@ -228,7 +220,7 @@ class BatchSpeculator:
                        req.key, req.stats, len(tokens) + req.max_tokens,
                        req.num_draft or MAX_NUM_DRAFT, req.stops,
                        seeded=req.seeded or self.alone)
-        if any(r.pc is pc for r in self.opening + self.rows):
+        if any(r.pc is pc for r in self.opening + self.prefilling + self.rows):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
         keep = engine.reuse(tokens, pc, proposer)
@@ -304,10 +296,14 @@ class BatchSpeculator:
                 self._fail_open(r, e)
             return
         spent = time.perf_counter() - start
-        # room for the group (and a lone row moving in) at once: growing copies every buffer
-        alone = self.own is not None
-        self._end_solo()
-        self._make_room(len(group) + alone, len(group[0].pc.cache))
+        self._end_solo()  # a lone row moves into the ragged cache first
+        need = len(group) - self.slots.count(None)
+        if need > 0:  # room for the whole group at once: growing copies every buffer
+            if self.cache is None:
+                self.cache = [RaggedKVCache() for _ in group[0].pc.cache]
+            for c in self.cache:
+                c.add_empty_rows(need)
+            self.slots.extend([None] * need)
         for r, token in zip(group, firsts):
             try:  # a failure here is this row's alone
                 self._start(r, spent, token)
@@ -317,24 +313,10 @@ class BatchSpeculator:
     def _fail_open(self, row: BatchRow, e: BaseException) -> None:
         """A row whose prefill or join failed reports `e` at its next read; its cache goes."""
         row.opening, row.error = None, e
-        if row in self.prefilling:
-            self.prefilling.remove(row)
         if row in self.slots and row not in self.rows:  # written in, not yet a member
             self.rows.append(row)
-        if row in self.rows:
-            self._leave(row)
+        self._leave(row)  # (out of the waiting lists too)
         row.pc.drop()
-
-    def _make_room(self, n: int, layers: int) -> None:
-        """At least n empty slots."""
-        need = n - self.slots.count(None)
-        if need <= 0:
-            return
-        if self.cache is None:
-            self.cache = [RaggedKVCache() for _ in range(layers)]
-        for c in self.cache:
-            c.add_empty_rows(need)
-        self.slots.extend([None] * need)
 
     def _prefill_group(self, group: list[BatchRow]) -> list[int]:
         """The group's uncached prompt tokens through the target, right-padded in one forward
@@ -373,7 +355,7 @@ class BatchSpeculator:
     # -- membership
     def _goes_solo(self, row: BatchRow) -> bool:
         return not self.rows and (self.alone or self.solo and (
-            not row.pinned or isinstance(row.policy, AdaptiveK)))
+            not row.pinned or isinstance(row.planner.policy, AdaptiveK)))
 
     def _join(self, row: BatchRow, may_go_solo: bool = True) -> None:
         if row.detok is not None:
@@ -512,14 +494,9 @@ class BatchSpeculator:
             propose_keys, verify_keys = zip(*(r.step_keys() for r in rows))
             plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
-                # a plain stretch's first step, delivered as a queued one is
+                # a plain stretch's first step, queued and delivered as the next ones are
                 inputs = mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32)
-                tokens = self._plain_forward(fed, inputs, _spread(fed, verify_keys))
-                if self.own is not None:
-                    # started on its own: a sharded target's ranks then run the two forwards'
-                    # collectives in the same order
-                    mx.async_eval(tokens)
-                self.queued = QueuedPlainStep(fed, tokens)
+                self._queue_next(fed, inputs, _spread(fed, verify_keys))
                 self._deliver_queued(started=start)
                 return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
@@ -582,9 +559,11 @@ class BatchSpeculator:
             tokens[mx.array(members, mx.int32)] = drawn.astype(mx.uint32)
         return tokens
 
-    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array) -> None:
-        # the same keys the step would take when it runs
-        keys = [r.step_keys()[1] if r is not None else None for r in fed]
+    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array, keys=None) -> None:
+        """A plain forward feeding fed[b] inputs[b], started (`mx.async_eval`; a sharded
+        target's ranks then run the forwards' collectives in the same order), not read back."""
+        if keys is None:  # the same keys the step would take when it runs
+            keys = [r.step_keys()[1] if r is not None else None for r in fed]
         ckpt = caches.checkpoint(self.cache) if self.own is not None else None
         queued = self._plain_forward(fed, inputs, keys)
         mx.async_eval(queued)
@@ -624,14 +603,9 @@ class BatchSpeculator:
             return
         now = time.perf_counter()
         seconds, self._delivered = now - (started or self._delivered), now
-        keep, drop = [], []
-        for r, token in zip(q.rows, host):
-            if r is None:
-                continue
-            if r.wants:
-                keep.append((r, token))
-            else:
-                drop.append(r)  # not committed: the token fed by the queued step goes
+        kept = [(r, t) for r, t in zip(q.rows, host) if r is not None and r.wants]
+        # a row that wants no more: the token the queued step fed it goes, not committed
+        drop = [r for r in q.rows if r is not None and not r.wants]
         if drop and self.own is not None:
             self._undo_own(q)
         elif drop:
@@ -640,8 +614,7 @@ class BatchSpeculator:
         self.pipelined += started is None
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
-        self._commit_plain([r for r, _ in keep], [t for _, t in keep],
-                           seconds if again or started else None, span, synced=bool(started))
+        self._commit_plain(kept, seconds if again or started else None, span, bool(started))
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or each row's
@@ -649,8 +622,8 @@ class BatchSpeculator:
         misjudges a draft model there). `commit=False`: only asking (a forced probe is not
         counted as taken)."""
         if self.policy is None or self.own is not None or (
-                len(self.rows) == 1 and isinstance(self.rows[0].policy, AdaptiveK)):
-            return [r.plan() for r in rows]
+                len(self.rows) == 1 and isinstance(self.rows[0].planner.policy, AdaptiveK)):
+            return [r.planner.plan(r._available()) for r in rows]  # each as if alone
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
 
@@ -660,15 +633,16 @@ class BatchSpeculator:
             return len(self.own.context) - 1
         return max(self.cache[0].lengths, default=0) if self.cache else 0
 
-    def _commit_plain(self, rows: list[BatchRow], tokens: list[int], seconds: float | None,
-                      span: int, synced: bool) -> None:
-        """`seconds` None: the step is counted, its time is not a cost to learn from."""
+    def _commit_plain(self, kept: list[tuple[BatchRow, int]], seconds: float | None, span: int,
+                      synced: bool) -> None:
+        """Each (row, token) of a plain step; `seconds` None: the step is counted, its time is
+        not a cost to learn from."""
         self.steps += 1
         self.plain_steps += 1
-        self.rows_stepped += len(rows)
+        self.rows_stepped += len(kept)
         if self.policy is not None and self.own is None and seconds is not None:
             self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
-        for r, token in zip(rows, tokens):
+        for r, token in kept:
             # (a lone row's policy takes only the steady state: not a stretch's synced first)
             r.commit([token], seconds=None if synced and self.own is not None else seconds)
 

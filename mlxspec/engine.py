@@ -49,7 +49,6 @@ class Request:
     sampling: SamplingParams
     max_tokens: int  # already cut to what the context leaves
     stops: list[str]
-    mode: str
     proposer: Proposer | None
     policy: Policy
     pc: PromptCache
@@ -151,12 +150,12 @@ class Engine:
             else:
                 policy = FixedK(self.num_draft)
             self._policies[id(proposer)] = (getattr(proposer, "name", "none"), policy)
-            if self.policy_file is not None:
-                self._resume_policies(read_states(self.policy_file))
+            self._resume_policies()
         return self._policies[id(proposer)][1]
 
-    def _resume_policies(self, states: dict[str, dict]) -> None:
+    def _resume_policies(self) -> None:
         """Adaptive policies that have measured nothing yet start from their mode's state."""
+        states = read_states(self.policy_file) if self.policy_file is not None else {}
         for mode, policy in self._policies.values():
             if isinstance(policy, AdaptiveK) and not policy.sources and states.get(mode):
                 policy.resume(states[mode])
@@ -165,8 +164,7 @@ class Engine:
         """Start the adaptive policies from what earlier processes kept at `path`, and keep
         this one's there (`save_policies`)."""
         self.policy_file = path
-        if path is not None:
-            self._resume_policies(read_states(path))
+        self._resume_policies()
 
     def save_policies(self) -> None:
         """Keep what the adaptive policies measured at `policy_file` for the next process."""
@@ -184,13 +182,6 @@ class Engine:
             add_special = bos is None or not prompt.startswith(bos)
             return self.tokenizer.encode(prompt, add_special_tokens=add_special)
         return [int(t) for t in prompt]
-
-    def check_exact(self, mode: str, proposer: Proposer | None) -> None:
-        """Refuse, before anything runs, a mode that cannot be exact on this model."""
-        if proposer is not None and proposer.uses_trees:
-            cache = caches.make_cache(self.model)
-            if caches.has_recurrent(cache):
-                caches.check_tree_support(self.model, cache, mode)
 
     # -- generation
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
@@ -269,13 +260,14 @@ class Engine:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         mode = mode or self.mode
         proposer = self.proposer_of(mode)
-        self.check_exact(mode, proposer)
         if proposer is not None:
+            if proposer.uses_trees:  # refused before anything runs where it cannot be exact
+                caches.check_tree_support(self.model, caches.make_cache(self.model), mode)
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
         return Request(
-            tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops, mode=mode,
+            tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
             proposer=proposer, policy=policy or self.policy_for(proposer),
             pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,

@@ -16,6 +16,7 @@ from mlxspec import caches
 from mlxspec.batch_step import BatchSpeculator, next_output
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
+from mlxspec.errors import MlxspecError
 from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
@@ -273,9 +274,27 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next_output(rows[1]).tokens)  # its prefill; the lone row moves in
     assert batch.own is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
+    assert batch.slots == rows  # two rows wide: no empty slot fed padding every step
     drain(rows, outs)
     assert outs == want
     assert batch.steps > 0
+
+
+def test_two_rows_cannot_share_a_prompt_cache_even_while_one_prefills_in_chunks(pair):
+    """A second request on the prompt cache of a row still prefilling a chunk per step would
+    trim that cache under it: refused, and the first row decodes as alone."""
+    target, _ = pair
+    base = make_engine(target, mode="none")
+    prompt = list(range(3, 60))
+    want = alone(base, [(prompt, "none", 6, {})])
+    batch, pc = BatchSpeculator(target), PromptCache()
+    row = batch.open(base.clone(), prompt, max_tokens=6, prompt_cache=pc, prefill_chunk=8)
+    assert batch.prefilling == [row]
+    with pytest.raises(MlxspecError, match="cannot share a prompt cache"):
+        batch.open(base.clone(), [5, 6, 7], max_tokens=4, prompt_cache=pc)
+    outs = [[]]
+    drain([row], outs)
+    assert outs == want
 
 
 def test_one_token_prompts_have_nothing_cached(pair):

@@ -80,16 +80,9 @@ class RaggedKVCache:
         end = longest + n
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def is_trimmable(self) -> bool:
-        return True
-
     @property
     def state(self):
         return [] if self.keys is None else (self.keys, self.values)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def _reserve(self, size: int) -> None:
         have = self.keys.shape[2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import mul
 
 import numpy as np
 
@@ -103,11 +104,7 @@ class RowOffer:
 
 def survival(accept_probs: list[float], cap: int) -> list[float]:
     """P(positions 1..i accepted) for i = 1..cap from per-position acceptance estimates."""
-    out, s = [], 1.0
-    for a in accept_probs[:cap]:
-        s *= a
-        out.append(s)
-    return out
+    return list(accumulate(accept_probs[:cap], mul))
 
 
 @dataclass

@@ -148,7 +148,7 @@ class Worker(threading.Thread):
         new jobs are refused."""
         self.draining = True
         self.ending = reason
-        self.inbox.put(_WAKE)
+        self.inbox.put(None)  # wakes the worker's wait
 
     def fail_all(self, message: str) -> None:
         """Another rank is lost (from any thread): every request ends with `message` (503),
@@ -161,7 +161,7 @@ class Worker(threading.Thread):
                 job = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(job, Job) and job is not _WAKE:
+            if job is not None:
                 jobs.append(job)
         for job in jobs:
             job.events.put(Failed(error))
@@ -215,9 +215,8 @@ class Worker(threading.Thread):
                 # forward); above spec_max_concurrency + max_batch a job waits to open.
                 opened = sum(1 for j in self.jobs if j.opened)
                 for job in list(self.jobs):
-                    if not job.opened and self._live(job):
-                        if opened >= self.spec_max_concurrency + self.max_batch:
-                            continue
+                    if (not job.opened and self._live(job)
+                            and opened < self.spec_max_concurrency + self.max_batch):
                         opened += 1
                         self._guarded(job, self._open_job)
                 self._step_all()
@@ -236,11 +235,9 @@ class Worker(threading.Thread):
                 job = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if job is None:
+            if job is None:  # stop() or a wake-up: the loop looks again
                 return
             block = False
-            if job is _WAKE:
-                continue
             if job.cancelled.is_set():
                 self.metrics.cancelled()
                 continue
@@ -254,9 +251,7 @@ class Worker(threading.Thread):
                 self._start_engine(job)
             except Exception as e:
                 log.error("cannot start a generation:\n%s", traceback.format_exc())
-                if job in self.jobs:
-                    self._close_engine_job(job)
-                elif job.slot is not None:
+                if job.slot is not None:  # (it joins the jobs last: it is not one)
                     self.idle_slots.append(job.slot)
                 job.events.put(Failed(ApiError(500, f"cannot start: {type(e).__name__}: {e}")))
 
@@ -303,10 +298,10 @@ class Worker(threading.Thread):
             return False
         return True
 
-    def _guarded(self, job: Job, work) -> tuple[bool, object]:
-        """(True, work(job)), or (False, None) where it raised and the job failed."""
+    def _guarded(self, job: Job, work):
+        """work(job), or None where it raised and the job failed."""
         try:
-            return True, work(job)
+            return work(job)
         except MlxspecError as e:
             if getattr(e, "fatal", False):  # --distributed: a rank was lost; the process ends
                 job.cache = None
@@ -317,7 +312,7 @@ class Worker(threading.Thread):
             log.error("generation failed:\n%s", traceback.format_exc())
             job.cache = None  # possibly half-updated: not kept
             self._fail(job, ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
-        return False, None
+        return None
 
     def _step_all(self) -> None:
         """One step of every batch (the shared one: one target forward for all its rows),
@@ -333,8 +328,8 @@ class Worker(threading.Thread):
             self._emit(job)
 
     def _emit(self, job: Job) -> None:
-        ok, out = self._guarded(job, lambda j: j.row.read())
-        if not ok or out is None:
+        out = self._guarded(job, lambda j: j.row.read())
+        if out is None:
             return
         job.stats = out.stats
         if job.req.warmup:  # prefilled and cached; the token is not wanted
@@ -380,8 +375,7 @@ class Worker(threading.Thread):
         if job.opened and job.slot is not None:
             try:  # the proposer put the prompt and answer into the scope's store
                 r = job.req
-                if (job.plain and job.row is not None and r.use_suffix
-                        and r.suffix_scope is not None):  # no proposer kept it
+                if job.plain and r.use_suffix and r.suffix_scope is not None:  # no proposer kept it
                     self.suffix.get(r.suffix_scope).add(job.row.context)
                 self.suffix.evict_to_budget()
             except Exception:
@@ -395,12 +389,11 @@ class Worker(threading.Thread):
 
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
                        drop_output: bool = False, stop_string: str = "") -> None:
-        in_batch = job.shared
         self._close_engine_job(job)
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = Usage.from_stats(stats)
         usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
-        usage.batched_speculative = in_batch and not job.plain
+        usage.batched_speculative = job.shared and not job.plain
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
@@ -417,7 +410,4 @@ class Worker(threading.Thread):
     def _done(self, job: Job, done: Done) -> None:
         job.events.put(done)
         self.metrics.generation(done.usage)
-
-
-_WAKE = Job(GenRequest(endpoint="", prompt=[0], max_tokens=1))  # wakes the worker's wait
 
