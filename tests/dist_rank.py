@@ -25,6 +25,12 @@ def main() -> None:
     extra_eos = os.environ.get("DIST_TEST_EOS")  # rank 0 only, as chat's turn-end tokens
     if extra_eos:
         engine.tokenizer.eos_token_ids = set(engine.tokenizer.eos_token_ids) | {int(extra_eos)}
+    try:  # refused on rank 0 before any rank hears of it: the followers go on
+        engine.generate(prompt, max_tokns=4)
+    except TypeError:
+        pass
+    else:
+        raise SystemExit("a misspelt keyword was accepted")
     for mode in modes:
         if os.environ.get("DIST_TEST_DIE") == mode:  # the failure test: rank 0 dies here
             os._exit(7)

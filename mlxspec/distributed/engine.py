@@ -3,6 +3,7 @@ step) and the mirroring of whole requests: rank 0's `MirroredRow`, the followers
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -127,6 +128,9 @@ def _request(engine, prompt, kwargs) -> dict:
     coord = engine.coord
     kw = dict(kwargs)
     kw.pop("progress", None)
+    # a misspelt keyword is refused here (TypeError), before any rank hears of the request
+    inspect.signature(engine.prepare).bind(prompt, **{k: v for k, v in kw.items()
+                                                      if k != "prefill_chunk"})
     policy = kw.pop("policy", None)
     kw.pop("prompt_cache", None)
     if kw.get("seed", 0) is None:  # one seed for every rank

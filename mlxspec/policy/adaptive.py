@@ -233,22 +233,23 @@ class AdaptiveK:
         """Start from an earlier `snapshot`, scaled down to at most `weight` observations so
         that this process's measurements soon take over; the plain rate (which moves most with
         the machine's load) is measured again first. False, nothing changed, on a bad shape."""
-        def scaled(values: list, count) -> list[float]:  # as if `count` were at most `weight`
-            scale = min(1.0, weight / float(count)) if float(count) > 0 else 1.0
-            return [float(x) * scale for x in values]
+        def scaled(values: list[float], count: float) -> list[float]:  # at most `weight` seen
+            scale = min(1.0, weight / count) if count > 0 else 1.0
+            return [x * scale for x in values]
 
         try:
             if state.get("version") != self.STATE_VERSION:
                 return False
             sources = {}
             for arm, (reached, accepted) in state["sources"].items():
-                reached = reached[: self.max_k]
+                reached = [float(x) for x in reached][: self.max_k]
+                accepted = [float(x) for x in accepted][: len(reached)]
                 count = reached[0] if reached else 0
-                sources[str(arm)] = SourceEstimate(scaled(reached, count),
-                                                   scaled(accepted[: len(reached)], count))
+                sources[str(arm)] = SourceEstimate(scaled(reached, count), scaled(accepted, count))
             costs = {}
             for group, sums in state["costs"].items():
-                w, k, kk, t, kt = scaled(sums, sums[0])
+                sums = [float(x) for x in sums]
+                w, k, kk, t, kt = scaled(sums, sums[0] if sums else 0)
                 costs[str(group)] = CostEstimate(w, k, kk, t, kt)
             plain_time = float(state["plain"][0])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):

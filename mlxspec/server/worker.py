@@ -121,7 +121,7 @@ class Worker(threading.Thread):
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         # (sliding-window and recurrent models: a batch of one per request, see plain_attention)
-        self.batchable = plain_attention(caches.make_cache(engine.model))
+        self.batchable = plain_attention(caches.leaves(caches.make_cache(engine.model)))
 
     # -- handler side
     def submit(self, req: GenRequest) -> Job:
