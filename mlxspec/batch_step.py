@@ -99,8 +99,8 @@ class BatchRow:
         """It wants a token after the next one (a queued step may feed it)."""
         return self.wants and len(self.context) + 2 <= self.end
 
-    def _available(self) -> dict[str, int] | None:
-        # (every step emits a token beyond the accepted ones: k <= remaining - 1)
+    def available(self) -> dict[str, int] | None:
+        """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be)."""
         cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
@@ -108,7 +108,7 @@ class BatchRow:
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
-        return self.planner.offer(self._available() or {}, self.pinned)
+        return self.planner.offer(self.available() or {}, self.pinned)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
         """The keys of its next step (proposing, verifying), split from its own when seeded
@@ -502,7 +502,7 @@ class BatchSpeculator:
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
             results = decode_step(
                 self.model, self.cache, _spread(fed, [r.context[-1] for r in rows]),
-                _spread(fed, proposals), [r.sampling if r else GREEDY for r in fed],
+                _spread(fed, proposals), [GREEDY if r is None else r.sampling for r in fed],
                 _spread(fed, verify_keys), _spread(fed, [k for _, k in plans], 0), self.sync)
             results = [res for res in results if res is not None]
         except Exception as e:
@@ -623,7 +623,7 @@ class BatchSpeculator:
         counted as taken)."""
         if self.policy is None or self.own is not None or (
                 len(self.rows) == 1 and isinstance(self.rows[0].planner.policy, AdaptiveK)):
-            return [r.planner.plan(r._available()) for r in rows]  # each as if alone
+            return [r.planner.plan(r.available()) for r in rows]  # each as if alone
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
 
