@@ -57,12 +57,24 @@ class WindowedKVCache(_BaseCache):
         self.offset = 0  # absolute position of the next token
         self.start = 0  # absolute position of slot 0
 
+    def _drop(self, n: int) -> int:
+        """Leading slots the next `update_and_fetch` of `n` tokens drops (0: the buffer has
+        room). The masks are built before that update, so they ask this same rule."""
+        used = self.offset - self.start
+        if self.keys is not None and used + n <= self.keys.shape[2]:
+            return 0
+        # Keep what the first new query or a later rollback of `margin` tokens still needs.
+        return max(0, self.offset - (self.window - 1) - self.margin - self.start)
+
+    def _key_start(self, n: int) -> int:
+        """The absolute position of the first key a forward of `n` new tokens attends."""
+        return self.start + self._drop(n)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
         used = self.offset - self.start
         if self.keys is None or used + n > self.keys.shape[2]:
-            # Keep what the first new query or a later rollback of `margin` tokens still needs.
-            drop = max(0, self.offset - (self.window - 1) - self.margin - self.start)
+            drop = self._drop(n)
             kept = used - drop
             size = ((kept + n + self.step - 1) // self.step + 1) * self.step
             b, h, _, dk = keys.shape
@@ -84,27 +96,29 @@ class WindowedKVCache(_BaseCache):
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The mask of a forward of `N` new tokens over the keys its update will return (the
+        update may drop leading slots first: `_key_start`)."""
         window = window_size or self.window
-        length = self.offset - self.start + N  # keys visible to this forward
-        if self.start == 0 and self.offset + N <= window:
+        start = self._key_start(N)
+        if start == 0 and self.offset + N <= window:
             if N == 1:
                 return None
             if not return_array:
                 return "causal"
         queries = mx.arange(self.offset, self.offset + N)[:, None]
-        keys = mx.arange(self.start, self.start + length)[None]
+        keys = mx.arange(start, self.offset + N)[None]
         return (keys <= queries) & (keys > queries - window)
 
     def tree_mask(self, ancestors: mx.array, depths: mx.array) -> mx.array:
         """The mask of a tree forward: node i (at position offset + depths[i]) sees the cached
         positions inside its window and its ancestors."""
+        start = self._key_start(len(depths))
         positions = self.offset + depths
-        cached = mx.arange(self.start, self.offset)
-        tree_keys = positions
-        keys = mx.concatenate([cached, tree_keys]) if self.offset > self.start else tree_keys
+        cached = mx.arange(start, self.offset)
+        keys = mx.concatenate([cached, positions]) if self.offset > start else positions
         visible = keys[None] > positions[:, None] - self.window
-        committed = mx.ones((len(depths), self.offset - self.start), mx.bool_)
-        base = mx.concatenate([committed, ancestors], axis=1) if self.offset > self.start else ancestors
+        committed = mx.ones((len(depths), self.offset - start), mx.bool_)
+        base = mx.concatenate([committed, ancestors], axis=1) if self.offset > start else ancestors
         return base & visible
 
     def compact(self, start: int, keep: list[int], total: int) -> None:
