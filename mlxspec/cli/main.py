@@ -77,7 +77,7 @@ def doctor():
 
 main.add_command(generate)
 
-for _name in ("chat", "edit", "serve", "bench", "convert", "quantize", "train"):
+for _name in ("chat", "edit", "serve", "bench", "convert", "quantize", "train", "models"):
     # Commands that live in their own modules join when present.
     try:
         _module = __import__(f"mlxspec.cli.{_name}", fromlist=[_name])
