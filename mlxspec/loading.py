@@ -3,6 +3,7 @@ the bundled pair; draft compatibility and memory checks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,15 +102,74 @@ def vocab_size(model: nn.Module) -> int | None:
 
 def check_draft_compatible(target_tok, draft_tok, target_model, draft_model,
                            target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer is not the target's, naming the difference."""
     tv, dv = vocab_size(target_model), vocab_size(draft_model)
     if tv is not None and dv is not None and tv != dv:
         raise MlxspecError(
             f"draft model {draft_name} has vocabulary size {dv} but target {target_name} has {tv}: "
             "a draft must share the target's tokenizer")
-    if target_tok.get_vocab() != draft_tok.get_vocab():
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
         raise MlxspecError(
-            f"draft model {draft_name} does not share the tokenizer of target {target_name} "
-            "(their token strings differ)")
+            f"draft model {draft_name} does not share the tokenizer of target {target_name}: "
+            f"{tokenizer_difference(target_vocab, draft_vocab)}; a draft must share the target's "
+            "tokenizer (--no-draft runs without one)")
+
+
+def tokenizer_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int]) -> str:
+    """How two vocabularies (token string -> id) differ, in a few words."""
+    target_ids = {i: t for t, i in target_vocab.items()}
+    draft_ids = {i: t for t, i in draft_vocab.items()}
+    differ = sorted(i for i in set(target_ids) | set(draft_ids)
+                    if target_ids.get(i) != draft_ids.get(i))
+    first = differ[0]
+    return (f"{len(target_vocab)} against {len(draft_vocab)} tokens, {len(differ)} ids differ, "
+            f"the first id {first}: {target_ids.get(first)!r} in the target, "
+            f"{draft_ids.get(first)!r} in the draft")
+
+
+def default_draft(model: str | None) -> str | None:
+    """The named model a named target loads as its draft (`qwen2.5-coder-1.5b`: the 0.5B)."""
+    from .gguf.sources import NAMED_MODELS
+
+    named = NAMED_MODELS.get(model or "")
+    return named.default_draft if named is not None else None
+
+
+def weights_bytes(path: Path | str) -> int:
+    """The bytes a model takes loaded: its folder's weights, or a named model's float32 size
+    when it is not converted yet."""
+    from .gguf.sources import NAMED_MODELS
+
+    if str(path) in NAMED_MODELS:
+        return NAMED_MODELS[str(path)].float32_bytes
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux: MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def check_pair_fits(target_bytes: int, draft_bytes: int, target: str, draft: str | None) -> None:
+    """On the CPU backend, refuse a target (and draft) that cannot fit in available memory."""
+    if backend.device_name() == "metal":
+        return  # check_fits_in_memory: Metal's working set
+    free = available_memory()
+    if free is None or target_bytes + draft_bytes <= free:
+        return
+    with_draft = f" and its draft {draft} {draft_bytes / 1e9:.1f} GB" if draft else ""
+    hint = "; --no-draft runs without the draft" if draft else ""
+    raise MlxspecError(
+        f"{target} needs {target_bytes / 1e9:.1f} GB{with_draft} but {free / 1e9:.1f} GB of "
+        f"memory is available: free some, or use a smaller model{hint}")
 
 
 def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
@@ -154,13 +214,21 @@ def model_pair(model: str | None) -> tuple[str | None, Path | None]:
 
 
 def resolve_paths(model: str | None, draft: str | None, mode: str,
-                  gguf_weights: str | None = None) -> tuple[str | None, Path, Path | None]:
+                  gguf_weights: str | None = None, no_draft: bool = False,
+                  ) -> tuple[str | None, Path, Path | str | None]:
     """(model, the target's folder, the draft's folder or None), for `load` and the sharded
     load: the draft given, else the pair's (`model_pair`), else the bundled draft with the
-    bundled target, else one trained for the target (`mlxspec train --draft-for -m`); mode
-    `draft` without one is an error."""
+    bundled target, else one trained for the target (`mlxspec train --draft-for -m`), else a
+    named target's default draft (its name: fetched when a mode first uses it); mode `draft`
+    without one is an error. `no_draft`: none at all."""
+    if no_draft and draft is not None:
+        raise MlxspecError("--no-draft and a draft model (--draft-model) contradict each other")
+    if no_draft and mode == "draft":
+        raise MlxspecError("mode 'draft' needs a draft model, and --no-draft turns it off")
     model, pair_draft = model_pair(model)
     target_path = resolve_model_path(model, gguf_weights=gguf_weights)
+    if no_draft:
+        return model, target_path, None
     if draft is not None:
         return model, target_path, resolve_model_path(draft, gguf_weights=gguf_weights)
     if pair_draft is not None:
@@ -175,6 +243,8 @@ def resolve_paths(model: str | None, draft: str | None, mode: str,
                 raise MlxspecError(str(e)) from None
     elif (trained := trained_draft(model)) is not None:
         return model, target_path, trained
+    elif (named := default_draft(model)) is not None:
+        return model, target_path, named
     elif mode == "draft":
         raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
                            f"one trained for it: mlxspec train --draft-for -m {model})")
@@ -183,14 +253,18 @@ def resolve_paths(model: str | None, draft: str | None, mode: str,
 
 def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
          num_draft: int | None = None, max_context: int | None = None, adaptive: bool = False,
-         gguf_weights: str | None = None, **mode_options) -> Engine:
+         gguf_weights: str | None = None, no_draft: bool = False,
+         announce: Callable[[str], None] | None = None, **mode_options) -> Engine:
     """Load a target (path, GGUF file, `ollama:NAME`, `smollm2`, repo id, or None for the
     bundled model) and an optional draft. `gguf_weights` ("auto", "quantized", "float32",
     "float16") sets how a GGUF file's weights are converted (default: float32 on the CPU
     backend, kept quantized on Metal and CUDA).
 
     With the bundled target and no `draft`, the bundled draft is loaded when a mode first needs
-    it (`mode="draft"` now, or `set_mode("draft")` later), as `mlxspec chat`'s /mode does."""
+    it (`mode="draft"` now, or `set_mode("draft")` later), as `mlxspec chat`'s /mode does; so
+    is a named target's default draft (`qwen2.5-coder-1.5b`: `qwen2.5-coder-0.5b`).
+    `no_draft` (or MLXSPEC_NO_DRAFT=1, what `--no-draft` sets): no draft at all. `announce`
+    gets one line saying what is loaded and the memory it takes, before loading."""
     from .engine import Engine
 
     check_mode(mode)
@@ -199,8 +273,22 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     if adaptive and mode == "none":
         raise MlxspecError("adaptive=True adapts k of a speculative mode, but mode 'none' never "
                            "speculates: pass mode='auto' (or another mode) with it")
-    model, target_path, draft_path = resolve_paths(model, draft, mode, gguf_weights)
-    check_fits_in_memory([p for p in (target_path, draft_path) if p is not None])
+    import os
+
+    no_draft = no_draft or os.environ.get("MLXSPEC_NO_DRAFT", "") not in ("", "0")
+    model, target_path, draft_path = resolve_paths(model, draft, mode, gguf_weights, no_draft)
+    check_fits_in_memory([Path(p) for p in (target_path, draft_path)
+                          if p is not None and Path(p).is_dir()])
+    drafting = draft_path is not None and (draft is not None or mode in ("draft", "auto"))
+    target_bytes = weights_bytes(target_path)
+    draft_bytes = weights_bytes(draft_path) if drafting else 0
+    draft_name = (draft or (draft_path.name if isinstance(draft_path, Path) else draft_path)
+                  if drafting else None)
+    if announce is not None:
+        with_draft = f" with the draft {draft_name} ({draft_bytes / 1e9:.1f} GB)" if drafting else ""
+        announce(f"loading {model or 'the bundled model'} ({target_bytes / 1e9:.1f} GB)"
+                 f"{with_draft}, backend {backend.device_name()}, BLAS {backend.blas_in_use}")
+    check_pair_fits(target_bytes, draft_bytes, model or "the bundled model", draft_name)
     # The resolved folder (a GGUF source's conversion), named as the user named it.
     net, tokenizer, config, name = load_model(str(target_path) if model else None)
     name = model or name

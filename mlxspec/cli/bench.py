@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import click
 
 from ..errors import MlxspecError
+from ..loading import default_draft
 from ..loading import trained_draft as trained_draft_for
 from ..policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, MAX_NUM_DRAFT
 from ..proposers import MODES
@@ -39,7 +41,9 @@ def report_written(written: list[Path]) -> None:
 
 @click.command()
 @options("model", "gguf-weights")
-@option("draft-model", help="Draft (default with the bundled model: its draft).")
+@option("draft-model", help="Draft (default with the bundled model, a pair or a named model "
+                           "such as qwen2.5-coder-1.5b: its own).")
+@option("no-draft")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
                    "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
@@ -149,8 +153,9 @@ def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, nu
     wants_draft = any(m.partition(":")[0] in ("draft", "mlx_lm_spec", "auto") for m in mode_list)
     # The bundled target comes with its draft, a target with one trained by `mlxspec train
     # --draft-for` with that; another target needs --draft-model for those rows.
-    with_draft = wants_draft and (draft_model is not None or model is None
-                                  or trained_draft_for(model) is not None)
+    with_draft = wants_draft and not os.environ.get("MLXSPEC_NO_DRAFT") and (
+        draft_model is not None or model is None or trained_draft_for(model) is not None
+        or default_draft(model) is not None)
     engine = load_engine(model, draft_model if with_draft else None,
                          "draft" if with_draft else "none", num_draft)
     if workload_list:

@@ -69,11 +69,15 @@ def stack(fn, *decorators):
     return fn
 
 
-def _set_gguf_weights(ctx, param, value):
-    """Read where GGUF files are resolved (and by every rank of a --distributed run)."""
+def _set_env(name: str, value: str | None):
+    """An option read where models are resolved (and by every rank of a --distributed run)."""
     if value is not None:
-        os.environ["MLXSPEC_GGUF_WEIGHTS"] = value
+        os.environ[name] = value
     return value
+
+
+def _set_gguf_weights(ctx, param, value):
+    return _set_env("MLXSPEC_GGUF_WEIGHTS", value)
 
 
 GGUF_WEIGHTS_HELP = ("How a GGUF model's weights are converted: float32 (the default on the CPU "
@@ -86,7 +90,9 @@ SHARED_OPTIONS = {
     "model": (("--model", "-m"), dict(
         default=None,
         help="Model directory, a GGUF file (or a folder holding one), ollama:NAME[:TAG] (a "
-             "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), a folder "
+             "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), "
+             "qwen2.5-coder-1.5b (with qwen2.5-coder-0.5b as its draft) or qwen2.5-coder-0.5b "
+             "(code models, fetched once; `mlxspec models`), a folder "
              "holding target/ and draft/ (a pair from mlxspec train), or a Hugging Face repo "
              "id (default: the bundled model).")),
     "gguf-weights": (("--gguf-weights",), dict(
@@ -94,8 +100,13 @@ SHARED_OPTIONS = {
         envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False, callback=_set_gguf_weights,
         help=GGUF_WEIGHTS_HELP)),
     "draft-model": (("--draft-model",), dict(
-        default=None, help="Draft model for --mode draft (default with the bundled model or a "
-                           "pair: its draft).")),
+        default=None, help="Draft model for modes draft and auto, in any form -m takes "
+                           "(default: the bundled model's, a pair's, or a named model's own, "
+                           "such as qwen2.5-coder-1.5b's 0.5B).")),
+    "no-draft": (("--no-draft",), dict(
+        is_flag=True, default=None, envvar="MLXSPEC_NO_DRAFT", expose_value=False,
+        callback=lambda ctx, param, value: _set_env("MLXSPEC_NO_DRAFT", "1" if value else None),
+        help="Load no draft model, not even the model's default one.")),
     "mode": (("--mode",), dict(type=click.Choice(MODES), default="auto", show_default=True,
                                help="Speculation mode.")),
     "num-draft": (("--num-draft-tokens", "-k", "num_draft"), dict(
@@ -130,7 +141,8 @@ def options(*names: str):
     return lambda fn: stack(fn, *(option(n) for n in names))
 
 
-model_options = options("model", "gguf-weights", "draft-model", "mode", "num-draft")
+model_options = options("model", "gguf-weights", "draft-model", "no-draft", "mode",
+                        "num-draft")
 sampling_options = options("max-tokens", "temp", "top-p", "top-k", "seed")
 suffix_cache_option = option("suffix-cache")
 
@@ -176,7 +188,6 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
                 distributed: str | None = None, remember: bool = False, **options):
     """The engine for a command. `remember`: its adaptive policies start from what earlier runs
     of the command measured on this machine, and keep what this run measures (at exit)."""
-    from .. import backend
     from ..loading import load
 
     if distributed:  # rank 0 gets the engine; the other ranks follow it and never return
@@ -189,10 +200,9 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
     options.pop("meter", None)  # --distributed's own options, for sharded runs only
     options.pop("interactive", None)
 
-    if not quiet:
-        click.echo(f"loading {model or 'the bundled model'} (backend {backend.device_name()}, "
-                   f"BLAS {backend.blas_in_use})", err=True)
-    engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, **options)
+    announce = None if quiet else (lambda line: click.echo(line, err=True))
+    engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, announce=announce,
+                  **options)
     if remember:
         engine.keep_policies(policy_file(engine))
         atexit.register(engine.save_policies)

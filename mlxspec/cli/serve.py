@@ -26,7 +26,8 @@ def parse_size(text: str) -> int:
 
 @click.command()
 @options("model", "gguf-weights")
-@option("draft-model", help="Draft model for --mode draft.")
+@option("draft-model")
+@option("no-draft")
 @option("mode", default=DEFAULT_MODE,
         help="Speculation mode (a request can override it with \"speculative\": {\"mode\": ...}).")
 @option("num-draft")
