@@ -127,16 +127,16 @@ def prompts(engine) -> list[str]:
 def test_every_mode_is_identical_to_none_on_the_real_coder(small_target, small_quantized):
     engine = small_target
     texts = prompts(engine)
-    want = [engine.generate(p, max_tokens=24).tokens for p in texts]
+    want = [engine.generate(p, max_tokens=16).tokens for p in texts]
     engine.draft_model = small_quantized
     for mode in ("ngram", "lookahead", "draft", "auto"):
         engine.set_mode(mode, num_draft=4)
         for p, w in zip(texts, want):
-            got = engine.generate(p, max_tokens=24, prediction=p[-200:] if mode == "ngram"
+            got = engine.generate(p, max_tokens=16, prediction=p[-200:] if mode == "ngram"
                                   else None)
             assert got.tokens == w, (mode, p[:40])
     engine.set_mode("draft", num_draft=4)
-    stats = engine.generate(texts[0], max_tokens=24).stats
+    stats = engine.generate(texts[0], max_tokens=16).stats
     assert stats.accepted > 0  # the 4-bit draft agrees with the target most of the time
     engine.set_mode("none")
 
@@ -162,9 +162,9 @@ def test_half_precision_speculation_matches_none_in_the_same_dtype(small_target)
     try:
         plain = Engine(model, small_target.tokenizer, mode="none")
         spec = Engine(model, small_target.tokenizer, mode="ngram", num_draft=4)
-        for p in prompts(plain):
-            want = plain.generate(p, max_tokens=16).tokens
-            assert spec.generate(p, max_tokens=16, prediction=p[-200:]).tokens == want
+        for p in prompts(plain)[:2]:  # (float16 matmuls do not use BLAS on the CPU: slow)
+            want = plain.generate(p, max_tokens=8).tokens
+            assert spec.generate(p, max_tokens=8, prediction=p[-200:]).tokens == want
     finally:
         model.set_dtype(mx.float32)
 

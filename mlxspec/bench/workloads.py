@@ -9,7 +9,9 @@ Two sets, chosen by the model's tokenizer (`uses_bundled_formats`):
 - chat-template workloads (`CHAT_WORKLOADS`) for every other model (e.g. SmolLM2-Instruct):
   prompts go through the model's own chat template (`chat_session.render_chat`), the tasks are
   ones a real instruction model performs (copy a file with comments added, rewrite, quote),
-  `completion` is plain code, and `fim` exists only when the tokenizer has the FIM tokens.
+  `completion` is plain code, and `fim` exists only when the tokenizer has the FIM tokens:
+  there it is what an editor sends (`third_party_fim`), a cursor in a real source file of an
+  installed third-party package, with another file of that package as repo-level context.
 """
 
 from __future__ import annotations
@@ -116,6 +118,82 @@ def _chat(functions, rng, max_tokens) -> list[Item]:
 def _free(n, rng, max_tokens) -> list[Item]:
     starts = ["def ", "import ", "class ", "# ", "for ", "if __name__", "return ", "@"]
     return [Item("free", starts[i % len(starts)], max_tokens, temperature=1.0) for i in range(n)]
+
+
+REPO_TOKENS = ("<|repo_name|>", "<|file_sep|>")  # Qwen2.5-Coder's repository-level format
+
+
+def third_party_files(min_lines: int = 120) -> list[tuple[str, list]]:
+    """Installed third-party packages (site-packages; not mlxspec, nor MLX which it builds on)
+    with their Python files of at least `min_lines` lines, sorted: sources nobody here wrote."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["purelib"])
+    skip = {"mlxspec", "mlx", "mlx_lm", "pip", "setuptools", "_distutils_hack"}
+    found = []
+    for pkg in sorted(p for p in root.iterdir() if (p / "__init__.py").is_file()):
+        if pkg.name in skip or pkg.name.startswith("_"):
+            continue
+        files = []
+        for f in sorted(pkg.glob("*.py")):
+            try:
+                text = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.count("\n") >= min_lines:
+                files.append((f"{pkg.name}/{f.name}", text))
+        if len(files) >= 2:
+            found.append((pkg.name, files))
+    return found
+
+
+def _statement_lines(text: str) -> set[int]:
+    """0-based lines where a statement of a function body starts (not a docstring)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return set()
+    out = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.stmt) and node is not fn and not (
+                        isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))):
+                    out.add(node.lineno - 1)
+    return out
+
+
+def third_party_fim(n: int, rng: random.Random, max_tokens: int, repo_level: bool,
+                    prefix_lines: int = 40, suffix_lines: int = 20) -> list[Item]:
+    """`n` editor requests: a cursor at the start of a line's code inside a function body of a
+    third-party file, the 40 lines before and 20 after it around the FIM tokens; with
+    `repo_level`, another file of the package first (Qwen2.5-Coder's `<|repo_name|>` /
+    `<|file_sep|>` format, as llama.vim's `input_extra` chunks become)."""
+    packages = third_party_files()
+    if not packages:
+        raise MlxspecError("the fim workload needs installed third-party Python packages")
+    rng.shuffle(packages)
+    items = []
+    for i in range(n):
+        name, files = packages[i % len(packages)]
+        (path, text), (other_path, other) = rng.sample(files, 2)
+        lines = text.splitlines(keepends=True)
+        body = sorted(_statement_lines(text) & set(range(prefix_lines,
+                                                             len(lines) - suffix_lines)))
+        j = rng.choice(body) if body else len(lines) // 2
+        indent = len(lines[j]) - len(lines[j].lstrip())
+        prefix = "".join(lines[j - prefix_lines : j]) + lines[j][:indent]
+        suffix = "".join(lines[j + 1 : j + 1 + suffix_lines])
+        middle = lines[j][indent:]
+        fim = f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+        if repo_level:
+            context = "".join(other.splitlines(keepends=True)[:60])
+            fim = (f"{REPO_TOKENS[0]}{name}\n{REPO_TOKENS[1]}{other_path}\n{context}"
+                   f"{REPO_TOKENS[1]}{path}\n{fim}")
+        items.append(Item("fim", fim, max_tokens, meta={"middle": middle, "file": path,
+                                                         "line": j + 1}))
+    return items
 
 
 def _has_fim_tokens(tokenizer) -> bool:
@@ -298,7 +376,8 @@ def build_chat_workload(name: str, n: int, max_tokens: int | None, seed: int,
     if name == "completion":
         return _completion(n, rng, cap)
     if name == "fim":
-        return _fim(heldout_functions(n, max_lines=30), rng, cap)
+        vocab = tokenizer.get_vocab()
+        return third_party_fim(n, rng, cap, repo_level=all(t in vocab for t in REPO_TOKENS))
     if name in ("edit", "rewrite", "quote"):
         instruction = {"edit": EDIT_INSTRUCTION, "rewrite": REWRITE_INSTRUCTION,
                        "quote": QUOTE_INSTRUCTION}[name]

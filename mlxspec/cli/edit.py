@@ -3,7 +3,12 @@ is the predicted output, so the unchanged lines are drafted from it and cost alm
 
 Safe by default: prints a unified diff and changes nothing. `--write` replaces the file
 atomically, keeps a backup that no later edit overwrites (FILE.orig, then FILE.orig.1, ...) and
-the file's permissions, and refuses if the file changed on disk since it was read."""
+the file's permissions, and refuses if the file changed on disk since it was read.
+
+The bundled model answers with the bare code it was trained to write; any other chat model (an
+instruct model) is asked for the whole edited file in one fenced code block, which is taken
+from its answer; an answer without one, cut inside it, or a .py file that no longer parses is
+never written."""
 
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ import time
 import click
 
 from ..editing import (
+    FENCED,
+    PLAIN,
     edit_text,
+    language_for,
     parse_lines,
     read_source,
     split_lines,
@@ -86,15 +94,20 @@ class Progress:
 @click.option("--verbatim", is_flag=True,
               help="Send the instruction as typed (by default common phrasings such as "
                    "'rename a to b' are rewritten into the bundled model's training wording).")
+@click.option("--fenced/--plain", "fenced", default=None,
+              help="How the model is asked to answer: --fenced, the whole edited code in one "
+                   "fenced code block (default for instruct models); --plain, the bare code "
+                   "(the bundled model's format, its default).")
 @model_options
 @option("max-tokens", default=None, show_default=False,
-        help="Answer length limit (default: the selection's length plus a margin).")
+        help="Answer length limit (default: enough for the whole selection, its tokens x 1.5 "
+             "+ 64 with an instruct model, within the context).")
 @options("temp", "top-p", "top-k", "seed")
 @suffix_cache_option
 @distributed_option
 @exits_cleanly
 def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
-         model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
+         fenced, model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
          suffix_cache=None, distributed=None):
     """Edit FILE as --instruction says, with the original text as the predicted output.
 
@@ -102,7 +115,7 @@ def edit(file, instruction, line_range, write, backup_suffix, as_json, print_tex
     try:
         _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
               model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-              distributed, suffix_cache)
+              distributed, suffix_cache, fenced)
     except MlxspecError as e:
         if as_json:  # a refusal is still one JSON object on stdout
             click.echo(json.dumps({"path": file, "error": str(e), "written": False,
@@ -120,7 +133,7 @@ def backup_note(backup, suffix: str) -> str:
 
 def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
           model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-          distributed=None, suffix_cache=None):
+          distributed=None, suffix_cache=None, fenced=None):
     src = None
 
     def read():
@@ -150,7 +163,9 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
     try:
         result = edit_text(engine, src.text, instruction, lines=line_range, max_tokens=max_tokens,
                            temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
-                           canonical=not verbatim, on_step=progress, suffix_store=store)
+                           canonical=not verbatim, on_step=progress, suffix_store=store,
+                           language=language_for(src.path) or language_for(src.shown),
+                           format=None if fenced is None else (FENCED if fenced else PLAIN))
     finally:
         progress.done()
     save_suffix_cache(suffix_cache, stores)
@@ -163,8 +178,11 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
         used = result.stats.prompt_tokens + result.stats.generated_tokens
         why = (f"the model's context ({ctx} tokens) is full; select fewer lines with --lines"
                if ctx and used >= ctx else "raise --max-tokens")
-        error = (f"the answer was cut at {result.stats.generated_tokens} tokens ({why})"
+        where = " before its code block closed" if result.format == FENCED else ""
+        error = (f"the answer was cut at {result.stats.generated_tokens} tokens{where} ({why})"
                  + ("; nothing written" if write else ""))
+    elif result.problem:
+        error = result.problem + ("; nothing written" if write else "")
     elif write and result.changed:
         try:
             backup = write_atomic(src, result.edited, backup_suffix or None)
@@ -177,7 +195,8 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
     if as_json:
         payload = {"path": src.shown, "diff": diff, "stats": stats_dict(result.stats),
                    "instruction": result.instruction, "lines": [result.start + 1, result.end],
-                   "finish_reason": result.finish_reason, "written": written,
+                   "finish_reason": result.finish_reason, "format": result.format,
+                   "code": result.code, "written": written,
                    "backup": str(backup) if backup else None}
         if print_text:
             payload["text"] = result.edited
@@ -191,7 +210,8 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
             click.echo(colored_diff(diff) if sys.stdout.isatty() else diff, nl=False)
         click.echo(dim(stats_line(result.stats, prediction=True)), err=True)
         if not result.changed:
-            click.echo("no changes", err=True)
+            if result.code is not None:  # else the error says why there is nothing to show
+                click.echo("no changes", err=True)
         elif written:
             click.echo(f"wrote {src.shown}" + (backup_note(backup, backup_suffix) if backup
                                                else " (no backup)"), err=True)
