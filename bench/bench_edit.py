@@ -103,7 +103,7 @@ def main(argv=None) -> int:
                "lines": src.count("\n")}
         try:
             for mode in modes:
-                r = edit_text(engine, src, f"Rename `{old}` to `{new}`.", mode=mode,
+                r = edit_text(engine, src, f"Rename `{old}` to `{new}`.", mode=mode, language="python",
                               seed=args.seed)
                 s = r.stats
                 row[mode] = {
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                     "old_left": r.edited.count(old) - expected.count(old),
                 }
             if args.verbatim:
-                r = edit_text(engine, src, f"rename {old} to {new}", mode=modes[-1],
+                r = edit_text(engine, src, f"rename {old} to {new}", mode=modes[-1], language="python",
                               seed=args.seed, canonical=False)
                 row["verbatim_ok"] = r.edited.rstrip("\n") == expected.rstrip("\n")
         except MlxspecError as e:  # too large for the context

@@ -19,7 +19,7 @@ from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
-from .policy.adaptive import read_states, write_states
+from .policy.adaptive import draft_priors, read_states, write_states
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .sampling import SamplingParams
@@ -27,6 +27,9 @@ from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
 
 log = logging.getLogger("mlxspec")
+# Special tokens that tell a request's kind (`Engine.workload_signal`).
+SIGNAL_TOKENS = {"fim": ("<|fim_middle|>", "<fim_middle>", "<|fim▁hole|>"),
+                 "chat": ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")}
 
 
 @dataclass
@@ -82,7 +85,9 @@ class Engine:
         self.adaptive = adaptive
         self.prompt_cache = PromptCache()
         self._proposers: dict = {}
-        self._policies: dict[int, tuple[str, Policy]] = {}  # id(proposer) -> (its mode, policy)
+        # (id(proposer), workload signal) -> (the key its state is kept under, policy)
+        self._policies: dict[tuple[int, str], tuple[str, Policy]] = {}
+        self._signal_ids: dict[int, str] | None = None  # special token id -> signal
         # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
@@ -139,26 +144,46 @@ class Engine:
         """The proposer a request in `mode` uses (None: the engine's mode, with its options)."""
         return self.proposer if mode in (None, self.mode) else self.proposer_for(mode)
 
-    def policy_for(self, proposer: Proposer | None) -> Policy:
-        """The proposer's one policy, kept so that it keeps learning: `AdaptiveK` for auto
-        (k capped by num_draft when set) or with adaptive=True, else `FixedK(num_draft)`."""
-        if id(proposer) not in self._policies:
+    def policy_for(self, proposer: Proposer | None, signal: str = "") -> Policy:
+        """The proposer's policy for one kind of request (`signal`, see `workload_signal`),
+        kept so that it keeps learning: `AdaptiveK` for auto (k capped by num_draft when set)
+        or with adaptive=True, else `FixedK(num_draft)`. Each kind learns apart: what a chat
+        measured does not decide a completion's sources."""
+        key = (id(proposer), signal)
+        if key not in self._policies:
             if getattr(proposer, "adaptive", False):
-                policy = AdaptiveK(max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K)
+                policy = AdaptiveK(max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K,
+                                   **draft_priors(self.model, getattr(proposer, "draft", None)))
             elif self.adaptive:
                 policy = AdaptiveK(max_k=self.num_draft)
             else:
                 policy = FixedK(self.num_draft)
-            self._policies[id(proposer)] = (getattr(proposer, "name", "none"), policy)
+            mode = getattr(proposer, "name", "none")
+            self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
             self._resume_policies()
-        return self._policies[id(proposer)][1]
+        return self._policies[key][1]
+
+    def workload_signal(self, tokens: list[int], prediction) -> str:
+        """The kind of request, for its policy: "edit" (a predicted output), "fim" (a
+        fill-in-the-middle token in the prompt), "chat" (a chat template's turn marker), or ""
+        (plain text)."""
+        if prediction:
+            return "edit"
+        if self._signal_ids is None:
+            vocab = getattr(self.tokenizer, "get_vocab", dict)()
+            self._signal_ids = {vocab[t]: signal for signal, names in SIGNAL_TOKENS.items()
+                                for t in names if t in vocab}
+        if not self._signal_ids:
+            return ""
+        found = {self._signal_ids[t] for t in set(tokens) if t in self._signal_ids}
+        return "fim" if "fim" in found else "chat" if "chat" in found else ""
 
     def _resume_policies(self) -> None:
-        """Adaptive policies that have measured nothing yet start from their mode's state."""
+        """Adaptive policies that have measured nothing yet start from their state's."""
         states = read_states(self.policy_file) if self.policy_file is not None else {}
-        for mode, policy in self._policies.values():
-            if isinstance(policy, AdaptiveK) and not policy.sources and states.get(mode):
-                policy.resume(states[mode])
+        for key, policy in self._policies.values():
+            if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
+                policy.resume(states[key])
 
     def keep_policies(self, path: Path | None) -> None:
         """Start the adaptive policies from what earlier processes kept at `path`, and keep
@@ -168,7 +193,7 @@ class Engine:
 
     def save_policies(self) -> None:
         """Keep what the adaptive policies measured at `policy_file` for the next process."""
-        states = {mode: policy.snapshot() for mode, policy in self._policies.values()
+        states = {key: policy.snapshot() for key, policy in self._policies.values()
                   if isinstance(policy, AdaptiveK) and policy.sources}
         if states and self.policy_file is not None:
             try:
@@ -268,7 +293,8 @@ class Engine:
             proposer.set_prediction(prediction)
         return Request(
             tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
-            proposer=proposer, policy=policy or self.policy_for(proposer),
+            proposer=proposer,
+            policy=policy or self.policy_for(proposer, self.workload_signal(tokens, prediction)),
             pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
             seeded=seed is not None,

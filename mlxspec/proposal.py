@@ -17,6 +17,9 @@ class Proposal:
     `draft_probs` is q per token after the same sampling transforms as p, (len, vocab); None
     means a deterministic proposal (q one-hot).
 
+    `setup_seconds`: time the proposer spent before proposing that is not what a step of
+    this source costs (a draft model catching up on context it skipped): not charged to it.
+
     Tree-only fields: `verify[i]` False for nodes that may not be accepted; `want_argmax` node
     indices whose target argmax the proposer wants back (lookahead's Jacobi window), handed to
     `on_result(argmax, path)` once after verification, with the accepted node indices.
@@ -29,6 +32,7 @@ class Proposal:
     verify: list[bool] | None = None
     want_argmax: tuple[int, ...] = ()
     on_result: Callable[[list[int], list[int]], None] | None = None
+    setup_seconds: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.tokens, mx.array):

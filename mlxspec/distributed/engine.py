@@ -58,8 +58,8 @@ def _engine_class():
                      and proposer.local)
             return SyncedPolicy(policy, self.coord, local)
 
-        def policy_for(self, proposer):
-            policy = super().policy_for(proposer)
+        def policy_for(self, proposer, signal=""):
+            policy = super().policy_for(proposer, signal)
             key = ("policy", id(policy))
             if key not in self._wrapped:
                 self._wrapped[key] = (policy, self.wrap_policy(policy, proposer))

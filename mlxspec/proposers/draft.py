@@ -8,6 +8,8 @@ restored state and the accepted tokens fed again).
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -15,6 +17,9 @@ from .. import caches
 from ..caches.prompt import common_prefix_len  # noqa: F401  (importable from here too)
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal, Proposer
+
+# A draft behind by more tokens than this catches up in a forward of its own (timed apart).
+CATCH_UP_APART = 8
 
 
 class DraftModelProposer(Proposer):
@@ -78,7 +83,14 @@ class DraftModelProposer(Proposer):
         if len(self.cached) >= len(context):  # need at least one token to get logits from
             self._trim(len(self.cached) - len(context) + 1)
         # Usually the target's last token (and the last draft when all were accepted); more
-        # when `auto` skipped this proposer for a while.
+        # when `auto` skipped this proposer for a while: that catch-up is a prefill, timed
+        # apart so that the step is not charged with it (`Proposal.setup_seconds`).
+        setup = 0.0
+        if len(context) - len(self.cached) > CATCH_UP_APART:
+            start = time.perf_counter()
+            self._feed(context[len(self.cached) : -1])
+            mx.eval([c.state for c in self.cache])
+            setup = time.perf_counter() - start
         logits = self._feed(context[len(self.cached) :])
         self._checkpoint = caches.checkpoint(self.cache)
         keys = mx.random.split(key, num_draft) if key is not None else [None] * num_draft
@@ -93,7 +105,8 @@ class DraftModelProposer(Proposer):
         # The draft cache now also holds tokens[:-1]; their values are known only after verify.
         self._fed_drafts = num_draft - 1
         draft_probs = None if self.sampling.greedy else mx.stack(probs)
-        return Proposal(tokens=mx.stack(tokens), draft_probs=draft_probs, source="draft")
+        return Proposal(tokens=mx.stack(tokens), draft_probs=draft_probs, source="draft",
+                        setup_seconds=setup)
 
     def update(self, context: list[int], num_accepted: int) -> None:
         if not self._fed_drafts:

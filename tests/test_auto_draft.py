@@ -1,0 +1,71 @@
+"""`auto` and a draft model (issue 40, part 1): a sizeable draft of the target's family starts
+from the acceptance such drafts earn, its catch-up on skipped context is not charged to its
+steps, and each kind of request (plain text, chat, fill-in-the-middle, edit) learns its own
+estimates, in memory and in the policy file."""
+
+from __future__ import annotations
+
+from conftest import build_model, make_engine
+
+from mlxspec.policy.adaptive import SAME_FAMILY_ACCEPT, AdaptiveK, draft_priors, read_states
+from mlxspec.proposers.draft import CATCH_UP_APART, DraftModelProposer
+from mlxspec.sampling import SamplingParams
+
+
+def test_a_sizeable_draft_of_the_family_starts_optimistic():
+    target, _ = build_model("llama", seed=1, hidden=64, layers=8)
+    same, _ = build_model("llama", seed=2, hidden=64, layers=2)  # a third of its parameters
+    tiny, _ = build_model("llama", seed=3, hidden=16, layers=1)
+    other, _ = build_model("qwen3", seed=4, hidden=64, layers=2)
+    priors = draft_priors(target, DraftModelProposer(same))
+    assert priors["group_prior_accept"] == {"draft": SAME_FAMILY_ACCEPT}
+    assert 0.3 < priors["group_prior_slope"]["draft"] < 0.45  # its share of the parameters
+    for weak in (tiny, other):
+        assert "group_prior_accept" not in draft_priors(target, DraftModelProposer(weak))
+    assert draft_priors(target, None) == {}
+    # Such a draft is proposed from at once; the default prior probes it first.
+    optimistic = AdaptiveK(**priors)
+    optimistic.observe_plain(4, 4 * 0.1)
+    assert optimistic.choose("draft") > 0
+    assert AdaptiveK(group_prior_slope=priors["group_prior_slope"]).choose("draft") == 0
+
+
+def test_a_draft_catching_up_times_it_apart():
+    draft, _ = build_model("llama", seed=2)
+    proposer = DraftModelProposer(draft, prefill_at_reset=False)
+    context = list(range(1, 40))
+    proposer.reset(context, SamplingParams())
+    first = proposer.propose(context, 3, None)
+    assert first.setup_seconds > 0 and len(context) - 1 > CATCH_UP_APART
+    proposer.update(context + [int(t) for t in first.tokens.tolist()], 3)
+    context = context + [int(t) for t in first.tokens.tolist()] + [7]
+    assert proposer.propose(context, 3, None).setup_seconds == 0.0  # one token behind
+
+
+def test_each_kind_of_request_learns_its_own_policy(tmp_path):
+    target, _ = build_model("llama", seed=1)
+    draft, _ = build_model("llama", seed=2, layers=1)
+    engine = make_engine(target, "auto", draft_model=draft)
+    # (ByteTokenizer has no special tokens: text, or an edit with a predicted output)
+    assert engine.workload_signal([1, 2, 3], None) == ""
+    assert engine.workload_signal([1, 2, 3], [1, 2]) == "edit"
+    engine._signal_ids = {100: "fim", 101: "chat"}
+    assert engine.workload_signal([5, 101, 6], None) == "chat"
+    assert engine.workload_signal([5, 101, 100], None) == "fim"
+    plain = engine.policy_for(engine.proposer)
+    assert plain is engine.policy
+    fim = engine.policy_for(engine.proposer, "fim")
+    assert fim is not plain and fim is engine.policy_for(engine.proposer, "fim")
+    engine.keep_policies(tmp_path / "policy.json")
+    unit = [5, 9, 13, 17, 21, 25, 29]
+    engine.generate(unit * 6, max_tokens=24)
+    engine.generate(unit * 6, max_tokens=64, prediction=unit * 12)
+    engine.save_policies()
+    states = read_states(tmp_path / "policy.json")
+    assert {"auto", "auto/edit"} <= set(states)
+    # The next engine starts each kind from its own state.
+    again = make_engine(target, "auto", draft_model=draft)
+    again.keep_policies(tmp_path / "policy.json")
+    assert set(again.policy_for(again.proposer, "edit").sources) == set(
+        states["auto/edit"]["sources"])
+    assert not again.policy_for(again.proposer, "fim").sources
