@@ -154,3 +154,19 @@ def smollm2_gguf() -> Path:
     from mlxspec.gguf.sources import named_model_gguf
 
     return named_model_gguf("smollm2", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def coder_small():
+    """Qwen2.5-Coder-0.5B-Instruct (float32), mode none, no draft: loaded once for the real
+    code-model tests (`.ci/run` fetches it)."""
+
+    return mlxspec.load("qwen2.5-coder-0.5b", mode="none", no_draft=True)
+
+
+@pytest.fixture(scope="session")
+def coder_small_4bit():
+    """The same model kept 4-bit: a real draft with its tokenizer that disagrees now and then."""
+
+    return mlxspec.load("qwen2.5-coder-0.5b", mode="none", no_draft=True,
+                        gguf_weights="quantized").model

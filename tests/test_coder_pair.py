@@ -94,18 +94,6 @@ def _cached(name: str):
     return sources.named_model_cached(name)
 
 
-@pytest.fixture(scope="module")
-def small_target():
-    return mlxspec.load(SMALL, mode="none", no_draft=True)
-
-
-@pytest.fixture(scope="module")
-def small_quantized():
-    """The 0.5B kept 4-bit: a real draft with the target's tokenizer that disagrees with it
-    now and then (what a draft does)."""
-    return mlxspec.load(SMALL, mode="none", no_draft=True, gguf_weights="quantized").model
-
-
 def prompts(engine) -> list[str]:
     """A fill-in-the-middle request, an edit of a file and a chat question, as editors send
     them."""
@@ -124,11 +112,13 @@ def prompts(engine) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_mode_is_identical_to_none_on_the_real_coder(small_target, small_quantized):
-    engine = small_target
+def test_every_mode_is_identical_to_none_on_the_real_coder(coder_small, coder_small_4bit):
+    from mlxspec.engine import Engine
+
+    engine = Engine(coder_small.model, coder_small.tokenizer, mode="none")
     texts = prompts(engine)
     want = [engine.generate(p, max_tokens=16).tokens for p in texts]
-    engine.draft_model = small_quantized
+    engine.draft_model = coder_small_4bit
     for mode in ("ngram", "lookahead", "draft", "auto"):
         engine.set_mode(mode, num_draft=4)
         for p, w in zip(texts, want):
@@ -138,35 +128,34 @@ def test_every_mode_is_identical_to_none_on_the_real_coder(small_target, small_q
     engine.set_mode("draft", num_draft=4)
     stats = engine.generate(texts[0], max_tokens=16).stats
     assert stats.accepted > 0  # the 4-bit draft agrees with the target most of the time
-    engine.set_mode("none")
 
 
 @pytest.mark.slow
-def test_quantspec_is_identical_to_its_reference_on_the_real_coder():
-    reference = mlxspec.load(SMALL, mode="none", no_draft=True, kv="hierarchical")
-    quantspec = mlxspec.load(SMALL, mode="quantspec", no_draft=True)
+def test_quantspec_is_identical_to_its_reference_on_the_real_coder(coder_small):
+    from mlxspec.engine import Engine
+
+    model, tokenizer = coder_small.model, coder_small.tokenizer
+    reference = Engine(model, tokenizer, mode="none", kv="hierarchical")
+    quantspec = Engine(model, tokenizer, mode="quantspec")
     for p in prompts(reference)[:2]:
         want = reference.generate(p, max_tokens=16).tokens
         assert quantspec.generate(p, max_tokens=16).tokens == want
 
 
 @pytest.mark.slow
-def test_half_precision_speculation_matches_none_in_the_same_dtype(small_target):
+def test_half_precision_speculation_matches_none_in_the_same_dtype():
     """Metal runs float16: the model kept in float16, speculation equals `none` in float16."""
     import mlx.core as mx
 
     from mlxspec.engine import Engine
 
-    model = small_target.model
-    model.set_dtype(mx.float16)
-    try:
-        plain = Engine(model, small_target.tokenizer, mode="none")
-        spec = Engine(model, small_target.tokenizer, mode="ngram", num_draft=4)
-        for p in prompts(plain)[:2]:  # (float16 matmuls do not use BLAS on the CPU: slow)
-            want = plain.generate(p, max_tokens=8).tokens
-            assert spec.generate(p, max_tokens=8, prediction=p[-200:]).tokens == want
-    finally:
-        model.set_dtype(mx.float32)
+    loaded = mlxspec.load(SMALL, mode="none", no_draft=True)  # its own copy: cast below
+    loaded.model.set_dtype(mx.float16)
+    plain = Engine(loaded.model, loaded.tokenizer, mode="none")
+    spec = Engine(loaded.model, loaded.tokenizer, mode="ngram", num_draft=4)
+    for p in prompts(plain)[:2]:  # (float16 matmuls do not use BLAS on the CPU: slow)
+        want = plain.generate(p, max_tokens=8).tokens
+        assert spec.generate(p, max_tokens=8, prediction=p[-200:]).tokens == want
 
 
 @pytest.mark.large

@@ -106,11 +106,9 @@ def check_pair(target, draft, tokenizer, min_difference: float):
 
 
 @pytest.mark.slow
-def test_draft_sampling_is_exact_on_the_real_coder_and_its_4bit_copy():
-    engine = mlxspec.load("qwen2.5-coder-0.5b", mode="none", no_draft=True)
-    draft = mlxspec.load("qwen2.5-coder-0.5b", mode="none", no_draft=True,
-                         gguf_weights="quantized").model
-    check_pair(engine.model, draft, engine.tokenizer, min_difference=0.15)
+def test_draft_sampling_is_exact_on_the_real_coder_and_its_4bit_copy(coder_small,
+                                                                     coder_small_4bit):
+    check_pair(coder_small.model, coder_small_4bit, coder_small.tokenizer, min_difference=0.15)
 
 
 @pytest.mark.large

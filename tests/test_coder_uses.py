@@ -10,8 +10,6 @@ import sys
 import pytest
 from server_helpers import post, start, stop
 
-import mlxspec
-
 pytestmark = pytest.mark.slow
 MODEL = "qwen2.5-coder-0.5b"
 
@@ -33,8 +31,10 @@ EXTRA = [{"filename": "app/defaults.py", "text": "WIDTH = 80\nINDENT = 4\n"}]
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return mlxspec.load(MODEL, mode="auto", no_draft=True)
+def engine(coder_small):
+    from mlxspec.engine import Engine
+
+    return Engine(coder_small.model, coder_small.tokenizer, mode="auto", name=MODEL)
 
 
 @pytest.fixture(scope="module")
