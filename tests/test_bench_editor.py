@@ -1,0 +1,163 @@
+"""bench/bench_editor.py, the llama.vim replay: its port of llama.vim's client (requests,
+cache of answers, follow-ups, ring warm-ups) against a scripted server, then a short replay
+against a real in-process server on the bundled model, and the report's figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+
+import pytest
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("bench_editor", REPO / "bench" / "bench_editor.py")
+be = importlib.util.module_from_spec(spec)
+sys.modules["bench_editor"] = be  # (its dataclasses look their module up)
+spec.loader.exec_module(be)
+
+
+class ScriptedServer:
+    """Answers /infill from a function of the body; records every body."""
+
+    def __init__(self, answer):
+        self.answer, self.bodies = answer, []
+
+    def infill(self, body: dict, kind: str):
+        self.bodies.append(body)
+        return be.Reply(kind, content=self.answer(body), ttft=0.01, total=0.02,
+                        fields={"tokens_evaluated": 10, "timings/cache_n": 4,
+                                "timings/prompt_n": 6, "timings/predicted_n": 3},
+                        forwards=2)
+
+
+BUFFER = ["a = 1", "b = 2", "", "print(c)"]  # the file without the line being typed
+OTHER = [f"def g{i}(x):" if i % 2 == 0 else "    return x" for i in range(10)]
+
+
+def answer(body):
+    if body["n_predict"] == 0:
+        return ""
+    if body["t_max_predict_ms"] == 250:  # a first request: the rest of the line
+        return "c = a + b\n"[len(body["prompt"]):] if "c = a + b".startswith(
+            body["prompt"]) else "\n"
+    return "\nd = c\n"  # a follow-up
+
+
+def editor(server):
+    ed = be.Editor(server, random.Random(0), [])
+    ed.open_file("pkg/a.py", BUFFER, 3, [("pkg/other.py", OTHER, 5)])
+    return ed
+
+
+def test_warm_ups_first_request_follow_up_and_accepting_a_line():
+    server = ScriptedServer(answer)
+    ed = editor(server)
+    got = ed.type_block(["c = a + b"], 3)
+    kinds = [e["kind"] for e in ed.log]
+    assert kinds == ["warmup", "warmup", "first", "follow", "follow"]
+    warm = [e["body"] for e in ed.log[:2]]
+    # s:ring_update: one warm-up per chunk moved into the ring, with the whole ring
+    assert [len(b["input_extra"]) for b in warm] == [1, 2]
+    assert all(b["n_predict"] == 0 and b["input_prefix"] == "" and b["prompt"] == ""
+               and b["input_extra"][0]["filename"] == "pkg/other.py" for b in warm)
+    first = ed.log[2]["body"]
+    assert first["input_prefix"] == "a = 1\nb = 2\n"
+    assert first["prompt"] == ""
+    assert first["input_suffix"] == "\n\nprint(c)\n"
+    assert (first["n_predict"], first["t_max_predict_ms"], first["t_max_prompt_ms"]) == (128, 250, 500)
+    assert (first["top_k"], first["samplers"], first["cache_prompt"], first["stream"]) == (
+        40, ["top_k", "top_p", "infill"], True, True)
+    assert first["n_indent"] == 0 and "content" in first["response_fields"]
+    # the chunk of this very file was evicted (too similar to the text around the cursor)
+    assert [c["filename"] for c in first["input_extra"]] == ["pkg/other.py"]
+    # the speculative follow-up: the context as if the suggestion had been accepted
+    follow = ed.log[3]["body"]
+    assert follow["t_max_predict_ms"] == 1000
+    assert follow["input_prefix"] == first["input_prefix"] and follow["prompt"] == "c = a + b"
+    assert follow["input_suffix"] == first["input_suffix"]
+    # accepted: the cursor at the line's end finds the follow-up's answer in llama.vim's
+    # cache (no first request), and its own follow-up goes out
+    assert got == {"typed_chars": 0, "accepted_chars": 9, "accepts": 1}
+    assert [s["hint_from"] for s in ed.stops] == ["request:first", "cache:follow"]
+    assert ed.stops[0]["wait"] == pytest.approx(0.02) and ed.stops[1]["wait"] == 0.0
+    last = ed.log[4]
+    assert last["prev"] == ["", "d = c"]
+    assert last["body"]["input_prefix"] == "a = 1\nb = 2\nc = a + b\n"
+    assert last["body"]["prompt"] == "d = c"
+    assert ed.lines == ["a = 1", "b = 2", "c = a + b", "", "print(c)"]
+
+
+def test_typing_what_the_suggestion_says_shows_it_from_the_cache():
+    """A suggestion that is not the file's text is not accepted; while what is typed matches
+    it, it is shown again from llama.vim's cache (s:fim_try_hint's look back), its follow-up is
+    not asked twice, and a request still goes out for the exact position."""
+    server = ScriptedServer(answer)
+    ed = editor(server)
+    got = ed.type_block(["c = a - b"], 3)
+    assert got == {"typed_chars": 9, "accepted_chars": 0, "accepts": 0}
+    assert [(s["col"], s["hint_from"]) for s in ed.stops] == [
+        (0, "request:first"), (1, "cache:first"), (3, "cache:first"), (5, "cache:first"),
+        (7, "request:first"), (9, "request:first")]
+    assert [s["wait"] for s in ed.stops[1:4]] == [0.0, 0.0, 0.0]
+    assert [e["kind"] for e in ed.log] == ["warmup"] * 2 + ["first", "follow"] + ["first"] * 5
+    assert [e["body"]["prompt"] for e in ed.log[4:]] == ["c", "c =", "c = a", "c = a -",
+                                                        "c = a - b"]
+
+
+def test_the_report_of_a_scripted_run():
+    server = ScriptedServer(answer)
+    ed = editor(server)
+    ed.type_block(["c = a + b"], 3)
+    r = be.summarize({"cfg": be.Config("auto"), "log": ed.log, "stops": ed.stops,
+                      "typing": {"typed_chars": 0, "accepted_chars": 9, "accepts": 1},
+                      "seconds": 1.0, "drafting": False})
+    assert r["kinds"]["first"]["requests"] == 1 and r["kinds"]["follow"]["requests"] == 2
+    assert r["kinds"]["warmup"]["requests"] == 2
+    assert r["generation"]["reused_pct"] == pytest.approx(40.0)
+    assert r["generation"]["tokens_per_forward"] == pytest.approx(1.5)
+    assert r["stops_from_follow_up"] == 1 and r["wait_p50"] == pytest.approx(0.01)
+    assert "| auto | 2/1/2 |" in be.table([r])
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dirs):
+    """A random 2-layer llama with a FIM tokenizer (fast; its answers are noise)."""
+    from mlxspec.loading import load
+
+    return load(str(model_dirs["llama"]), mode="none", draft=str(model_dirs["llama-draft"]))
+
+
+def test_a_replay_against_the_server(tiny):
+    plan = be.plan_files(["click"], 1, 1, 1, seed=3)
+    run = be.replay(tiny, be.Config("auto"), plan, 1, seed=3)
+    log = run["log"]
+    kinds = [e["kind"] for e in log]
+    n_warm = kinds.index("first")
+    assert n_warm >= 1 and set(kinds[:n_warm]) == {"warmup"}
+    assert [e["ring"] for e in log[:n_warm]] == list(range(1, n_warm + 1))
+    assert all(e["reply"].content == "" for e in log[:n_warm])
+    assert "follow" in kinds
+    for e in log:
+        b = e["body"]
+        if e["kind"] == "first":
+            assert b["t_max_predict_ms"] == 250 and b["n_predict"] == 128
+            assert b["input_prefix"].count("\n") <= be.N_PREFIX
+            assert b["input_suffix"].count("\n") <= be.N_SUFFIX + 1
+        elif e["kind"] == "follow":
+            assert b["t_max_predict_ms"] == 1000 and e["prev"]
+            assert (b["input_prefix"] + b["prompt"]).endswith("\n".join(e["prev"]))
+    for e in log[n_warm:]:
+        f = e["reply"].fields
+        assert f["tokens_evaluated"] == f["timings/cache_n"] + f["timings/prompt_n"]
+        assert e["reply"].forwards >= 1 and e["reply"].total > 0
+    r = be.summarize(run)
+    first = r["kinds"]["first"]
+    assert first["requests"] == kinds.count("first") and r["stops"] >= 2
+    assert 0 < first["ttft_p50"] <= first["total_p50"] <= first["total_p95"]
+    assert 0 <= r["generation"]["reused_pct"] <= 100
+    assert r["generation"]["reused_tokens"] > 0  # the warm-ups' and earlier prompts' caches
+    assert 0.5 <= r["generation"]["tokens_per_forward"] <= 9
+    assert r["wait_p50"] is not None and r["wait_p95"] >= r["wait_p50"]
+    assert sum(r["accepted_by_source"].values()) == r["generation"]["accepted"]
+    assert "auto" in be.table([r]) and "prefill" in be.where_time_goes(r)
