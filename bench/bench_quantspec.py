@@ -12,6 +12,16 @@ and memory (the cost of a step does not depend on what the text means). k is cho
 tokens per target forward stay below the cap k + 1, and acceptance is reported by position.
 Every quantspec run is asserted token-identical to its reference (`none` + hierarchical cache).
 Prints Markdown tables.
+
+    python bench/bench_quantspec.py --cache-cost --model qwen2.5-coder-0.5b \\
+        [--cost-contexts 1024,2048,4096] [--cost-reps 3] [--cost-tokens 32] [--cost-steps 64]
+
+`--cache-cost` only measures what the hierarchical cache costs a user who is not drafting:
+prefill time and decode tokens/s of `none` on the hierarchical cache against `none` on the
+plain cache, the same weights in one process, interleaved (the order alternates each
+repetition); medians and ratios, in wall time and in this process's CPU time (steadier when
+other work shares the machine); then decode steps of the two caches interleaved token by token
+(`--cost-steps`), which keeps drift on a shared machine out of the decode ratio.
 """
 
 from __future__ import annotations
@@ -140,6 +150,110 @@ def compare_weights(engine, ref, contexts, args, G) -> None:
                   flush=True)
 
 
+def _timed_run(eng, prompt, max_tokens) -> tuple[float, float, float, float]:
+    """(prefill s, prefill CPU s, decode tok/s, decode CPU ms/token) of one generation. CPU
+    time (this process, all threads) counts the work only, so it is steadier than wall time
+    on a shared machine; the first output comes after the prefill and the first forward."""
+    t0, first, out, n_first = time.process_time(), None, None, 0
+    for out in eng.stream_steps(prompt, max_tokens=max_tokens, prompt_cache=PromptCache()):
+        if out is not None and first is None:
+            first, n_first = time.process_time(), out.stats.generated_tokens
+    end, st = time.process_time(), out.stats
+    return (st.prefill_seconds, first - t0, st.generated_tokens / st.decode_seconds,
+            1000 * (end - first) / max(1, st.generated_tokens - n_first))
+
+
+def cache_cost_table(engines: dict, lengths: list[int], reps: int, max_tokens: int,
+                     prompts) -> None:
+    """Markdown rows: every engine on the same prompt, interleaved (the order rotates each
+    repetition: ABBA... for two), medians; ratios against the first engine."""
+    print("| prompt tokens | cache | prefill s | prefill CPU s | decode tok/s | "
+          "decode CPU ms/token | prefill vs plain (wall / CPU) | decode vs plain (wall / CPU) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    labels = list(engines)
+    for length in lengths:
+        prompt = prompts(length)
+        runs: dict[str, list] = {k: [] for k in labels}
+        for rep in range(reps):
+            order = labels[rep % len(labels):] + labels[: rep % len(labels)]
+            for label in order:
+                runs[label].append(_timed_run(engines[label], prompt, max_tokens))
+        med = {k: [statistics.median(x[i] for x in v) for i in range(4)] for k, v in runs.items()}
+        base = med[labels[0]]
+        for label in labels:
+            m = med[label]
+            print(f"| {length} | {label} | {m[0]:.2f} | {m[1]:.2f} | {m[2]:.2f} | {m[3]:.0f} | "
+                  f"{m[0] / base[0]:.2f}x / {m[1] / base[1]:.2f}x | "
+                  f"{m[2] / base[2]:.2f}x / {base[3] / m[3]:.2f}x |", flush=True)
+
+
+def decode_steps_table(model, caches: dict, lengths: list[int], steps: int, chunk: int,
+                       prompts) -> None:
+    """`caches`: label -> a function of a proposer (None) that makes a fresh cache (an
+    engine's `new_cache`). Decode steps of the caches interleaved token by token (one step of each in turn, each
+    greedy on its own logits, after a prefill in chunks as `Engine.prefill` does): median ms
+    per step, wall and CPU, ratios against the first cache. Interleaving single steps keeps
+    whatever else runs on the machine out of the comparison."""
+    print("| prompt tokens | cache | ms / step | CPU ms / step | tok/s vs plain (wall / CPU) |")
+    print("|---:|---|---:|---:|---:|")
+    labels = list(caches)
+    for length in lengths:
+        prompt = prompts(length)
+        state = {}
+        for label, make in caches.items():
+            cache = make(None)
+            for i in range(0, len(prompt) - 1, chunk):
+                model(mx.array(prompt[i : min(i + chunk, len(prompt) - 1)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            state[label] = [cache, prompt[-1], [], []]
+        for i in range(steps + 2):
+            for label in labels[i % len(labels):] + labels[: i % len(labels)]:
+                st = state[label]
+                w, c = time.perf_counter(), time.process_time()
+                st[1] = mx.argmax(model(mx.array([[st[1]]]), cache=st[0])[0, -1]).item()
+                if i >= 2:  # warm-up steps not counted
+                    st[2].append(time.perf_counter() - w)
+                    st[3].append(time.process_time() - c)
+        med = {k: (1000 * statistics.median(v[2]), 1000 * statistics.median(v[3]))
+               for k, v in state.items()}
+        base = med[labels[0]]
+        for label in labels:
+            m = med[label]
+            print(f"| {length} | {label} | {m[0]:.1f} | {m[1]:.1f} | "
+                  f"{base[0] / m[0]:.2f}x / {base[1] / m[1]:.2f}x |", flush=True)
+
+
+def cache_engines(args) -> dict:
+    """The plain-cache engine and the hierarchical-cache engine on the same weights."""
+    longest = max(int(c) for c in args.cost_contexts.split(",") if c) + args.cost_tokens + 1
+    plain = load(args.model, mode="none", no_draft=True, max_context=longest)
+    hier = Engine(plain.model, plain.tokenizer, mode="none", config=plain.config,
+                  name=plain.name, max_context=longest, kv="hierarchical",
+                  kv_group_size=args.group_size)
+    return {"plain": plain, "hierarchical": hier}
+
+
+def cache_cost(args, engines: dict | None = None) -> None:
+    """What the hierarchical cache costs a user who is not drafting: `none` on it against
+    `none` on the plain cache (one process, shared weights, interleaved; medians, ratios)."""
+    engines = engines or cache_engines(args)
+    plain = next(iter(engines.values()))
+    dtype = str(next(iter(plain.model.parameters()["model"]["embed_tokens"].values())).dtype)
+    print(f"{plain.name}, {dtype.rsplit('.', 1)[-1]}, backend {backend.device_name()}, "
+          f"prefill_step_size {plain.prefill_step_size}, G = {args.group_size}, "
+          f"{args.cost_reps} repetitions interleaved, {args.cost_tokens} tokens decoded, "
+          "medians\n")
+    lengths = [int(c) for c in args.cost_contexts.split(",") if c]
+    prompts = lambda n: context_prompts(plain, n, 1)[0]  # noqa: E731
+    if args.cost_reps:
+        cache_cost_table(engines, lengths, args.cost_reps, args.cost_tokens, prompts)
+    if args.cost_steps:
+        print(f"\nDecode steps interleaved token by token ({args.cost_steps} steps each, "
+              "medians):\n")
+        decode_steps_table(plain.model, {k: e.new_cache for k, e in engines.items()},
+                           lengths, args.cost_steps, plain.prefill_step_size, prompts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -155,7 +269,19 @@ def main() -> None:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's quantized caches")
     ap.add_argument("--compare-weights", action="store_true",
                     help="only compare round-to-nearest and GPTQ draft weights (acceptance)")
+    ap.add_argument("--cache-cost", action="store_true",
+                    help="only measure the hierarchical cache's own cost under `none` "
+                         "(prefill time and decode tok/s against the plain cache)")
+    ap.add_argument("--cost-contexts", default="1024,2048,4096")
+    ap.add_argument("--cost-reps", type=int, default=3,
+                    help="repetitions of each whole generation (0: skip that table)")
+    ap.add_argument("--cost-tokens", type=int, default=32)
+    ap.add_argument("--cost-steps", type=int, default=64,
+                    help="decode steps per cache interleaved token by token (0: skip)")
     args = ap.parse_args()
+    if args.cache_cost:
+        cache_cost(args)
+        return
     contexts = [int(c) for c in args.contexts.split(",") if c]
     long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
     G = args.group_size

@@ -347,3 +347,142 @@ def test_state_round_trip():
     kv2, _ = other.update_and_fetch(k[..., :1, :], k[..., :1, :])
     assert mx.array_equal(hierarchical_attention(q, kv1, 0.1),
                           hierarchical_attention(q, kv2, 0.1)).item()
+
+
+# ----------------------------------------------------------------------------- prefill chunks
+
+def _attend_chunks(chunks, g, block, buffer, view, dtype=mx.float32, seed=1):
+    n_kv, heads, d = 2, 4, 32
+    mx.random.seed(seed)
+    total = sum(chunks)
+    k = (mx.random.normal((1, n_kv, total, d)) * 2).astype(dtype)
+    v = mx.random.normal((1, n_kv, total, d)).astype(dtype)
+    q = mx.random.normal((1, heads, total, d)).astype(dtype)
+    c = HierarchicalKVCache(g, buffer_size=buffer, block_size=block, auto_commit=True)
+    c.view = view
+    done, out = 0, []
+    for n in chunks:
+        kv, _ = c.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
+        out.append(hierarchical_attention(q[:, :, done : done + n], kv, d**-0.5, "causal"))
+        done += n
+    return mx.concatenate(out, axis=2)
+
+
+@pytest.mark.parametrize("g,block,buffer,view,chunks", [
+    (32, 4096, None, "target", [700]),
+    (32, 256, None, "target", [700, 300, 150]),  # several tiles, several row blocks
+    (64, 4096, None, "target", [1100, 600]),
+    (32, 256, 100, "draft", [333, 400, 129]),  # a buffer that is not a multiple of G
+    (32, 256, None, "target", [5, 300, 3, 200]),  # chunks starting inside a group
+    (128, 512, 300, "target", [900, 200]),
+])
+def test_shared_tile_prefill_equals_per_row(monkeypatch, g, block, buffer, view, chunks):
+    """A chunk of many rows (one product per tile of codes for all its rows, the buffer as
+    per-group windows) gives what the per-row computation gives, to float32 rounding."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    calls = []
+    real = hc._shared_tile_attention
+    monkeypatch.setattr(hc, "_shared_tile_attention", lambda q, kv: calls.append(1) or real(q, kv))
+    shared = _attend_chunks(chunks, g, block, buffer, view)
+    assert len(calls) == sum(n > hc.SHARED_TILE_ROWS for n in chunks) > 0
+    monkeypatch.setattr(hc, "SHARED_TILE_ROWS", 10**9)
+    per_row = _attend_chunks(chunks, g, block, buffer, view)
+    assert mx.allclose(shared, per_row, atol=2e-5, rtol=1e-5).item(), \
+        mx.abs(shared - per_row).max().item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_shared_tile_prefill_half_precision(monkeypatch, dtype):
+    """In half precision the shared path is at least as close to the float32 computation as
+    the per-row one (whose packed products accumulate in half precision)."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    args = ([333, 400, 129], 32, 256, None, "target")
+    exact = _attend_chunks(*args).astype(mx.float32)
+    shared = _attend_chunks(*args, dtype=dtype).astype(mx.float32)
+    monkeypatch.setattr(hc, "SHARED_TILE_ROWS", 10**9)
+    per_row = _attend_chunks(*args, dtype=dtype).astype(mx.float32)
+    err_shared = mx.abs(shared - exact).mean().item()
+    err_rows = mx.abs(per_row - exact).mean().item()
+    assert err_shared <= 1.1 * err_rows, (err_shared, err_rows)
+
+
+def test_verifies_keep_the_per_row_path(monkeypatch):
+    """The longest verify (MAX_NUM_DRAFT + 1 rows) takes the per-row computation that equals
+    single-token steps bit for bit; only longer forwards (prefill chunks) share tiles, and
+    their tiles of reconstructed codes never exceed block_size tokens."""
+    from mlxspec.policy import MAX_NUM_DRAFT
+    from mlxspec.quant import hierarchical_cache as hc
+
+    assert hc.SHARED_TILE_ROWS >= MAX_NUM_DRAFT + 1
+    shared, widths = [], []
+    real_shared, real_deq = hc._shared_tile_attention, hc._dequantized
+    monkeypatch.setattr(hc, "_shared_tile_attention",
+                        lambda q, kv: shared.append(kv.num) or real_shared(q, kv))
+
+    def spy(planes, group_size, two):
+        out = real_deq(planes, group_size, two)
+        widths.append(max(out.shape[-2:]))  # keys (.., D, tokens), values (.., tokens, D)
+        return out
+
+    monkeypatch.setattr(hc, "_dequantized", spy)
+    c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
+    k = mx.random.normal((1, 2, 1100 + MAX_NUM_DRAFT + 1, 32))
+    kv, _ = c.update_and_fetch(k[..., :1100, :], k[..., :1100, :])
+    hierarchical_attention(mx.random.normal((1, 4, 1100, 32)), kv, 0.1, "causal")
+    rest = k[..., 1100:, :]
+    kv, _ = c.update_and_fetch(rest, rest)
+    hierarchical_attention(mx.random.normal((1, 4, rest.shape[2], 32)), kv, 0.1, "causal")
+    assert shared == [1100]
+    assert widths and max(widths) <= 256
+
+
+def test_state_is_per_block_and_reads_the_old_layout():
+    """`state` holds each block's codes as views (no copy of the whole store after every
+    prefill chunk); a state saved as one group of all the codes restores the same cache."""
+    c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
+    k = mx.random.normal((1, 2, 700, 32))
+    c.update_and_fetch(k, k)
+    c.commit()
+    state = c.state
+    assert len(state) == 2 + 8 * len(c.blocks) and len(c.blocks) == 3
+    kq, vq = c.keys_q, c.values_q  # the whole store, concatenated
+    old = HierarchicalKVCache.from_state([c.buf_k, c.buf_v, *kq, *vq])
+    old.meta_state = c.meta_state
+    assert [a.tolist() for a in old.state] == [a.tolist() for a in state]
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_target_triple_is_both_planes(g):
+    """The target's 8-bit triple (codes 16 U + L + 8, step s/16, bias min - s/2), built from the
+    two stored planes, reconstructs what the two planes do and multiplies like their sum."""
+    from mlxspec.quant.kvquant import target_triple
+
+    mx.random.seed(g)
+    x = mx.random.normal((2, 3, 16, 4 * g)) * 3
+    q = quantize_two_plane(x, g)
+    codes, scales, biases = q.target_triple()
+    assert codes.dtype == mx.uint32 and codes.shape[-1] == x.shape[-1] // 4
+    assert all(mx.array_equal(a, b).item() for a, b in zip(
+        (codes, scales, biases), target_triple(q.upper, q.lower, q.scales, q.mins)))
+    c8 = mx.bitwise_and(mx.right_shift(codes[..., None], mx.arange(0, 32, 8, dtype=mx.uint32)),
+                        0xFF).reshape(x.shape)
+    assert mx.array_equal(c8, 16 * unpack4(q.upper) + unpack4(q.lower)).item()
+    eight = mx.dequantize(codes, scales, biases, group_size=g, bits=8)
+    assert mx.allclose(eight, dequantize_two_plane(q, g, planes=2), atol=1e-5).item()
+    w = mx.random.normal((5, 16))
+    two = (mx.quantized_matmul(w, *q.upper_triple(), transpose=False, group_size=g, bits=4)
+           + mx.quantized_matmul(w, *q.lower_triple(), transpose=False, group_size=g, bits=4))
+    one = mx.quantized_matmul(w, codes, scales, biases, transpose=False, group_size=g, bits=8)
+    assert mx.allclose(one, two, atol=1e-4, rtol=1e-5).item()
+
+
+def test_two_product_target_route(monkeypatch):
+    """Off the CPU the target reads its planes as two 4-bit products (the fewest bytes): that
+    route too matches the dequantized cache and keeps verifies equal to single steps."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    monkeypatch.setattr(hc, "_target_in_one_product", lambda: False)
+    test_attention_matches_dequantized_cache(32, 256)
+    test_verify_equals_single_steps_bit_for_bit(mx.bfloat16, 32, 256)

@@ -10,7 +10,9 @@ Layout (one `HierarchicalKVCache` per attention layer; KIVI):
   transpose=False)`;
 * each quantized element has two 4-bit planes (see `kvquant.py`): the draft view reads the upper
   plane only (~INT4), the target view adds the lower plane (~INT8); the target's product is the
-  sum of two `mx.quantized_matmul` calls, never a dequantized copy of the cache;
+  sum of two `mx.quantized_matmul` calls, never a dequantized copy of the cache (on the CPU one
+  8-bit call over the two planes interleaved on the fly, `kvquant.target_triple`: MLX's CPU
+  4-bit kernel costs 3x its 8-bit one per code);
 * the most recent tokens live in a full-precision buffer. New keys/values land there.
 
 The position rule. A query at position p reads keys [0, Q(p)) quantized and [Q(p), p] in full
@@ -19,14 +21,25 @@ the full-precision part of every query holds between G+1 and 2G tokens. It depen
 position only, so a prompt prefilled in one chunk or many, a verify over k+1 tokens, or k+1
 single-token steps see the same mix of precisions.
 
-One computation per query row (exact in half precision too). The rows of one forward are split
-into segments of equal Q(p); every segment is computed exactly as a single-token step at one of
-its positions would be: the packed codes [0, Q) in tiles of `block_size` tokens aligned at
+Steps and verifies: one computation per query row (exact in half precision too). The rows of a
+forward of at most `SHARED_TILE_ROWS` rows (a step, a verify: at most MAX_NUM_DRAFT + 1 = 65) are
+split into segments of equal Q(p); every segment is computed exactly as a single-token step at
+one of its positions would be: the packed codes [0, Q) in tiles of `block_size` tokens aligned at
 multiples of `block_size`, then the full-precision buffer [Q, end) in tiles starting at Q, with a
 running (online) softmax in float32 across the tiles. A single step and a verify row thus sum the
 same products in the same order; the verify row only has extra masked (exactly zero) columns at
 the end, which change neither a maximum, nor a sum, nor a matmul on MLX's CPU kernels (tested).
-No L x context score matrix is ever built: at most (rows of a segment) x `block_size`.
+
+Prefill chunks (more rows): `_shared_tile_attention`. Each tile of codes is reconstructed once
+for the chunk and all rows that read it quantized take one float product per block of
+`SHARED_ROW_BLOCK` rows, stopping at that block's largest Q (so most causally masked scores are
+never computed); each group of G rows reads its full-precision window [Q, Q + buffer_size) as one
+batched product. The same precisions per row, in another summation order (the same result to
+float rounding; prefill is the same computation for `none` and `quantspec`, so their outputs
+stay token-identical). MLX's CPU `quantized_matmul` reconstructs every code once per query row:
+over a 2048-row chunk that made the per-row computation ~4x plain attention.
+No L x context score matrix is ever built: at most (rows of a segment or a row block) x
+`block_size`.
 
 Storage grows linearly. Codes live in a list of blocks of `block_size` tokens (the last one grows
 in steps of 256 tokens up to `block_size`, copying at most one block); new codes are written into
@@ -80,13 +93,17 @@ from .kvquant import (
     SUPPORTED_GROUP_SIZES,
     TwoPlane,
     dequantize_two_plane,
-    lower_triple,
     quantize_two_plane,
 )
 
 VIEWS = ("target", "draft")
 BLOCK_SIZE = 4096  # tokens per store block = key columns per attention tile
 GROWTH_STEP = 256  # the last block grows in steps of this many tokens
+# Forwards of more rows than this (prefill chunks) take `_shared_tile_attention`; fewer (a
+# step, a verify of at most MAX_NUM_DRAFT + 1 = 65 rows) the per-row computation that a verify
+# shares bit for bit with single-token steps.
+SHARED_TILE_ROWS = 128
+SHARED_ROW_BLOCK = 256  # rows of a chunk that share one product per tile of codes
 _NEG = float(mx.finfo(mx.float32).min)
 
 
@@ -363,12 +380,19 @@ class HierarchicalKVCache(_BaseCache):
 
     @property
     def state(self):
+        """[buffered keys, buffered values] and, per block in use, the 4 key and 4 value code
+        arrays of its stored tokens: views, not a concatenation (the engine evaluates the state
+        after every prefill chunk, so copying the whole store there would cost a prefill
+        quadratic in its chunk count)."""
         if self._buf_k is None:
             return []
         arrays = [self.buf_k, self.buf_v]
-        kq, vq = self._codes()
-        if kq is not None:
-            arrays += list(kq) + list(vq)
+        g, bs = self.group_size, self.block_size
+        for i, blk in enumerate(self.blocks):
+            n = min(bs, self.q_len - i * bs)
+            if n <= 0:
+                break
+            arrays += list(blk.key_tile(0, n, g)) + list(blk.value_tile(0, n))
         return arrays
 
     @state.setter
@@ -390,14 +414,20 @@ class HierarchicalKVCache(_BaseCache):
         self.blocks = []
         q_len, self.q_len = self.q_len, 0
         if len(v) > 2:
-            kq, vq = TwoPlane(*v[2:6]), TwoPlane(*v[6:10])
-            self._ensure_capacity(q_len, kq, vq)
+            # Groups of 8 code arrays (one per block; a state saved as one group of all the
+            # codes reads the same way), written into blocks of this cache's block_size.
+            groups = [(TwoPlane(*v[i : i + 4]), TwoPlane(*v[i + 4 : i + 8]))
+                      for i in range(2, len(v), 8)]
+            self._ensure_capacity(q_len, *groups[0])
             pos, bs = 0, self.block_size
-            while pos < q_len:
-                i = pos // bs
-                hi = min(bs, q_len - i * bs)
-                _write_codes(self.blocks[i], 0, hi, kq, vq, (pos, pos + hi), self.group_size)
-                pos += hi
+            for kq, vq in groups:
+                n, src = vq.upper.shape[-2], 0
+                while src < n:
+                    i, lo = divmod(pos, bs)
+                    hi = min(bs, lo + n - src)
+                    _write_codes(self.blocks[i], lo, hi, kq, vq, (src, src + hi - lo),
+                                 self.group_size)
+                    pos, src = pos + hi - lo, src + hi - lo
         self.q_len = q_len
 
     @property
@@ -484,17 +514,19 @@ class HierarchicalKV:
         self.buf_k_all, self.buf_v_all, self.buf_base = c._buf_k, c._buf_v, c._buf_base
         self.buf_start = c.buf_start
         self.group_size, self.value_group_size = c.group_size, c.value_group_size
-        # Rows of equal Q(p): (first row, end row, Q).
-        rows = [c.quantized_before(self.start + i) for i in range(self.num)]
-        if rows[0] < self.buf_start or rows[-1] > self.q_len:
+        self.buffer_size = c.buffer_size
+        if (c.quantized_before(self.start) < self.buf_start
+                or c.quantized_before(self.start + self.num - 1) > self.q_len):
             raise RuntimeError("hierarchical KV cache: a query's full-precision tokens are gone "
                                "(trimmed below the committed part?)")
+        # Rows of equal Q(p): (first row, end row, Q). Q steps by G every G positions past
+        # min_recent, so the segments follow from the positions without a loop over rows.
         i = 0
         while i < self.num:
-            j = i
-            while j < self.num and rows[j] == rows[i]:
-                j += 1
-            self.segments.append((i, j, rows[i]))
+            quantized = c.quantized_before(self.start + i)
+            # the first position whose Q is larger: min_recent + quantized + G
+            j = min(self.num, max(i + 1, c.min_recent + quantized + self.group_size - self.start))
+            self.segments.append((i, j, quantized))
             i = j
 
     @property
@@ -508,7 +540,12 @@ class HierarchicalKV:
 
 
 def _qmm(x, triple, group_size):
-    return mx.quantized_matmul(x, *triple, transpose=False, group_size=group_size, bits=BITS)
+    """x @ packed codes (transpose=False); 4-bit planes or the 8-bit target triple, told apart
+    by the codes' width against the groups (N = groups x group_size codes in N * bits / 32
+    words)."""
+    w, scales, _ = triple
+    bits = 32 * w.shape[-1] // (scales.shape[-1] * group_size)
+    return mx.quantized_matmul(x, *triple, transpose=False, group_size=group_size, bits=bits)
 
 
 def _expand_kv(a):
@@ -516,12 +553,36 @@ def _expand_kv(a):
     return mx.expand_dims(a, 2)
 
 
+def _heads_as_rows(x: mx.array, w: mx.array) -> mx.array:
+    """x (B, n_kv, rep, rows, K) @ w (B, n_kv, K, N): one product per KV head."""
+    B, n_kv, rep, rows, K = x.shape
+    return (x.reshape(B, n_kv, rep * rows, K) @ w).reshape(B, n_kv, rep, rows, -1)
+
+
+def _target_in_one_product() -> bool:
+    return mx.default_device() == mx.cpu
+
+
 def _planes_product(x: mx.array, planes: TwoPlane, group_size: int, two: bool) -> mx.array:
-    out = _qmm(x, tuple(map(_expand_kv, planes.upper_triple())), group_size)
-    if two:
-        out = out + _qmm(x, tuple(map(_expand_kv, lower_triple(planes.lower, planes.scales))),
-                         group_size)
-    return out
+    """x (B, n_kv, rep, rows, K) times the codes (B, n_kv, K, N) of one tile, in the view's
+    planes: the draft's upper plane (one 4-bit product); the target's two planes as two 4-bit
+    products (DESIGN.md section 5), except on the CPU, where they go in as one 8-bit product
+    (`kvquant.target_triple`, the planes interleaved on the fly: MLX's CPU 4-bit kernel costs
+    3x its 8-bit one per code, so conversion plus one product takes half the time of two; on
+    a GPU the two 4-bit reads are the fewest bytes). The query heads of a GQA group go in as
+    rows of one product per KV head (not as a broadcast batch, which makes MLX copy the codes
+    for every head: ~17% slower on the CPU, the same bits, each row being computed on its
+    own)."""
+    B, n_kv, rep, rows, K = x.shape
+    x = x.reshape(B, n_kv, rep * rows, K)
+    if not two:
+        out = _qmm(x, planes.upper_triple(), group_size)
+    elif _target_in_one_product():
+        out = _qmm(x, planes.target_triple(), group_size)
+    else:
+        out = (_qmm(x, planes.upper_triple(), group_size)
+               + _qmm(x, planes.lower_triple(), group_size))
+    return out.reshape(B, n_kv, rep, rows, -1)
 
 
 def _segment_attention(q: mx.array, kv: HierarchicalKV, quantized: int, first: int,
@@ -543,7 +604,7 @@ def _segment_attention(q: mx.array, kv: HierarchicalKV, quantized: int, first: i
             s = _planes_product(q, blk.key_tile(lo, hi, g), g, two)
         else:
             keys = kv.buf_k_all[..., a - kv.buf_base : b - kv.buf_base, :]
-            s = q @ _expand_kv(keys).swapaxes(-1, -2)
+            s = _heads_as_rows(q, keys.swapaxes(-1, -2))
         s = s.astype(mx.float32)
         if mask is not None:
             tile = mask[..., a:b]
@@ -559,10 +620,12 @@ def _segment_attention(q: mx.array, kv: HierarchicalKV, quantized: int, first: i
         p = mx.exp(s - m_new)
         if kind == "q":
             blk = kv.blocks[a // bs]
-            o = _planes_product(p.astype(dtype), blk.value_tile(lo, hi), gv, two)[..., :head_dim]
+            o = _planes_product(p.astype(dtype), blk.value_tile(lo, hi), gv, two)
+            if o.shape[-1] != head_dim:  # head_dim padded to the value group size
+                o = o[..., :head_dim]
         else:
             values = kv.buf_v_all[..., a - kv.buf_base : b - kv.buf_base, :]
-            o = p.astype(dtype) @ _expand_kv(values)
+            o = _heads_as_rows(p.astype(dtype), values)
         o = o.astype(mx.float32)
         if m_run is None:
             l_run, o_run = p.sum(axis=-1, keepdims=True), o
@@ -572,6 +635,111 @@ def _segment_attention(q: mx.array, kv: HierarchicalKV, quantized: int, first: i
             o_run = o_run * corr + o
         m_run = m_new
     return (o_run / l_run).astype(dtype)
+
+
+def _dequantized(planes: TwoPlane, group_size: int, two: bool) -> mx.array:
+    """One tile of codes reconstructed in the view's planes (transient: see
+    `_shared_tile_attention`), from the same affine triple the packed products read."""
+    if two:
+        return mx.dequantize(*planes.target_triple(), group_size=group_size, bits=8)
+    return mx.dequantize(*planes.upper_triple(), group_size=group_size, bits=BITS)
+
+
+def _shared_tile_attention(q: mx.array, kv: HierarchicalKV) -> mx.array:
+    """Causal attention of many query rows (a prefill chunk) q (B, n_kv, rep, L, D).
+
+    Every row at p reads the codes of [0, Q(p)) and the full-precision tokens [Q(p), p]. Rows
+    are grouped by Q (G rows a group past min_recent; the chunk is padded to whole groups),
+    and the groups are taken `SHARED_ROW_BLOCK` rows at a time:
+
+    * full precision: the group with Q = jG reads the window [jG, jG + buffer_size) of the
+      buffer, the same causal pattern in every group, so a block's groups are one batched
+      product (rows x buffer_size, not rows x chunk);
+    * codes: each tile of `block_size` tokens that any row reads quantized is reconstructed
+      once for the chunk (a transient tile), and a block of rows takes one matrix product per
+      tile, over the columns up to its largest Q only, the columns at or past a row's own Q
+      masked. MLX's CPU `quantized_matmul` reconstructs every code once per query row
+      (measured ~8x slower than the float product at 64+ rows), so reconstructing a tile once
+      per chunk is far cheaper; a forward of few rows (a step, a verify) keeps the per-row
+      computation on the packed codes. Stopping each block at its own Q also skips most of
+      the causally masked scores, whose exponentials dominate attention on MLX's CPU backend.
+
+    The running softmax goes over the window first (it always has a visible column), then the
+    tiles. The rows get the same precisions as a single-token step, in another summation order
+    (float rounding apart, the same result)."""
+    B, n_kv, rep, L, D = q.shape
+    dtype = q.dtype
+    g, gv, bs = kv.group_size, kv.value_group_size, kv.block_size
+    two = kv.view != "draft"
+    window, recent = kv.buffer_size, kv.buffer_size - kv.group_size
+    head_dim = kv.buf_v_all.shape[-1]
+    start, end = kv.start, kv.start + kv.num
+    n0 = min(L, max(0, recent - start))  # positions < min_recent (Q = 0; the first chunk only)
+    pre = _segment_attention(q[..., :n0, :], kv, 0, start, True, None) if n0 else None
+    if n0 == L:
+        return pre
+    first = start + n0
+    j0, j1 = (first - recent) // g, (end - 1 - recent) // g
+    groups = j1 - j0 + 1
+    front, back = first - (recent + j0 * g), recent + (j1 + 1) * g - end
+    qg = q[..., n0:, :]
+    if front or back:
+        qg = mx.pad(qg, [(0, 0)] * 3 + [(front, back), (0, 0)])
+    qg = qg.reshape(B, n_kv, rep, groups, g, D)
+
+    # The full-precision windows [jG, jG + window), gathered from the buffer.
+    lo, want = j0 * g, j1 * g + window
+    hi = min(end, want)
+    idx = (mx.arange(groups)[:, None] * g + mx.arange(window)[None, :]).reshape(-1)
+
+    def windows(a: mx.array) -> mx.array:
+        src = a[..., lo - kv.buf_base : hi - kv.buf_base, :]
+        if hi < want:
+            src = mx.pad(src, [(0, 0), (0, 0), (0, want - hi), (0, 0)])
+        return mx.take(src, idx, axis=2).reshape(B, n_kv, 1, groups, window, a.shape[-1])
+
+    win_k, win_v = windows(kv.buf_k_all), windows(kv.buf_v_all)
+    visible = mx.arange(window)[None, :] <= (recent + mx.arange(g))[:, None]
+
+    # The tiles of codes any row reads, reconstructed once: [a, min(a + bs, Q of the last row)).
+    tiles = []
+    for a in range(0, j1 * g, bs):
+        b, off = min(a + bs, j1 * g), (a // bs) * bs
+        blk = kv.blocks[a // bs]
+        tiles.append((a, _dequantized(blk.key_tile(a - off, b - off, g), g, two),
+                      _dequantized(blk.value_tile(a - off, b - off), gv, two)[..., :head_dim]))
+
+    per, outs = max(1, SHARED_ROW_BLOCK // g), []
+    for t0 in range(0, groups, per):
+        t1 = min(groups, t0 + per)
+        n = t1 - t0
+        qb = qg[..., t0:t1, :, :]
+        s = (qb @ win_k[..., t0:t1, :, :].swapaxes(-1, -2)).astype(mx.float32)
+        s = mx.where(visible, s, _NEG)  # (B, n_kv, rep, n, g, window)
+        m_run = s.max(axis=-1, keepdims=True)
+        p = mx.exp(s - m_run)
+        l_run = p.sum(axis=-1, keepdims=True)
+        o_run = (p.astype(dtype) @ win_v[..., t0:t1, :, :]).astype(mx.float32)
+        rows = qb.reshape(B, n_kv, rep, n * g, D)
+        top = (j0 + t1 - 1) * g  # the block's largest Q: its columns end there
+        for a, k_t, v_t in tiles:
+            if a >= top:
+                break
+            w = min(top - a, k_t.shape[-1])
+            s = (rows @ _expand_kv(k_t[..., :w])).astype(mx.float32).reshape(B, n_kv, rep, n, g, w)
+            if (j0 + t0) * g < a + w:  # a group's Q falls inside: mask the columns >= its Q
+                bound = (mx.arange(j0 + t0, j0 + t1) * g)[:, None, None]
+                s = mx.where(mx.arange(a, a + w)[None, None, :] < bound, s, _NEG)
+            m_new = mx.maximum(m_run, s.max(axis=-1, keepdims=True))
+            p = mx.exp(s - m_new)
+            o = p.astype(dtype).reshape(B, n_kv, rep, n * g, w) @ _expand_kv(v_t[..., :w, :])
+            corr = mx.exp(m_run - m_new)
+            l_run = l_run * corr + p.sum(axis=-1, keepdims=True)
+            o_run = o_run * corr + o.astype(mx.float32).reshape(B, n_kv, rep, n, g, head_dim)
+            m_run = m_new
+        outs.append((o_run / l_run).astype(dtype).reshape(B, n_kv, rep, n * g, head_dim))
+    out = (mx.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0])[..., front : front + L - n0, :]
+    return out if pre is None else mx.concatenate([pre, out], axis=-2)
 
 
 def hierarchical_attention(queries: mx.array, kv: HierarchicalKV, scale: float,
@@ -597,12 +765,15 @@ def hierarchical_attention(queries: mx.array, kv: HierarchicalKV, scale: float,
             per_head = arr.shape[1] == n_heads
             arr = arr.reshape(arr.shape[0], n_kv if per_head else 1, rep if per_head else 1,
                               arr.shape[2], -1)
+    if arr is None and causal and L > SHARED_TILE_ROWS:
+        return _shared_tile_attention(q, kv).reshape(B, n_heads, L, -1)
     outs = []
     for i, j, quantized in kv.segments:
         m = None
         if arr is not None:
             m = arr if arr.shape[-2] == 1 else arr[..., i:j, :]
-        outs.append(_segment_attention(q[..., i:j, :], kv, quantized, kv.start + i, causal, m))
+        rows = q if (i, j) == (0, L) else q[..., i:j, :]
+        outs.append(_segment_attention(rows, kv, quantized, kv.start + i, causal, m))
     out = mx.concatenate(outs, axis=-2) if len(outs) > 1 else outs[0]
     return out.reshape(B, n_heads, L, -1)
 
@@ -617,8 +788,9 @@ def _wrap_sdpa(original):
 
     def scaled_dot_product_attention(queries, keys, values, *args, **kwargs):
         if isinstance(keys, HierarchicalKV):
-            bound = sig.bind(queries, keys, values, *args, **kwargs)
-            a = bound.arguments
+            # mlx-lm passes everything after the arrays by keyword: skip `bind` (~12 us a layer)
+            a = kwargs if not args and "scale" in kwargs else sig.bind(
+                queries, keys, values, *args, **kwargs).arguments
             if a.get("sinks") is not None:
                 raise MlxspecError("the hierarchical KV cache does not support attention sinks")
             return hierarchical_attention(queries, keys, a["scale"], a.get("mask"))
