@@ -1,5 +1,7 @@
-"""`auto` against every single mode, paired and interleaved, on workloads at chosen temperatures
-(`mlxspec bench` always runs `free` at temperature 1; this also runs it greedy).
+"""#40 (is `auto` >= 0.97x the best single mode?): `auto` against every single mode, paired and
+interleaved, on workloads at chosen temperatures, as the median of per-prompt ratios to `none`
+and to the best other mode (`mlxspec bench` gives the first only, and always runs `free` at
+temperature 1; this also runs it greedy).
 
     python bench/bench_auto.py --modes none,ngram,auto --workloads completion@0,free@0,free@1 \
         --prompts 8 --rounds 3
@@ -29,7 +31,7 @@ from mlxspec.policy import DEFAULT_NUM_DRAFT
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="none,ngram,auto")
     ap.add_argument("-m", "--model", default=None, help="default: the bundled pair")
     ap.add_argument("--workloads", default=None,

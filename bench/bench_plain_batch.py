@@ -1,4 +1,5 @@
-"""Plain batching: the batched step with k = 0 (`BatchSpeculator`, rows in mode `none`, what
+"""#43 (speed unchanged for plain batching at 1/4/8 rows against mlx-lm's `BatchGenerator`):
+the batched step with k = 0 (`BatchSpeculator`, rows in mode `none`, what
 `mlxspec serve` runs over --spec-max-concurrency) against mlx-lm's `BatchGenerator` (what it
 ran before), on the same prompts, B rows at a time, paired and interleaved; greedy, prefill
 included. Prints tok/s and the median of per-round ratios per width.

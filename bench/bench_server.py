@@ -1,11 +1,15 @@
-"""Where speculation stops paying in `mlxspec serve`: aggregate tokens/s and mean latency
-against the number of concurrent clients, each configuration against plain batched decoding.
+"""#43 (speed unchanged for the server at 1/4/8 clients): `mlxspec serve`'s aggregate tokens/s
+and mean latency against the number of concurrent clients, each configuration against plain
+batched decoding; run it on both checkouts, in both orders.
 
     python bench/bench_server.py                       # the bundled pair (else a random model)
     python bench/bench_server.py --clients 1,2,4,8,16,32 --modes ngram,draft \
         --workloads grounded,free --configs default,spec,plain --repeat 2
-    python bench/bench_server.py --burst 256 --soak 10   # load and abuse (bench_soak.py)
     python bench/bench_server.py --no-http ...            # the worker alone, no HTTP threads
+
+Its `workload` and `free_workload` are also the prompts of bench_versions.py (in both
+checkouts) and bench_plain_batch.py. The load and abuse runs (`--burst`, `--soak`) were
+bench_soak.py, since removed: run them from commit 3f5b1fb (docs/SERVER.md has the figures).
 
 For each configuration a real server runs in this process on a free loopback port, and N client
 threads each send R `/v1/completions` requests one after another (closed loop), each asking
@@ -248,18 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-http", action="store_true",
                     help="submit to the server's worker directly (no HTTP handler threads "
                          "sharing the cores: steadier cells)")
-    # Load and abuse (bench_soak.py): a burst of connections, a soak of mixed traffic.
-    ap.add_argument("--burst", type=int, default=0, help="N simultaneous connections")
-    ap.add_argument("--soak", type=float, default=0, help="minutes of mixed traffic")
-    ap.add_argument("--concurrency", type=int, default=16, help="soak clients")
-    ap.add_argument("--url", default=None, help="a running server (default: start one)")
-    ap.add_argument("--serve-args", default="", help="more `mlxspec serve` options")
     args = ap.parse_args(argv)
-    if args.burst or args.soak:
-        sys.path.insert(0, str(ROOT / "bench"))
-        import bench_soak
-
-        return bench_soak.run(args)
 
     model = args.model
     label = model

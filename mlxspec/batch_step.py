@@ -1,11 +1,12 @@
 """The decode loop, for one request or many: rows of one batch, one target forward per step.
 
 Each row proposes with its own source and k (possibly 0), one forward runs over the rows padded
-to 1 + max k, each row is verified by the single-request rule (`step.decode_step`) and keeps
-its own accepted tokens; where no row proposes, plain decoding runs pipelined. A request alone
-is a batch of one on its own cache of any kind (`alone=True`, `Engine.open`); several rows share
-a `RaggedKVCache` per layer. Each row's cache holds every committed token but the last, and its
-output equals the request decoded alone. See docs/HOW_IT_WORKS.md, "Several requests".
+to 1 + max k (`step.py`, the same kernel for k = 0), each row keeps its own accepted tokens;
+where no row proposes, plain steps run pipelined. The batch's cache is rows (`caches.rows`):
+a first request keeps its own cache of any kind (`RowCache`, no copy), and plain-attention
+rows move into `RaggedRows` when a second joins. Each row's cache holds every committed token
+but the last, and its output equals the request decoded by itself. See docs/HOW_IT_WORKS.md,
+"Several requests".
 """
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from . import caches
-from .batch_draft import BatchDraft, draft_proposer
 from .caches.prompt import PromptCache
 from .caches.ragged import RaggedKVCache, plain_attention
+from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
 from .policy import MAX_NUM_DRAFT, AdaptiveK, BatchPolicy, Policy, RowOffer, RowPolicy, plan_rows
 from .proposal import Proposal
 from .proposers.base import Proposer
-from .sampling import SamplingParams, probs_from_logits, sample
+from .proposers.draft import TREE, DraftRows, draft_proposer
+from .sampling import SamplingParams
 from .stats import Stats
-from .step import decode_step, verify_chain
+from .step import StartedStep, decode_step, draw_next, finish_step, start_step
 from .stopstrings import Detokenizer, StepOutput
 
 if TYPE_CHECKING:
@@ -42,12 +44,15 @@ GROUP_CACHED_MAX = 256
 
 @dataclass
 class QueuedPlainStep:
-    """A plain forward queued for `rows` (None: left since) before the previous step's tokens
-    were read; `tokens` (lazy) their next tokens; `checkpoint` undoes it on a lone row's cache."""
+    """A plain step started for `rows` (None: left since) before the previous step's tokens
+    were read; `step.out` (lazy) their next tokens."""
 
     rows: list
-    tokens: mx.array
-    checkpoint: caches.Checkpoint | None = None
+    step: StartedStep
+
+    @property
+    def tokens(self) -> mx.array:
+        return self.step.out
 
 
 class BatchRow:
@@ -66,11 +71,12 @@ class BatchRow:
         self.planner = RowPolicy(policy, proposer, batched=batch.policy is not None)
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
-        self.draft = None  # its DraftModelProposer, while that drafts in the batch's BatchDraft
+        self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows
         # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
         self.opening: tuple | None = None
         self.chunk: int | None = None
         self.pending: list[int] | None = None  # committed, not read yet
+        self.shares = False  # may share a batch with other rows (`shareable`, set at `open`)
         self.error: BaseException | None = None
         self.closed = False
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
@@ -100,11 +106,15 @@ class BatchRow:
         return self.wants and len(self.context) + 2 <= self.end
 
     def available(self) -> dict[str, int] | None:
-        """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be)."""
+        """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be); a
+        draft tree only where the row's cache can verify one."""
         cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
-        return self.proposer.available(self.context, cap)
+        offered = self.proposer.available(self.context, cap)
+        if TREE in offered and not self.proposer.uses_trees and not self.batch.verifies_trees():
+            offered = {s: n for s, n in offered.items() if s != TREE}
+        return offered
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
@@ -120,7 +130,7 @@ class BatchRow:
 
     def first_draw(self, logits: mx.array) -> mx.array:
         """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
-        return self.batch._draw([self], logits[None], [self.step_keys()[1]])
+        return draw_next(logits[None], [self.sampling], [self.step_keys()[1]])
 
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
@@ -160,27 +170,24 @@ class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
     def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
-                 pipeline: bool = True, solo: bool = True, alone: bool = False, sync=None):
+                 pipeline: bool = True, sync=None):
         """`policy`: chooses every row's k (default a fresh `BatchPolicy`); `row_plans`: none,
-        each row plans as if alone. `pipeline`: plain stretches pipelined. `solo`: a row alone
-        decodes on its own cache until another joins. `alone`: one request only, on its own
-        cache of any kind. `sync`: a sharded target's (rank 0's tokens on every rank)."""
+        each row plans its own k (a request by itself: `Engine.open`). `pipeline`: plain
+        stretches pipelined. `sync`: a sharded target's (rank 0's tokens on every rank)."""
         self.model = model
-        self.alone, self.sync = alone, sync
-        self.policy = None if row_plans or alone else (policy or BatchPolicy())
+        self.sync = sync
+        self.policy = None if row_plans else (policy or BatchPolicy())
         self.rows: list[BatchRow] = []
         # Row b of the cache holds slots[b]; a row leaving leaves None (fed padding, trimmed at
         # once) for the next to join: neither joining nor leaving copies the cache (`_compact`).
         self.slots: list[BatchRow | None] = []
-        self.cache: list[RaggedKVCache] | None = None
-        self.drafts: dict[int, BatchDraft] = {}  # id(draft model) -> its rows' draft caches
+        self.cache: RowCache | RaggedRows | None = None
+        self.drafts: dict[int, DraftRows] = {}  # id(draft model) -> its rows' draft caches
         self.steps = 0  # batched forwards run
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
         self.plain_steps = 0  # batched forwards in which no row proposed
-        self.batched_drafts = 0  # proposals drafted by a batched draft model (batch_draft.py)
+        self.batched_drafts = 0  # proposals drafted in shared draft rows (proposers/draft.py)
         self.pipeline = pipeline
-        self.solo = solo
-        self.own: BatchRow | None = None  # the lone row whose own cache is `cache` (`_join`)
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
         # A plain stretch asks the policy every `replan_gap` steps (and when a row joins): on
         # MLX's CPU backend `async_eval` returns near the forward's end, so nothing hides it.
@@ -189,19 +196,31 @@ class BatchSpeculator:
         self.opening: list[BatchRow] = []  # opened, to prefill together (`_open_pending`)
         self.prefilling: list[BatchRow] = []  # opened, prefilled a chunk per step
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
+        self._trees: bool | None = None  # the model can verify token trees (`verifies_trees`)
 
     @staticmethod
     def accepts(engine: Engine, mode: str | None = None) -> bool:
-        """Whether a request can share a batch: plain attention, a chain proposer, unsharded."""
-        if engine.kv != "fp" or engine.sync is not None:
-            return False
+        """Whether a request in `mode` can share a batch with others (`shareable`)."""
         try:
             proposer = engine.proposer_of(mode)
         except MlxspecError:
             return False  # the engine path reports it
-        if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
+        return shareable(engine, proposer)
+
+    def verifies_trees(self) -> bool:
+        """Whether a token tree can be verified now: a row on its own cache, of a model whose
+        attention takes per-token positions and has no recurrent layers (`tree.py`)."""
+        if self.cache is None or self.cache.shared:
             return False
-        return plain_attention(caches.make_cache(engine.model))
+        if self._trees is None:
+            from .tree import rope_sites
+
+            try:
+                rope_sites(self.model)
+                self._trees = not caches.has_recurrent(self.cache.layers)
+            except MlxspecError:
+                self._trees = False
+        return self._trees
 
     def open(self, engine: Engine, prompt, *, progress=None, prefill_chunk: int | None = None,
              **request) -> BatchRow:
@@ -212,20 +231,19 @@ class BatchSpeculator:
         `request`: as `Engine.prepare`."""
         req = engine.prepare(prompt, **request)
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
-        if proposer is not None and proposer.uses_trees and not self.alone:
-            raise MlxspecError("this request cannot run in the batched step")
         if engine.model is not self.model:
             raise MlxspecError("a row of another model cannot join this batch")
+        members = self.opening + self.prefilling + self.rows
         row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
                        req.key, req.stats, len(tokens) + req.max_tokens,
-                       req.num_draft or MAX_NUM_DRAFT, req.stops,
-                       seeded=req.seeded or self.alone)
-        if any(r.pc is pc for r in self.opening + self.prefilling + self.rows):
+                       req.num_draft or MAX_NUM_DRAFT, req.stops, seeded=req.seeded)
+        row.shares = shareable(engine, proposer)
+        if members and not (row.shares and all(r.shares for r in members)):
+            raise MlxspecError("this request cannot run in the batched step")
+        if any(r.pc is pc for r in members):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
         keep = engine.reuse(tokens, pc, proposer)
-        if not self.alone and not plain_attention(pc.cache):
-            raise MlxspecError("this request cannot run in the batched step")
         row.opening = (req, keep, time.perf_counter() - start)
         if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
             row.chunk = prefill_chunk
@@ -275,7 +293,7 @@ class BatchSpeculator:
         if first is not None:
             row.pc.tokens = list(row.context)
             row.commit([first], observe=False)
-        self._join(row, may_go_solo=first is None)
+        self._join(row, may_keep_own=first is None)
 
     def _open_pending(self) -> None:
         """The rows opened since the last step prefill together (the last prompt token too)
@@ -287,8 +305,8 @@ class BatchSpeculator:
             return
         start = time.perf_counter()
         try:
-            if len(group) == 1 and self._goes_solo(group[0]):
-                self._prefill_and_join(group[0])  # alone: on its own cache
+            if len(group) == 1 and self._keeps_own_cache(group[0]):
+                self._prefill_and_join(group[0])  # on its own cache
                 return
             firsts = self._prefill_group(group)
         except Exception as e:  # the state of every row's cache is unknown
@@ -296,13 +314,12 @@ class BatchSpeculator:
                 self._fail_open(r, e)
             return
         spent = time.perf_counter() - start
-        self._end_solo()  # a lone row moves into the ragged cache first
+        self._share()  # a row on its own cache moves into ragged rows first
         need = len(group) - self.slots.count(None)
         if need > 0:  # room for the whole group at once: growing copies every buffer
             if self.cache is None:
-                self.cache = [RaggedKVCache() for _ in group[0].pc.cache]
-            for c in self.cache:
-                c.add_empty_rows(need)
+                self.cache = RaggedRows(len(group[0].pc.cache))
+            self.cache.add_empty_rows(need)
             self.slots.extend([None] * need)
         for r, token in zip(group, firsts):
             try:  # a failure here is this row's alone
@@ -353,71 +370,70 @@ class BatchSpeculator:
         return mx.concatenate([drawn[id(r)] for r in group]).tolist()  # the group's one wait
 
     # -- membership
-    def _goes_solo(self, row: BatchRow) -> bool:
-        return not self.rows and (self.alone or self.solo and (
-            not row.pinned or isinstance(row.planner.policy, AdaptiveK)))
+    def _keeps_own_cache(self, row: BatchRow) -> bool:
+        """A first row decodes on its own cache (any kind, no copy): the fastest for one
+        request (on ragged rows one ran at 0.93x, bench/bench_batch_of_one.py at 6fce6c1),
+        until another joins. Not a pinned row of a shared batch (seeded, fixed k, T > 0): its
+        draws must not depend on whether another row comes."""
+        return not self.rows and (self.policy is None or not row.shares or not row.pinned
+                                  or isinstance(row.planner.policy, AdaptiveK))
 
-    def _join(self, row: BatchRow, may_go_solo: bool = True) -> None:
+    def _join(self, row: BatchRow, may_keep_own: bool = True) -> None:
         if row.detok is not None:
             row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
-        if may_go_solo and self._goes_solo(row):
-            # Alone, a row decodes on its own cache (the step takes any kind as it is), the
-            # fastest for one request (on the ragged cache one row ran at 0.93x,
-            # `bench/bench_batch_of_one.py [--no-solo]`), until another row joins. Not a
-            # pinned row (seeded, fixed k, temperature > 0): its draws must not depend on
-            # whether another row comes.
-            self.own, self.cache, self.slots = row, row.pc.cache, [row]
+        if may_keep_own and self._keeps_own_cache(row):
+            self.cache, self.slots = RowCache(self.model, row.pc.cache), [row]
+            row.pc.cache = None  # the batch holds it now; given back on leaving
             self.rows.append(row)
             return
-        if self.alone:
-            raise MlxspecError("this batch takes one request")
-        self._end_solo()
+        if not row.shares or any(not r.shares for r in self.rows):
+            raise MlxspecError("this request cannot run in the batched step")
+        self._share()
         self._admit(row)
         self.rows.append(row)
 
-    def _end_solo(self) -> None:
-        """The lone row moves into the ragged cache, a step queued for it undone first."""
-        row = self.own
-        if row is None:
+    def _share(self) -> None:
+        """A row on its own cache moves into ragged rows (a step queued for it undone first)."""
+        if self.cache is None or self.cache.shared:
             return
-        self._drop_queued_own()
-        self.own, self.cache, self.slots = None, None, []
+        self._drop_queued()
+        (row,) = self.slots
+        layers = self.cache.take_row(0)
+        self.cache, self.slots = None, []
+        row.pc.cache = layers
         self._admit(row)
 
-    def _drop_queued_own(self) -> None:
+    def _drop_queued(self) -> None:
+        """Undo a queued step: its rows' caches without the tokens it fed them."""
         q, self.queued = self.queued, None
-        if q is not None and q.rows[0] is not None:
-            self._undo_own(q)
-
-    def _undo_own(self, q: QueuedPlainStep) -> None:
-        """The lone row's cache without the token `q` fed it."""
-        caches.rollback(self.model, self.cache, q.checkpoint, [self.own.context[-1]], 0)
+        if q is not None and any(r is not None for r in q.rows):
+            self.cache.trim_rows([1 if r is not None and r in q.rows else 0 for r in self.slots],
+                                 ckpt=q.step.ckpt)
 
     def _admit(self, row: BatchRow) -> None:
-        """Move a row's single-request cache (and its draft's) into the batch's."""
+        """Move a row's single-request cache (and its draft's) into the ragged rows."""
         layers = row.pc.cache
         if self.cache is None:
-            self.cache = [RaggedKVCache() for _ in layers]
+            self.cache = RaggedRows(len(layers))
         else:
             # Evaluated (no wait: every caller has just waited), the buffers are written in
             # place; otherwise MLX copies them whole, ~7 ms a join at 8 rows on the server.
-            mx.eval([c.state for c in self.cache])
-        if len(layers) != len(self.cache):
+            mx.eval(self.cache.evaluate())
+        if len(layers) != len(self.cache.layers):
             raise MlxspecError("a row of another model cannot join this batch")
         b = self.slots.index(None) if None in self.slots else len(self.slots)
-        for ragged, c in zip(self.cache, layers):
-            ragged.put_row(b, c)
+        self.cache.put_row(b, layers)
         if b == len(self.slots):
             self.slots.append(row)
         else:
             self.slots[b] = row
         # Started, not waited for: a queued step may still be running; the copy joins it.
-        mx.async_eval([c.state for c in self.cache])
+        mx.async_eval(self.cache.evaluate())
         row.pc.cache = None  # the batch holds it now; given back on leaving
         draft = draft_proposer(row.proposer)
-        if draft is not None and BatchDraft.joins(draft) and not any(
+        if draft is not None and DraftRows.joins(draft) and not any(
                 r.draft is draft for r in self.rows):
-            batch = self.drafts.setdefault(id(draft.model), BatchDraft(draft.model))
+            batch = self.drafts.setdefault(id(draft.model), DraftRows(draft.model))
             batch.join(draft)
             row.draft = draft
 
@@ -429,19 +445,10 @@ class BatchSpeculator:
         if row not in self.rows:
             return
         self.rows.remove(row)
-        if row is self.own:  # its cache is its own already
-            if row.error is None:
-                self._drop_queued_own()
-                row.pc.tokens = row.context[:-1]
-            else:  # state unknown after a failed step: not reused
-                row.pc.drop()
-            self.own, self.cache, self.queued, self.slots = None, None, None, []
-            return
         b = self.slots.index(row)
         q = self.queued
         if q is not None and row in q.rows:  # its last token was fed by the queued step
-            for c in self.cache:
-                c.trim_rows([1 if r is row else 0 for r in self.slots])
+            self.cache.trim_rows([1 if r is row else 0 for r in self.slots], ckpt=q.step.ckpt)
             q.rows[q.rows.index(row)] = None
         self.slots[b] = None
         if row.draft is not None:
@@ -450,10 +457,11 @@ class BatchSpeculator:
             if not batch.members:
                 del self.drafts[id(row.draft.model)]
             row.draft = None
-        layers = [c.take_row(b) for c in self.cache]
-        row.pc.drop()  # (a row that failed: its state unknown, not reused)
-        if row.error is None:
-            row.pc.cache, row.pc.kind, row.pc.tokens = layers, "kv", row.context[:-1]
+        layers = self.cache.take_row(b)
+        if row.error is not None:  # state unknown after a failed step: not reused
+            row.pc.drop()
+        else:
+            row.pc.cache, row.pc.tokens = layers, row.context[:-1]
         if not self.rows:
             self.cache, self.queued, self.slots = None, None, []
         else:
@@ -466,14 +474,14 @@ class BatchSpeculator:
         if not empty or empty * 2 < len(self.slots):
             return
         keep = [b for b, r in enumerate(self.slots) if r is not None]
-        for c in self.cache:
-            c.keep_rows(keep)
+        self.cache.keep_rows(keep)
         self.slots = [self.slots[b] for b in keep]
         q = self.queued
         if q is not None:  # slots added since it was queued are not in it
             kept = [b for b in keep if b < len(q.rows)]
             q.rows = [q.rows[b] for b in kept]
-            q.tokens = q.tokens[mx.array(kept, mx.int32)]
+            q.step.out = q.step.out[mx.array(kept, mx.int32)]
+            q.step.fed = [q.step.fed[b] for b in kept]
 
     # -- the step
     def step(self) -> None:
@@ -495,8 +503,7 @@ class BatchSpeculator:
             plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
-                inputs = mx.array([r.context[-1] if r is not None else 0 for r in fed], mx.uint32)
-                self._queue_next(fed, inputs, _spread(fed, verify_keys))
+                self._queue_next(fed, _spread(fed, verify_keys))
                 self._deliver_queued(started=start)
                 return
             proposals, draft_forwards = self._propose(rows, plans, propose_keys)
@@ -515,7 +522,7 @@ class BatchSpeculator:
         drafted = [res.drafted for res in results]
         if not any(drafted):
             self.plain_steps += 1
-        if self.policy is not None and self.own is None:
+        if self.policy is not None and self.cache.shared:
             self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
                                 draft_forwards, seconds, span)
         for r, (arm, _), res in zip(rows, plans, results):
@@ -530,45 +537,19 @@ class BatchSpeculator:
                 and not any(r.planner.shadow is not None and r.proposer is not None
                             and r.pinned for r in self.rows))
 
-    def _plain_forward(self, fed: list[BatchRow | None], inputs: mx.array,
-                       keys: list[mx.array | None]) -> mx.array:
-        """One plain forward over every slot, fed[b] fed inputs[b] (None: padding, trimmed at
-        once); lazily, each slot's next token, drawn with keys[b] as `verify_chain` draws."""
-        logits = self.model(inputs.reshape(-1, 1), cache=self.cache)[:, -1]
-        if None in fed:
-            for c in self.cache:
-                c.trim_rows([1 if r is None else 0 for r in fed])
-        tokens = self._draw(fed, logits, keys)
-        return tokens if self.sync is None else self.sync(tokens)
-
-    def _draw(self, fed: list[BatchRow | None], logits: mx.array,
-              keys: list[mx.array | None]) -> mx.array:
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)  # greedy rows, empty slots
-        # Sampled rows: a seeded one with its own key, as `verify_chain` draws; unseeded ones
-        # with one sampling together, from MLX's global generator (exact in distribution).
-        groups: dict[SamplingParams | int, list[int]] = {}
-        for b, r in enumerate(fed):
-            if r is not None and not r.sampling.greedy:
-                groups.setdefault(b if r.seeded else r.sampling, []).append(b)
-        for group, members in groups.items():
-            if isinstance(group, int):
-                empty = mx.array([], mx.uint32)
-                drawn = verify_chain(logits[group : group + 1], empty, None, fed[group].sampling,
-                                     keys[group])[1].reshape(1)
-            else:
-                drawn = sample(probs_from_logits(logits[mx.array(members, mx.int32)], group), None)
-            tokens[mx.array(members, mx.int32)] = drawn.astype(mx.uint32)
-        return tokens
-
-    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array, keys=None) -> None:
-        """A plain forward feeding fed[b] inputs[b], started (`mx.async_eval`; a sharded
-        target's ranks then run the forwards' collectives in the same order), not read back."""
+    def _queue_next(self, fed: list[BatchRow | None], keys=None,
+                    inputs: mx.array | None = None) -> None:
+        """A plain step feeding fed[b] its last token (or inputs[b], unread), started
+        (`mx.async_eval`; a sharded target's ranks then run the forwards' collectives in the
+        same order), not read back."""
         if keys is None:  # the same keys the step would take when it runs
             keys = [r.step_keys()[1] if r is not None else None for r in fed]
-        ckpt = caches.checkpoint(self.cache) if self.own is not None else None
-        queued = self._plain_forward(fed, inputs, keys)
-        mx.async_eval(queued)
-        self.queued = QueuedPlainStep(fed, queued, ckpt)
+        lasts = [None if r is None else r.context[-1] for r in fed]
+        started = start_step(self.model, self.cache, lasts, [None] * len(fed),
+                             [GREEDY if r is None else r.sampling for r in fed], keys,
+                             sync=self.sync, inputs=inputs)
+        mx.async_eval(started.out)
+        self.queued = QueuedPlainStep(fed, started)
 
     def _deliver_queued(self, started: float | None = None) -> None:
         """The queued step's tokens are its rows' next output (`started`: when a stretch's
@@ -578,15 +559,16 @@ class BatchSpeculator:
         that joined meanwhile their last token, so a stretch survives requests coming, leaving
         and ending."""
         q, self.queued = self.queued, None
+        cache = self.cache
         span = self._span() - 1  # the queued step's token is cached already
         try:
             at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
             fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
                    else (r if r.waiting else None) for r in self.slots]
             stepping = [r for r in fed if r is not None]
-            # (a lone row asks every step, as cheap sources end a stretch at once)
+            # (a row on its own cache asks every step, as cheap sources end a stretch at once)
             replan = started is None and (
-                self.own is not None or self.pipelined % self.replan_gap == 0
+                not cache.shared or self.pipelined % self.replan_gap == 0
                 or any(r is not None and id(r) not in at for r in fed))
             again = (stepping and self._can_pipeline(stepping) and not (
                 replan and any(k for _, k in self._plans(stepping, commit=False))))
@@ -597,55 +579,52 @@ class BatchSpeculator:
                     inputs = mx.stack([
                         mx.array(0, mx.uint32) if r is None else q.tokens[at[id(r)]]
                         if id(r) in at else mx.array(r.context[-1], mx.uint32) for r in fed])
-                self._queue_next(fed, inputs)
-            host = q.tokens.tolist()
+                self._queue_next(fed, inputs=inputs)
+            host = finish_step(q.step)
         except Exception as e:
             self.fail(e)
             return
         now = time.perf_counter()
         seconds, self._delivered = now - (started or self._delivered), now
-        kept = [(r, t) for r, t in zip(q.rows, host) if r is not None and r.wants]
+        kept = [(r, res.tokens[0]) for r, res in zip(q.rows, host)
+                if r is not None and res is not None and r.wants]
         # a row that wants no more: the token the queued step fed it goes, not committed
         drop = [r for r in q.rows if r is not None and not r.wants]
-        if drop and self.own is not None:
-            self._undo_own(q)
-        elif drop:
-            for c in self.cache:
-                c.trim_rows([1 if r in drop else 0 for r in self.slots])
+        if drop:
+            cache.trim_rows([1 if r in drop else 0 for r in self.slots], ckpt=q.step.ckpt)
         self.pipelined += started is None
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
-        self._commit_plain(kept, seconds if again or started else None, span, bool(started))
+        self._commit_plain(kept, seconds if again or started else None, span, bool(started),
+                           cache.shared)
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or each row's
-        own plan (one adaptive row too: the batch's cost model, fitted on wider batches,
-        misjudges a draft model there). `commit=False`: only asking (a forced probe is not
-        counted as taken)."""
-        if self.policy is None or self.own is not None or (
+        own plan (a row on its own cache, or one adaptive row: the batch's cost model, fitted
+        on wider batches, misjudges a draft model there). `commit=False`: only asking (a forced
+        probe is not counted as taken)."""
+        if self.policy is None or not self.cache.shared or (
                 len(self.rows) == 1 and isinstance(self.rows[0].planner.policy, AdaptiveK)):
-            return [r.planner.plan(r.available()) for r in rows]  # each as if alone
+            return [r.planner.plan(r.available()) for r in rows]
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
 
     def _span(self) -> int:
         """The longest row's cached length (what a step's queries attend, less the width)."""
-        if self.own is not None:
-            return len(self.own.context) - 1
-        return max(self.cache[0].lengths, default=0) if self.cache else 0
+        return max(self.cache.lengths, default=0) if self.cache else 0
 
     def _commit_plain(self, kept: list[tuple[BatchRow, int]], seconds: float | None, span: int,
-                      synced: bool) -> None:
+                      synced: bool, shared: bool) -> None:
         """Each (row, token) of a plain step; `seconds` None: the step is counted, its time is
         not a cost to learn from."""
         self.steps += 1
         self.plain_steps += 1
         self.rows_stepped += len(kept)
-        if self.policy is not None and self.own is None and seconds is not None:
+        if self.policy is not None and shared and seconds is not None:
             self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
         for r, token in kept:
-            # (a lone row's policy takes only the steady state: not a stretch's synced first)
-            r.commit([token], seconds=None if synced and self.own is not None else seconds)
+            # (a row on its own cache learns only the steady state: not a stretch's synced first)
+            r.commit([token], seconds=None if synced and not shared else seconds)
 
     def fail(self, e: BaseException) -> None:
         """A step failed: every row reports `e` at its next read."""
@@ -655,7 +634,7 @@ class BatchSpeculator:
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
                  keys: list[mx.array]) -> tuple[list[Proposal | None], int]:
-        """Every row's proposal (batched draft-model rows draft together, `batch_draft.py`),
+        """Every row's proposal (draft-model rows draft together, `proposers/draft.py`),
         and the sequential draft forwards this took."""
         proposals: list[Proposal | None] = [None] * len(rows)
         by_draft: dict[int, list[int]] = {}
@@ -667,7 +646,7 @@ class BatchSpeculator:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
             proposals[i] = r.proposer.propose(r.context, k, key, source=source)
-            if source == "draft":  # a draft that cannot batch: k forwards of its own
+            if source in ("draft", TREE):  # a draft that cannot batch: k forwards of its own
                 draft_forwards += k
         widest = 0
         for model_id, members in by_draft.items():
@@ -678,6 +657,17 @@ class BatchSpeculator:
             self.batched_drafts += len(members)
             widest = max(widest, max(plans[i][1] for i in members))
         return proposals, draft_forwards + widest
+
+
+def shareable(engine: Engine, proposer: Proposer | None) -> bool:
+    """Whether a request can share a batch with other requests (decided here only): a plain
+    attention cache (a window or a recurrent state has no ragged rows yet), a chain proposer
+    on the target's plain cache, an unsharded target. Others decode on their own cache."""
+    if engine.kv != "fp" or engine.sync is not None:
+        return False
+    if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
+        return False
+    return plain_attention(caches.make_cache(engine.model))  # (a CacheList layer: no rows)
 
 
 def _spread(fed: list, values, empty=None) -> list:
@@ -705,7 +695,7 @@ def decode(model, cache: list, context: list[int], proposer: Proposer | None, po
     """One request on a raw cache holding `context` but its last token (tools, tests): yields
     the tokens each step commits; `context` grows in place; `num_draft` caps k. When it ends
     the cache holds every committed token but the last again."""
-    batch = BatchSpeculator(model, alone=True, sync=sync)
+    batch = BatchSpeculator(model, row_plans=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)
     batch._join(row)

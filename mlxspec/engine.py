@@ -69,7 +69,9 @@ class Engine:
                  config: dict | None = None, name: str = "model",
                  max_context: int | None = None, prefill_step_size: int = 2048,
                  adaptive: bool = False, kv: str = "fp", kv_group_size: int = 64,
-                 kv_buffer_size: int | None = None, draft_source=None, **mode_options):
+                 kv_buffer_size: int | None = None, draft_source=None,
+                 load_draft: Callable[[object, Engine], nn.Module] | None = None,
+                 **mode_options):
         if kv not in ("fp", "hierarchical"):
             raise MlxspecError(f"kv must be 'fp' or 'hierarchical', got {kv!r}")
         # kv="hierarchical": plain decoding on QuantSpec's 8-bit view (what it verifies with)
@@ -77,7 +79,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.draft_model = draft_model
-        self.draft_source = draft_source  # loaded on first use when draft_model is None
+        # loaded on first use when draft_model is None, by load_draft(draft_source, engine)
+        # (`loading.load_draft`, which checks the pair: the loader knows the engine, not back)
+        self.draft_source, self.load_draft = draft_source, load_draft
         self.config = config or {}
         self.name = name
         self.max_context = max_context or self.config.get("max_position_embeddings")
@@ -103,7 +107,8 @@ class Engine:
             num_draft=self.num_draft if self.num_draft_set else None, config=self.config,
             name=self.name, max_context=self.max_context, prefill_step_size=self.prefill_step_size,
             adaptive=self.adaptive, kv=self.kv, kv_group_size=self.kv_group_size,
-            kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source, **extra)
+            kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source,
+            load_draft=self.load_draft, **extra)
         other.set_mode(self.mode, **self.mode_options)
         return other
 
@@ -127,10 +132,8 @@ class Engine:
         if key not in self._proposers:
             # the pair's draft is loaded when a mode first uses it
             if (mode in ("draft", "auto") and self.draft_model is None
-                    and self.draft_source is not None):
-                from .loading import load_draft
-
-                self.draft_model = load_draft(self.draft_source, self)
+                    and self.draft_source is not None and self.load_draft is not None):
+                self.draft_model = self.load_draft(self.draft_source, self)
             try:
                 proposer = make_proposer(mode, self.model, self.draft_model, **mode_options)
             except MlxspecError:
@@ -250,7 +253,7 @@ class Engine:
         """A request alone, opened: a batch of one on its own cache (of any kind). Whoever
         holds it steps `row.batch` and reads the row (`stream_steps`, the server's worker)
         and closes it. Keyword arguments as `stream_steps`."""
-        return BatchSpeculator(self.model, alone=True, sync=self.sync).open(self, prompt,
+        return BatchSpeculator(self.model, row_plans=True, sync=self.sync).open(self, prompt,
                                                                            **kwargs)
 
     def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,

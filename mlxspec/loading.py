@@ -297,7 +297,7 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
                                                       "prefill_step_size") if k in mode_options}
     engine = Engine(net, tokenizer, mode="none", num_draft=num_draft, config=config, name=name,
                     max_context=max_context, adaptive=adaptive, draft_source=draft_path,
-                    **engine_options)
+                    load_draft=load_draft, **engine_options)
     if draft is not None:  # an explicit draft is loaded (and checked) now
         engine.draft_model = load_draft(draft_path, engine)
     engine.set_mode(mode, **mode_options)

@@ -1,7 +1,7 @@
 """A trained draft for a real target: a few llama layers reading the target's own token embedding,
 with an output head over the target's N most frequent tokens (FR-Spec).
 
-The draft is an mlx-lm llama (`DraftModelProposer` and the batched draft run it as any draft);
+The draft is an mlx-lm llama (`DraftModelProposer` runs it as any draft);
 its `__call__` returns full-vocabulary logits, -inf outside the head, so q is a distribution
 over the whole vocabulary that is zero off the head and the acceptance rules stay exact. Its
 folder holds `config.json` (llama arguments plus an `mlxspec_draft` entry), and

@@ -203,14 +203,14 @@ def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
     want, batch, rows, outs, opener = started([REQUESTS[i] for i in (0, 2, 4, 5, 7)], 4)
     rows[1].close()  # leaves: its slot empties, the batch is not copied
     assert batch.slots[1] is None and len(batch.slots) == 4
-    assert batch.cache[0].keys.shape[0] == 4
+    assert batch.cache.layers[0].keys.shape[0] == 4
     opener(4)()  # the next request takes the empty slot, at its first read (its prefill)
     assert batch.slots[1] is None
     outs[4].extend(next_output(rows[4]).tokens)
     assert batch.slots[1] is rows[4] and len(batch.slots) == 4
     rows[2].close()
     rows[3].close()  # half the slots empty: compacted to the two rows left
-    assert batch.slots == [rows[0], rows[4]] and batch.cache[0].keys.shape[0] == 2
+    assert batch.slots == [rows[0], rows[4]] and batch.cache.layers[0].keys.shape[0] == 2
     drain(rows, outs)
     assert outs[0] == want[0] and outs[4] == want[4]
     for i in (1, 2, 3):
@@ -246,7 +246,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     pc = PromptCache()
     row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
     outs = [list(next_output(row).tokens)]  # alone in its round: prefilled as the engine does
-    assert batch.own is row and batch.cache is pc.cache  # on its own cache
+    assert not batch.cache.shared and pc.cache is None  # on its own cache, held by the batch
     drain([row], outs)
     assert outs[0] == want
     assert row.stats.target_forwards == alone.stats.target_forwards
@@ -270,10 +270,10 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     outs = [[], []]
     for _ in range(5):
         outs[0].extend(next_output(rows[0]).tokens)
-    assert batch.own is rows[0]
+    assert batch.slots == rows[:1] and not batch.cache.shared  # on its own cache
     rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next_output(rows[1]).tokens)  # its prefill; the lone row moves in
-    assert batch.own is None and batch.cache[0].lengths[0] == len(rows[0].context) - 1
+    assert batch.cache.shared and batch.cache.lengths[0] == len(rows[0].context) - 1
     assert batch.slots == rows  # two rows wide: no empty slot fed padding every step
     drain(rows, outs)
     assert outs == want
@@ -387,9 +387,9 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     assert rows[4].stats.cached_tokens == len(much_cached) - 4
     for row, (p, _, _, _) in zip(rows, reqs[:5]):
         b = batch.slots.index(row)
-        assert batch.cache[0].lengths[b] == len(p)
+        assert batch.cache.layers[0].lengths[b] == len(p)
         fresh = prefilled(base, p + [0])  # holds p
-        assert mx.allclose(batch.cache[0].keys[b : b + 1, :, : len(p), :],
+        assert mx.allclose(batch.cache.layers[0].keys[b : b + 1, :, : len(p), :],
                            fresh[0].keys[..., : len(p), :], atol=1e-4).item()
     outs.append([])
     drain(rows, outs)
@@ -580,8 +580,15 @@ def test_refuses_what_it_cannot_batch():
     llama, _ = build_model("llama", seed=3)
     assert BatchSpeculator.accepts(make_engine(llama, mode="ngram"))
     assert not BatchSpeculator.accepts(make_engine(llama, mode="lookahead"))
-    with pytest.raises(MlxspecError):
-        BatchSpeculator(gemma).open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7])
+    # by itself a request of any kind decodes in a batch (on its own cache); company is refused
+    batch = BatchSpeculator(gemma)
+    batch.open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7], max_tokens=4)
+    with pytest.raises(MlxspecError, match="cannot run in the batched step"):
+        batch.open(make_engine(gemma, mode="ngram"), [3, 4, 5], max_tokens=4)
+    batch = BatchSpeculator(llama)
+    batch.open(make_engine(llama, mode="ngram"), [1, 2, 3], max_tokens=4)
+    with pytest.raises(MlxspecError, match="cannot run in the batched step"):
+        batch.open(make_engine(llama, mode="lookahead"), [3, 4, 5], max_tokens=4)
 
 
 # ----------------------------------------------------------------------------- the batch's policy
@@ -723,11 +730,11 @@ def test_batched_draft_rows_equal_each_request_alone(pair, same):
 
 
 def test_batched_draft_proposes_what_each_row_would_alone(pair):
-    """BatchDraft against DraftModelProposer.propose/update, row by row, at T > 0 over three
+    """Shared draft rows against DraftModelProposer.propose/update (a batch of one on its own
+    cache), row by row, at T > 0 over three
     rounds (rows of different lengths and k, a row sitting a round out): the same draft
     tokens and probabilities from the same keys, and the same `cached` tokens after."""
-    from mlxspec.batch_draft import BatchDraft
-    from mlxspec.proposers.draft import DraftModelProposer
+    from mlxspec.proposers.draft import DraftModelProposer, DraftRows
 
     _, draft = pair
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
@@ -738,7 +745,7 @@ def test_batched_draft_proposes_what_each_row_would_alone(pair):
             d = DraftModelProposer(draft)
             d.reset(p, sampling)
             group.append(d)
-    batch = BatchDraft(draft)
+    batch = DraftRows(draft)
     for d in batched:
         batch.join(d)
     contexts = [list(p) for p in prompts]
@@ -762,7 +769,7 @@ def test_batched_draft_proposes_what_each_row_would_alone(pair):
     for d, one in zip(batched, alone_):
         batch.leave(d)
         assert caches.offset(d.cache) == caches.offset(one.cache) == len(d.cached)
-    assert batch.cache is None
+    assert batch.rows is None
 
 
 def test_fixed_k_rows_are_pinned_at_temperature_above_zero_and_probes_are_forced(pair):
@@ -860,7 +867,6 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
     the residual)."""
     import test_exact_sampling as ex
 
-    import mlxspec.batch_step as bs
     import mlxspec.step as step
     from mlxspec.sampling import probs_from_logits, sample
 
@@ -907,7 +913,6 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
         n = mx.cumprod(ok.astype(mx.int32)).sum()
         return n, sample(p[n], s)
 
-    monkeypatch.setattr(bs, "verify_chain", wrong)
     monkeypatch.setattr(step, "verify_chain", wrong)
     assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3
 
@@ -919,7 +924,7 @@ def test_unseeded_rows_of_a_plain_stretch_draw_together_exactly(monkeypatch):
     distribution; the same test rejects a draw that ignores top-k and top-p."""
     import test_exact_sampling as ex
 
-    import mlxspec.batch_step as bs
+    import mlxspec.step as step
 
     target, _ = build_model("llama", seed=7, vocab=ex.VOCAB)
     exact = ex.exact_distribution(target, ex.PROMPT)
@@ -942,7 +947,7 @@ def test_unseeded_rows_of_a_plain_stretch_draw_together_exactly(monkeypatch):
         return out
 
     assert ex.min_pvalue(counts(), exact) > 1e-3
-    monkeypatch.setattr(bs, "probs_from_logits",
+    monkeypatch.setattr(step, "probs_from_logits",
                         lambda logits, sampling: mx.softmax(logits.astype(mx.float32), axis=-1))
     assert ex.min_pvalue(counts(), exact) < 1e-3
 

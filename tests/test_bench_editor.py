@@ -1,20 +1,18 @@
-"""bench/bench_editor.py, the llama.vim replay: its port of llama.vim's client (requests,
-cache of answers, follow-ups, ring warm-ups) against a scripted server, then a short replay
-against a real in-process server on the bundled model, and the report's figures."""
+"""`mlxspec bench editor` (mlxspec/bench/editor.py), the llama.vim replay: its port of
+llama.vim's client (requests, cache of answers, follow-ups, ring warm-ups) against a scripted
+server, then a short replay against a real in-process server on a tiny model, the report's
+figures, and the command's options."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import random
-import sys
 
 import pytest
-from conftest import REPO
+from click.testing import CliRunner
 
-spec = importlib.util.spec_from_file_location("bench_editor", REPO / "bench" / "bench_editor.py")
-be = importlib.util.module_from_spec(spec)
-sys.modules["bench_editor"] = be  # (its dataclasses look their module up)
-spec.loader.exec_module(be)
+import mlxspec.bench.editor as be
+from mlxspec.cli.main import main
 
 
 class ScriptedServer:
@@ -161,3 +159,36 @@ def test_a_replay_against_the_server(tiny):
     assert r["wait_p50"] is not None and r["wait_p95"] >= r["wait_p50"]
     assert sum(r["accepted_by_source"].values()) == r["generation"]["accepted"]
     assert "auto" in be.table([r]) and "prefill" in be.where_time_goes(r)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "auto,banana"], "unknown mode 'banana' in --modes"),
+    (["--files", "0"], "--files must be >= 1, got 0"),
+    (["--bogus"], "No such option '--bogus'"),
+])
+def test_the_command_refuses_bad_options_before_loading(args, message, monkeypatch):
+    monkeypatch.setattr("mlxspec.loading.load", lambda *a, **k: pytest.fail("model loaded"))
+    r = CliRunner().invoke(main, ["bench", "editor", *args])
+    assert r.exit_code == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_the_command_runs_the_replays_and_writes_json(monkeypatch, tmp_path):
+    """`mlxspec bench editor` passes its options to the replay (and `mlxspec bench`'s own
+    options are not asked for); --json gets the figures and the options."""
+    got = {}
+
+    def replays(engine, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed):
+        got.update(engine=engine, modes=modes, no_suffix=no_suffix, no_draft=no_draft,
+                   files=n_files, lines=n_lines, open=n_open, packages=packages, seed=seed)
+        return {"model": "m", "results": []}
+
+    monkeypatch.setattr("mlxspec.cli.bench.load_engine", lambda *a, **k: "engine")
+    monkeypatch.setattr(be, "run_replays", replays)
+    out = tmp_path / "editor.json"
+    r = CliRunner().invoke(main, ["bench", "editor", "--modes", "auto", "--no-draft",
+                                  "--lines", "3", "--packages", "click", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert got == {"engine": "engine", "modes": ["auto"], "no_suffix": False, "no_draft": True,
+                   "files": 1, "lines": 3, "open": 2, "packages": ["click"], "seed": 0}
+    report = json.loads(out.read_text())
+    assert report["model"] == "m" and report["args"]["lines"] == 3

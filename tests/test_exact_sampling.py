@@ -133,10 +133,10 @@ def test_the_same_test_rejects_a_broken_rollback(family, monkeypatch):
         from mlx_lm.models.cache import make_prompt_cache
 
         monkeypatch.setattr("mlxspec.caches.make_cache", make_prompt_cache)
-        monkeypatch.setattr("mlxspec.step.caches.rollback", silent_trim)
+        monkeypatch.setattr("mlxspec.caches.rows.rollback", silent_trim)
         monkeypatch.setattr("mlxspec.proposers.draft.caches.rollback", silent_trim)
     else:
-        monkeypatch.setattr("mlxspec.step.caches.rollback", broken_rollback)
+        monkeypatch.setattr("mlxspec.caches.rows.rollback", broken_rollback)
         monkeypatch.setattr("mlxspec.proposers.draft.caches.rollback", broken_rollback)
     broken = make_engine(target, "draft", draft_model=draft, vocab=VOCAB, num_draft=4)
     assert min_pvalue(sample_counts(broken, RUNS), exact) < 1e-4

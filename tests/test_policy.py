@@ -11,7 +11,7 @@ from conftest import build_model, make_engine
 from mlx_lm.models.cache import make_prompt_cache
 from scipy import stats as scipy_stats
 
-import mlxspec.batch_step as loop_module
+import mlxspec.step as loop_module
 from mlxspec.batch_step import decode
 from mlxspec.policy import AdaptiveK, FixedK
 from mlxspec.proposers.base import Proposal, Proposer

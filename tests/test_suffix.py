@@ -153,7 +153,7 @@ def test_scopes_share_one_budget():
 
 def test_lookup_and_proposal_cost():
     """Lookup + proposal well under a millisecond with 100 k stored tokens (the 1 M figure:
-    bench/bench_suffix_store.py)."""
+    bench/bench_suffix_store.py at c37452f)."""
     rng = random.Random(1)
     index = SuffixIndex()
     docs = [[rng.randrange(2000) for _ in range(500)] for _ in range(200)]

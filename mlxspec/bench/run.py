@@ -21,9 +21,14 @@ from .workloads import build_workload
 PEERS = ("mlx_lm", "mlx_lm_spec")
 
 
+# `MODE:tree`: the mode proposing token trees
+TREE_OPTIONS = {"draft": {"tree_width": 2}, "ngram": {"tree": True}}
+
+
 def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
-    """Runners for mode labels: a mode name, `mlx_lm`, `mlx_lm_spec`, or `MODE:k=N` (fixed k)
-    / `MODE:adaptive` (adaptive k capped at 2 * num_draft) to compare k policies."""
+    """Runners for mode labels: a mode name, `mlx_lm`, `mlx_lm_spec`, `MODE:k=N` (fixed k)
+    / `MODE:adaptive` (adaptive k capped at 2 * num_draft) to compare k policies, or
+    `draft:tree` / `ngram:tree` (token trees)."""
     runners = []
     for label in modes:
         mode, _, variant = label.partition(":")
@@ -34,6 +39,12 @@ def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
             elif variant.startswith("k="):
                 runners.append(EngineRunner(engine, mode, label,
                                             policy=FixedK(int(variant[2:]))))
+            elif variant == "tree" and mode in TREE_OPTIONS:
+                if mode == "draft" and engine.draft_model is None:
+                    continue
+                trees = engine.clone()  # the same weights (and draft), its own proposers
+                trees.set_mode(mode, **TREE_OPTIONS[mode])
+                runners.append(EngineRunner(trees, mode, label, num_draft=num_draft))
             else:
                 raise ValueError(f"unknown variant {variant!r} in {label!r}")
             continue

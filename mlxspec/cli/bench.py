@@ -39,14 +39,14 @@ def report_written(written: list[Path]) -> None:
         click.echo("plots skipped: matplotlib is not installed (pip install matplotlib)", err=True)
 
 
-@click.command()
+@click.group(invoke_without_command=True, subcommand_metavar="[editor [OPTIONS]]")
 @options("model", "gguf-weights")
 @option("draft-model", help="Draft (default with the bundled model, a pair or a named model "
                            "such as qwen2.5-coder-1.5b: its own).")
 @option("no-draft")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
-                   "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies).")
+                   "MODE:k=N fixes k, draft:tree and ngram:tree propose token trees, MODE:adaptive adapts it (to compare k policies).")
 @click.option("--workloads", default=None,
               help="Comma-separated workloads (default: all the model has). The bundled model "
                    "(and models `mlxspec train` writes): completion, fim, edit, doc-qa, chat, "
@@ -82,11 +82,16 @@ def report_written(written: list[Path]) -> None:
               help="With --distributed: milliseconds slept after every collective on every "
                    "rank, comma-separated (e.g. 0,0.2,0.5,1): the network latency that "
                    "loopback hides. Each collective is then evaluated as it is issued.")
+@click.pass_context
 @exits_cleanly
-def bench(model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
+def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
           audit_prompts, quick, out_dir, seed, from_json, distributed=None,
           collective_delay="0"):
-    """Benchmark speculation modes and mlx-lm on held-out workloads."""
+    """Benchmark speculation modes and mlx-lm on held-out workloads.
+
+    `mlxspec bench editor` replays an editor (llama.vim) typing through files instead."""
+    if ctx.invoked_subcommand is not None:  # `bench editor`: its own options
+        return
     from ..bench.workloads import DEFAULT_MAX_TOKENS
 
     if distributed and from_json is None:
@@ -262,3 +267,56 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
     click.echo(f"identical to none at T=0: {exact}")
     click.echo(f"wrote {out / 'bench_distributed.json'}, {out / 'bench_distributed.md'}",
                err=True)
+
+
+@bench.command()
+@options("model", "gguf-weights")
+@click.option("--modes", default="auto,none", show_default=True,
+              help="The server's --mode of each configuration, comma-separated.")
+@click.option("--no-suffix", is_flag=True,
+              help="Also run auto (and suffix) with --suffix-scope request: no store of earlier "
+                   "requests' text.")
+@click.option("--no-draft", is_flag=True, help="Also run auto without its draft model.")
+@click.option("--files", "n_files", type=int, default=1, show_default=True,
+              callback=in_range(1), help="Files typed through.")
+@click.option("--lines", "n_lines", type=int, default=2, show_default=True,
+              callback=in_range(1), help="Lines typed per file.")
+@click.option("--open", "n_open", type=int, default=2, show_default=True, callback=in_range(0),
+              help="Other files of the same package opened before each typed file.")
+@click.option("--packages", default="click,rich", show_default=True,
+              help="Installed packages whose files are typed (round robin).")
+@option("seed")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every figure and request here.")
+@exits_cleanly
+def editor(model, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed,
+           json_path):
+    """The editor's wait: llama.vim typing through real files, against an in-process server.
+
+    Types through installed packages' source files (click and rich by default) and sends
+    exactly llama.vim's /infill requests: ring-buffer warm-ups, first requests, speculative
+    follow-ups, its own cache of answers, t_max_predict_ms. Prints, per configuration, p50/p95
+    time to the first token and to the suggestion, prompt tokens reused and recomputed, tokens
+    per target forward by source, and follow-up hits (docs/SERVER.md). The defaults are sized
+    for qwen2.5-coder-0.5b on 2 CPU cores; ask for more with a faster model or machine
+    (--files 2 --lines 12)."""
+    import json
+
+    from ..bench.editor import run_replays
+    from ..proposers import MODES as SERVER_MODES
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for m in mode_list:
+        if m not in SERVER_MODES:
+            raise MlxspecError(f"unknown mode {m!r} in --modes; choose from "
+                               f"{', '.join(SERVER_MODES)}")
+    package_list = [p.strip() for p in packages.split(",") if p.strip()]
+    engine = load_engine(model, None, "none", None)
+    report = run_replays(engine, mode_list, no_suffix, no_draft, n_files, n_lines, n_open,
+                         package_list, seed)
+    if json_path:
+        report["args"] = {"model": model, "modes": modes, "no_suffix": no_suffix,
+                          "no_draft": no_draft, "files": n_files, "lines": n_lines,
+                          "open": n_open, "packages": packages, "seed": seed}
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str))
+        click.echo(f"wrote {json_path}", err=True)

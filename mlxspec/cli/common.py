@@ -214,7 +214,9 @@ def mode_options(fn):
     return stack(
         fn,
         click.option("--tree", is_flag=True,
-                     help="ngram: propose every earlier continuation as a token tree."),
+                     help="ngram: propose every earlier continuation as a token tree; draft: "
+                          "the draft's 2 likeliest tokens at every depth, the first continued "
+                          "(`auto` chooses draft trees by itself where they pay)."),
         click.option("--tree-budget", type=int, default=16, show_default=True,
                      callback=in_range(1), help="ngram --tree: nodes per step."),
         click.option("--window", type=int, default=None, callback=in_range(1),
@@ -246,6 +248,8 @@ def mode_kwargs(mode: str, *, tree=False, tree_budget=16, window=None, ngram_siz
                            f"{2 * int(group_size)} tokens, got {buffer_size}")
     if mode == "ngram" and tree:
         return {"tree": True, "budget": tree_budget}
+    if mode == "draft" and tree:
+        return {"tree_width": 2}
     if mode == "lookahead":
         given = {"window": window, "ngram": ngram_size, "candidates": candidates}
         return {k: v for k, v in given.items() if v is not None}

@@ -96,7 +96,8 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     name = model if model is not None else f"bundled:{path.name}"
     engine = engine_class()(net, tokenizer, mode="none", num_draft=num_draft, config=config,
                             name=name, max_context=max_context, adaptive=adaptive,
-                            draft_source=draft_path, coordinator=coord)
+                            draft_source=draft_path, load_draft=loading.load_draft,
+                            coordinator=coord)
     if draft_path is not None and mode in ("draft", "auto"):
         engine.draft_model = loading.load_draft(draft_path, engine)  # whole, on every rank
     engine.set_mode(mode, **mode_options)

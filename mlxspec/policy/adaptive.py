@@ -117,6 +117,12 @@ class AdaptiveK:
     outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
     switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
     dither: bool = True  # every other step, k +- 1 around the best (flat there; see `plan`)
+    # arm -> a variant of it (the draft -> its tree) taken every `explore_every`-th step while
+    # the variant has been measured fewer than `explore_until` times: a variant that costs
+    # more by its priors would otherwise never be measured
+    variants: dict[str, str] = field(default_factory=dict)
+    explore_every: int = 8
+    explore_until: float = 8.0
     sources: dict[str, SourceEstimate] = field(default_factory=dict)
     costs: dict[str, CostEstimate] = field(default_factory=dict)
     plain_time: float = 0.0  # decayed mean seconds per token of pipelined plain decoding
@@ -214,6 +220,10 @@ class AdaptiveK:
                 best_source, best_k, best_rate = source, k, rate
         if best_k == 0 and probe is not None:
             return probe
+        variant = self.variants.get(best_source)
+        if (best_k and variant in available and self._steps % self.explore_every
+                == self.explore_every - 1 and self._measured(variant) < self.explore_until):
+            return variant, min(best_k, available[variant])
         if best_k and self.dither:  # spread k a little, so the cost line has two ends to fit
             phase = self._steps % 4
             if phase == 1 and best_k < min(available[best_source], self.max_k):
@@ -308,6 +318,10 @@ class AdaptiveK:
         if self.choose(source) > 0:
             self.probes.pop(source, None)
 
+    def _measured(self, source: str) -> float:
+        est = self.sources.get(source)
+        return est.reached[0] if est is not None and est.reached else 0.0
+
     def _count(self, source: str, drafted: int, accepted: int) -> None:
         d = self.decay
         est = self.sources.setdefault(source, SourceEstimate())
@@ -362,11 +376,18 @@ def draft_priors(target, draft_proposer) -> dict:
     def size(model) -> int:
         return sum(v.size for _, v in tree_flatten(model.parameters()))
 
+    from ..proposers.draft import TREE, TREE_WIDTH
+
     ratio = size(draft) / max(size(target), 1)
-    priors = {"group_prior_slope": {"draft": ratio + AdaptiveK.prior_slope}}
+    # A tree of width W verifies W rows per depth: the target's share of the slope grows.
+    priors = {"group_prior_slope": {"draft": ratio + AdaptiveK.prior_slope,
+                                    TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH},
+              "variants": {"draft": TREE}}
     family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
     if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
-        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT}
+        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT, TREE: SAME_FAMILY_ACCEPT}
+    else:  # as the draft: off (probed) until measured
+        priors["group_prior_accept"] = {"draft": 0.2, TREE: 0.2}
     return priors
 
 

@@ -15,7 +15,7 @@ from ..caches.prompt import common_prefix_len
 from .adaptive import AdaptiveK, Policy
 
 # prior coefficients of (1, synced, N, N*S/1024, K, D), relative to the intercept; N's and
-# N*S's from the bundled target on this CPU (`python bench/bench_batch_cost.py`)
+# N*S's from the bundled target on this CPU (`bench/bench_batch_cost.py`, at bd76bc7)
 PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 # the feature values at which the prior counts as `prior_weight` observations
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
-from .draft import DraftModelProposer
+from .draft import TREE, DraftModelProposer
 from .ngram import NgramProposer
 from .suffix import _OWN, SuffixProposer
 
@@ -58,6 +58,7 @@ class AutoProposer(Proposer):
             offered.update(self.store_offer(context, cap, offered))
         if self.draft is not None and cap > 0:
             offered["draft"] = cap
+            offered[TREE] = cap  # (where the row's cache can verify trees: `BatchRow.available`)
         return offered
 
     def store_offer(self, context: list[int], cap: int, lookup: dict[str, int]) -> dict[str, int]:
@@ -66,7 +67,8 @@ class AutoProposer(Proposer):
         acceptance and length pay more. The store often holds what the prompt holds (a chat
         re-sends its answers, an agent its last exchange): offered too, the same tokens would
         split one source's measurements in two and cost the new arms' probes (0.93x `auto`
-        without the store on the replayed chat, `bench/bench_replay.py`)."""
+        without the store on the replayed chat, `bench/bench_replay.py`, removed; run it from
+        commit b60b038)."""
         offer = self.suffix.available(context, cap)
         if not offer or not lookup:
             return offer
@@ -79,14 +81,14 @@ class AutoProposer(Proposer):
 
     def propose(self, context: list[int], num_draft: int, key: mx.array | None,
                 source: str | None = None) -> Proposal | None:
-        if source == "draft" and self.draft is not None:
-            return self.draft.propose(context, num_draft, key)
+        if source in ("draft", TREE) and self.draft is not None:
+            return self.draft.propose(context, num_draft, key, source)
         if source and source.startswith("suffix") and self.suffix is not None:
             return self.suffix.propose(context, num_draft, key, source)
         return self.ngram.propose(context, num_draft, key)
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
-        if source == "draft":
+        if source in ("draft", TREE):
             return None
         if source.startswith("suffix") and self.suffix is not None:
             return self.suffix.peek(context, num_draft, source)

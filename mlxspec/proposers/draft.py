@@ -1,9 +1,12 @@
 """A small draft model with the target's tokenizer proposes k tokens autoregressively.
 
-The draft keeps its own cache. `cached` mirrors the tokens it holds, so a step only feeds what
-the draft has not seen yet (the target's last token, plus the last drafted token when all k were
-accepted) and a rejection is a rollback (`caches.rollback`: a trim, or for a recurrent draft a
-restored state and the accepted tokens fed again).
+One implementation for one request and for many: `DraftRows` drafts for every member of a
+batch of draft caches (rows, `caches.rows`) in k forwards. A request by itself drafts in a
+batch of one on its own draft cache of any kind (`RowCache`); requests of a target batch that
+draft with the same model share `RaggedRows` (one forward for all of them). Each member keeps
+`cached`, the tokens its draft cache holds, so a step feeds only what the draft has not seen
+(the target's last token, plus the last drafted one when all k were accepted), and a
+rejection is a trim (a recurrent draft: its state restored and the accepted tokens fed again).
 """
 
 from __future__ import annotations
@@ -14,109 +17,270 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import caches
-from ..caches.prompt import common_prefix_len  # noqa: F401  (importable from here too)
+from ..caches.prompt import common_prefix_len
+from ..caches.ragged import plain_attention
+from ..caches.rows import RaggedRows, RowCache
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal, Proposer
 
 # A draft behind by more tokens than this catches up in a forward of its own (timed apart).
 CATCH_UP_APART = 8
+# The source of a draft tree, and its width where `auto` proposes one.
+TREE, TREE_WIDTH, MAX_TREE_WIDTH = "draft-tree", 2, 8
 
 
 class DraftModelProposer(Proposer):
+    """`tree_width` > 1: `draft` proposes token trees (source TREE): at every depth the
+    draft's top `tree_width` tokens, the best one continued (`DraftRows.propose`)."""
+
     name = "draft"
     cheap = False
 
     def __init__(self, draft_model: nn.Module, prefill_step_size: int = 512,
-                 prefill_at_reset: bool = True):
+                 prefill_at_reset: bool = True, tree_width: int = 1):
+        if not 1 <= tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be 1-{MAX_TREE_WIDTH}, got {tree_width}")
         self.model = draft_model
+        self.tree_width = tree_width
+        self.uses_trees = tree_width > 1
         self.prefill_step_size = prefill_step_size
         # True: the prompt is prefilled (and evaluated) in `reset`, as prefill time. False
         # (auto, which may not use the draft in a request): the first `propose` catches up.
         self.prefill_at_reset = prefill_at_reset
-        self.cache = caches.make_cache(draft_model)
+        self.cache: list | None = caches.make_cache(draft_model)  # None: in a batch's rows
         self.cached: list[int] = []
         self.sampling = SamplingParams()
         self._fed_drafts = 0  # draft tokens fed to the draft cache by the last propose
         self._checkpoint: caches.Checkpoint | None = None
+        self._fed_tokens: mx.array | None = None  # those tokens, where a tree may branch off
+
+    def _own(self) -> DraftRows:
+        """A batch of one on its own draft cache."""
+        return DraftRows(self.model, RowCache(self.model, self.cache), [self])
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
+        rows = self._own()
         if self._fed_drafts:  # an interrupted step left speculative tokens in the cache
-            caches.rollback(self.model, self.cache, self._checkpoint, [0] * self._fed_drafts, 0)
-            self._fed_drafts, self._checkpoint = 0, None
+            rows.update(self, self.cached, 0)
         keep = common_prefix_len(self.cached, prompt[:-1])
-        self._trim(len(self.cached) - keep)
+        rows.forget(0, len(self.cached) - keep)
         if self.prefill_at_reset:  # the prompt, as the target's prefill did
-            self._feed(prompt[len(self.cached) : -1])
-            mx.eval([c.state for c in self.cache])
+            rows.feed([prompt[len(self.cached) : -1]], self.prefill_step_size)
+            mx.eval(rows.rows.evaluate())
 
-    def _feed(self, tokens: list[int]) -> mx.array | None:
-        """Append `tokens` to the draft cache in chunks; the logits after the last one."""
-        logits = None
-        for start in range(0, len(tokens), self.prefill_step_size):
-            chunk = tokens[start : start + self.prefill_step_size]
-            logits = self.model(mx.array(chunk, mx.uint32)[None], cache=self.cache)[0, -1]
-            if start + len(chunk) < len(tokens):
-                mx.eval([c.state for c in self.cache])
-            self.cached += chunk
-        return logits
-
-    def _trim(self, num: int) -> None:
-        """Forget the last `num` committed tokens (start over when the cache cannot trim)."""
-        if num <= 0:
-            return
-        if caches.trim_exact(self.cache, num):
-            del self.cached[len(self.cached) - num :]
-        else:
-            self.cache, self.cached = caches.make_cache(self.model), []
-
-    def _next(self, logits: mx.array, key: mx.array | None):
-        if self.sampling.greedy:
-            return mx.argmax(logits, axis=-1), None
-        q = probs_from_logits(logits, self.sampling)
-        return sample(q, key), q
+    def available(self, context: list[int], cap: int) -> dict[str, int]:
+        return {TREE if self.uses_trees else self.name: cap}
 
     def propose(self, context: list[int], num_draft: int, key: mx.array | None,
                 source: str | None = None) -> Proposal | None:
         if num_draft < 1:
             return None
-        if len(self.cached) >= len(context):  # need at least one token to get logits from
-            self._trim(len(self.cached) - len(context) + 1)
-        # Usually the target's last token (and the last draft when all were accepted); more
-        # when `auto` skipped this proposer for a while: that catch-up is a prefill, timed
-        # apart so that the step is not charged with it (`Proposal.setup_seconds`).
-        setup = 0.0
-        if len(context) - len(self.cached) > CATCH_UP_APART:
-            start = time.perf_counter()
-            self._feed(context[len(self.cached) : -1])
-            mx.eval([c.state for c in self.cache])
-            setup = time.perf_counter() - start
-        logits = self._feed(context[len(self.cached) :])
-        self._checkpoint = caches.checkpoint(self.cache)
-        keys = mx.random.split(key, num_draft) if key is not None else [None] * num_draft
-        tokens, probs = [], []
-        for i in range(num_draft):
-            token, q = self._next(logits, keys[i])
-            tokens.append(token)
-            probs.append(q)
-            if i + 1 < num_draft:
-                logits = self.model(token.reshape(1, 1), cache=self.cache)[0, -1]
-            mx.async_eval(token)
-        # The draft cache now also holds tokens[:-1]; their values are known only after verify.
-        self._fed_drafts = num_draft - 1
-        draft_probs = None if self.sampling.greedy else mx.stack(probs)
-        return Proposal(tokens=mx.stack(tokens), draft_probs=draft_probs, source="draft",
-                        setup_seconds=setup)
+        width = (self.tree_width if self.uses_trees else TREE_WIDTH) if source == TREE else 1
+        return self._own().propose([(self, context, num_draft, key)], [width])[0]
 
     def update(self, context: list[int], num_accepted: int) -> None:
-        if not self._fed_drafts:
+        self._own().update(self, context, num_accepted)
+
+
+def draft_proposer(proposer) -> DraftModelProposer | None:
+    """The draft-model proposer behind a row's proposer (`draft` itself, or `auto`'s)."""
+    if isinstance(proposer, DraftModelProposer):
+        return proposer
+    inner = getattr(proposer, "draft", None)
+    return inner if isinstance(inner, DraftModelProposer) else None
+
+
+class DraftRows:
+    """The draft caches of `members` (row b: members[b]) drafting with one draft model."""
+
+    def __init__(self, model, rows=None, members: list[DraftModelProposer] | None = None):
+        self.model = model
+        self.rows = rows  # RowCache (one member) or RaggedRows; None: no member yet
+        self.members = members or []
+
+    # -- membership (ragged rows: requests of a target batch)
+    @staticmethod
+    def joins(proposer: DraftModelProposer) -> bool:
+        """Only drafts with plain `KVCache` layers share rows; others draft on their own."""
+        return (proposer.cache is not None and plain_attention(proposer.cache)
+                and not proposer._fed_drafts)
+
+    def join(self, proposer: DraftModelProposer) -> None:
+        if self.rows is None:
+            self.rows = RaggedRows(len(proposer.cache))
+        self.rows.put_row(len(self.members), proposer.cache)
+        # Started, not waited for: a queued step may still be running; the copy joins it.
+        mx.async_eval(self.rows.evaluate())
+        proposer.cache = None  # held here; given back by `leave`
+        self.members.append(proposer)
+
+    def leave(self, proposer: DraftModelProposer, failed: bool = False) -> None:
+        """Give the member's draft cache back (a fresh one after a failed step: state unknown)."""
+        b = self.members.index(proposer)
+        self.members.pop(b)
+        layers = self.rows.take_row(b)
+        self.rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
+        proposer._fed_drafts, proposer._checkpoint = 0, None
+        if failed:
+            proposer.cache, proposer.cached = caches.make_cache(self.model), []
+        else:
+            proposer.cache = layers
+        if not self.members:
+            self.rows = None
+
+    # -- drafting
+    def forget(self, b: int, n: int) -> None:
+        """Member b's draft cache without its last `n` tokens (one that cannot trim: anew)."""
+        if n <= 0:
             return
-        kept = min(num_accepted, self._fed_drafts)
-        start = len(self.cached)
-        # The fed drafted tokens that were accepted are in `context` now; the others are not
-        # known on the host (rejected), but rollback re-feeds only accepted ones.
-        fed = context[start : start + kept] + [0] * (self._fed_drafts - kept)
-        caches.rollback(self.model, self.cache, self._checkpoint, fed, kept)
-        self.cached += context[start : start + kept]
-        self._fed_drafts = 0
-        self._checkpoint = None
+        p = self.members[b]
+        if self.rows.shared:
+            self.rows.trim_rows([n if i == b else 0 for i in range(len(self.members))])
+        elif not caches.trim_exact(self.rows.layers, n):
+            p.cache = self.rows.layers = caches.make_cache(self.model)
+            p.cached = []
+            return
+        del p.cached[len(p.cached) - n :]
+
+    def _forward(self, tokens: list[mx.array | None]) -> mx.array:
+        """Logits (B, width, vocab) of one forward feeding row b tokens[b] (None: sits out);
+        the padding is trimmed again at once."""
+        sizes = [0 if t is None else t.size for t in tokens]
+        width = max(sizes)
+        empty = mx.array([], mx.uint32)
+        rows = [mx.concatenate([empty if t is None else t.reshape(-1).astype(mx.uint32),
+                                mx.zeros((width - n,), mx.uint32)]) for t, n in zip(tokens, sizes)]
+        logits = self.model(mx.stack(rows), cache=self.rows.layers)
+        if any(width - s for s in sizes):
+            self.rows.trim_rows([width - s for s in sizes])
+        return logits
+
+    def feed(self, pending: list[list[int]], chunk: int) -> dict[int, mx.array]:
+        """Row b's `pending[b]` tokens into its draft cache, `chunk` a forward; the logits
+        after each row's last one."""
+        logits = {}
+        longest = max((len(t) for t in pending), default=0)
+        for start in range(0, longest, chunk):
+            part = [t[start : start + chunk] for t in pending]
+            out = self._forward([mx.array(t, mx.uint32) if t else None for t in part])
+            for b, t in enumerate(part):
+                if t and start + len(t) == len(pending[b]):
+                    logits[b] = out[b, len(t) - 1]
+            if start + chunk < longest:
+                mx.eval(self.rows.evaluate())
+        for p, t in zip(self.members, pending):
+            p.cached += t
+        return logits
+
+    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, mx.array | None]],
+                widths: list[int] | None = None) -> list[Proposal]:
+        """Per (member, context, k >= 1, key), k drafted tokens (and their probabilities when
+        sampled): each row draws its i-th with its own i-th key, as it would by itself.
+        widths[j] > 1: a tree instead, k deep (`_tree`)."""
+        widths = widths or [1] * len(requests)
+        at = {id(p): i for i, p in enumerate(self.members)}
+        rows = [at[id(p)] for p, _, _, _ in requests]
+        # 1. what each row's draft has not seen yet (at least one token, for its logits)
+        for (p, context, _, _), b in zip(requests, rows):
+            if len(p.cached) >= len(context):
+                self.forget(b, len(p.cached) - len(context) + 1)
+        pending = [[] for _ in self.members]
+        for (p, context, _, _), b in zip(requests, rows):
+            pending[b] = context[len(p.cached) :]
+        # Usually one or two tokens; more where `auto` kept a row off the draft a while: that
+        # catch-up is a prefill, timed apart so that the step is not charged with it.
+        setup = 0.0
+        if max(len(t) for t in pending) > CATCH_UP_APART:
+            start = time.perf_counter()
+            self.feed([t[:-1] for t in pending], self.members[0].prefill_step_size)
+            mx.eval(self.rows.evaluate())
+            setup = time.perf_counter() - start
+            pending = [t[-1:] for t in pending]
+        logits = self.feed(pending, self.members[0].prefill_step_size)
+        ckpt = self.rows.checkpoint()  # (ragged rows: None, a trim undoes anything)
+        for p, _, _, _ in requests:
+            p._checkpoint = ckpt
+        # 2. the drafted tokens, k_max - 1 more forwards
+        keys = [mx.random.split(key, k) if key is not None else [None] * k
+                for _, _, k, key in requests]
+        tokens = [[] for _ in requests]
+        probs = [[] for _ in requests]
+        for i in range(max(k for _, _, k, _ in requests)):
+            feed = [None] * len(self.members)
+            for j, ((p, _, k, _), b) in enumerate(zip(requests, rows)):
+                if i >= k:
+                    continue
+                if widths[j] > 1:  # the top tokens; the first one is continued
+                    q = _top(logits[b], widths[j])
+                    token = q[0]
+                else:
+                    token, q = _next(logits[b], p.sampling, keys[j][i])
+                tokens[j].append(token)
+                probs[j].append(q)
+                if i + 1 < k:
+                    feed[b] = token
+            if any(t is not None for t in feed):
+                out = self._forward(feed)
+                for b, t in enumerate(feed):
+                    if t is not None:
+                        logits[b] = out[b, 0]
+            mx.async_eval([t[-1] for t in tokens if len(t) > i])
+        proposals = []
+        for (p, _, k, _), toks, qs, width in zip(requests, tokens, probs, widths):
+            # the draft cache now also holds toks[:-1]; their fate is known after verify
+            p._fed_drafts = k - 1
+            p._fed_tokens = mx.stack(toks[:-1]) if width > 1 and k > 1 else None
+            if width > 1:
+                prop = _tree(qs, width)
+            else:
+                q = None if p.sampling.greedy else mx.stack(qs)
+                prop = Proposal(tokens=mx.stack(toks), draft_probs=q, source="draft")
+            prop.setup_seconds = setup
+            proposals.append(prop)
+            setup = 0.0  # (counted once)
+        return proposals
+
+    def update(self, proposer: DraftModelProposer, context: list[int], num_accepted: int) -> None:
+        """After verification: keep the accepted drafted tokens, drop the rest."""
+        if not proposer._fed_drafts:
+            return
+        b = self.members.index(proposer)
+        start = len(proposer.cached)
+        kept = min(num_accepted, proposer._fed_drafts)
+        if proposer._fed_tokens is not None:  # a tree: the accepted path may leave the fed one
+            # (verified: read back without a wait)
+            kept = common_prefix_len(proposer._fed_tokens.tolist()[:kept],
+                                     context[start : start + kept])
+        drop = proposer._fed_drafts - kept
+        if drop:
+            # (a recurrent draft's state is restored and the accepted tokens fed again)
+            fed = context[start : start + kept] + [0] * drop
+            self.rows.trim_rows([drop if i == b else 0 for i in range(len(self.members))],
+                                [fed], proposer._checkpoint)
+        proposer.cached += context[start : start + kept]
+        proposer._fed_drafts, proposer._checkpoint, proposer._fed_tokens = 0, None, None
+
+
+def _top(logits: mx.array, width: int) -> mx.array:
+    """The `width` likeliest tokens, likeliest first (lazy)."""
+    top = mx.argpartition(-logits, kth=width - 1)[:width]
+    return top[mx.argsort(-logits[top])].astype(mx.uint32)
+
+
+def _tree(tops: list[mx.array], width: int) -> Proposal:
+    """A draft tree from each depth's top tokens: the likeliest continued, the others leaves
+    beside it. Deterministic (no q): exact at any temperature by the deterministic tree rule,
+    which at a rejection tries the next sibling under the residual (`tree_verify.py`)."""
+    parents = []
+    for d in range(len(tops)):
+        parents += [(d - 1) * width if d else -1] * width
+    return Proposal(tokens=mx.concatenate(tops), source=TREE, parents=parents)
+
+
+def _next(logits: mx.array, sampling: SamplingParams, key: mx.array | None):
+    """The next drafted token from `logits` (and its probabilities when sampled)."""
+    if sampling.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = probs_from_logits(logits, sampling)
+    return sample(q, key), q

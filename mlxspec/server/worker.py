@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from .. import caches
-from ..batch_step import BatchRow, BatchSpeculator
+from ..batch_step import BatchRow, BatchSpeculator, shareable
 from ..caches.prompt import PromptCache, PromptCacheStore
-from ..caches.ragged import plain_attention
 from ..engine import Engine
 from ..errors import MlxspecError
 from ..stats import Stats
@@ -120,8 +118,8 @@ class Worker(threading.Thread):
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
-        # (sliding-window and recurrent models: a batch of one per request, see plain_attention)
-        self.batchable = plain_attention(caches.leaves(caches.make_cache(engine.model)))
+        # (sliding-window and recurrent models: each request on its own cache, `shareable`)
+        self.batchable = shareable(engine, None)
 
     # -- handler side
     def submit(self, req: GenRequest) -> Job:

@@ -1,8 +1,8 @@
 """The editor's wait: llama.vim typing through real files, replayed against `mlxspec serve`.
 
-    python bench/bench_editor.py                                    # the bundled model
-    python bench/bench_editor.py -m qwen2.5-coder-0.5b --modes auto,none --json editor.json
-    python bench/bench_editor.py -m qwen2.5-coder-0.5b --modes auto --no-suffix --no-draft
+    mlxspec bench editor                                    # the bundled model
+    mlxspec bench editor -m qwen2.5-coder-0.5b --modes auto,none --json editor.json
+    mlxspec bench editor -m qwen2.5-coder-0.5b --modes auto --no-suffix --no-draft
 
 An editor's completion backend is judged by how long after a keystroke the suggestion
 appears. This replay types through source files nobody here wrote (installed third-party
@@ -70,25 +70,24 @@ the suffix store (earlier requests' text) proposed and the model accepted.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
 import random
 import re
 import statistics
-import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
-from mlxspec import backend
-from mlxspec.engine import Engine
-from mlxspec.loading import load
-from mlxspec.server.app import make_server
+import click
+
+from .. import backend
+from ..engine import Engine
+from ..errors import MlxspecError
+from ..server.app import make_server
 
 # llama.vim's defaults (autoload/llama.vim, s:default_config, commit a1c8e6e)
 N_PREFIX, N_SUFFIX, N_PREDICT = 256, 64, 128
@@ -553,12 +552,13 @@ def package_files(packages: list[str], min_lines: int) -> dict[str, list[Path]]:
     for pkg in packages:
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
-            raise SystemExit(f"package {pkg!r} is not installed (or is not a package)")
+            raise MlxspecError(f"--packages: {pkg!r} is not an installed package "
+                               "(pip install it, or name another)")
         root = Path(next(iter(spec.submodule_search_locations)))
         files = [p for p in sorted(root.rglob("*.py"))
                  if len(read_lines(p)) >= min_lines]
         if not files:
-            raise SystemExit(f"package {pkg!r} has no .py file of {min_lines} lines")
+            raise MlxspecError(f"--packages: {pkg!r} has no .py file of {min_lines} lines")
         out[pkg] = files
     return out
 
@@ -619,7 +619,8 @@ def engine_for(base: Engine, cfg: Config) -> Engine:
     source = base.draft_source if cfg.draft else None
     return Engine(base.model, base.tokenizer, mode=cfg.mode, draft_model=draft,
                   num_draft=base.num_draft if base.num_draft_set else None, config=base.config,
-                  name=base.name, max_context=base.max_context, draft_source=source)
+                  name=base.name, max_context=base.max_context, draft_source=source,
+                  load_draft=base.load_draft)
 
 
 def replay(base: Engine, cfg: Config, plan: list, n_lines: int, seed: int) -> dict:
@@ -810,52 +811,27 @@ def machine() -> str:
             f"load average {load1:.1f}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=None, help="model (default: the bundled one)")
-    ap.add_argument("--modes", default="auto,none",
-                    help="the server's --mode per configuration, comma-separated")
-    ap.add_argument("--no-suffix", action="store_true",
-                    help="also run auto (and suffix) with --suffix-scope request: no store of "
-                         "earlier requests' text")
-    ap.add_argument("--no-draft", action="store_true",
-                    help="also run auto without a draft model")
-    ap.add_argument("--files", type=int, default=1, help="files typed through")
-    ap.add_argument("--lines", type=int, default=2, help="lines typed per file")
-    ap.add_argument("--open", type=int, default=2,
-                    help="other files of the same package opened before each typed file")
-    ap.add_argument("--packages", default="click,rich",
-                    help="installed packages whose files are typed (round robin)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write every figure and request here")
-    args = ap.parse_args(argv)
-
-    modes = [m for m in args.modes.split(",") if m]
-    plan = plan_files([p for p in args.packages.split(",") if p], args.files, args.lines,
-                      args.open, args.seed)
-    base = load(args.model, mode="none")
+def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool, n_files: int,
+                n_lines: int, n_open: int, packages: list[str], seed: int) -> dict:
+    """`mlxspec bench editor`: every configuration types the same plan on `base`'s weights.
+    Prints the table (progress on stderr); returns every figure and request."""
+    say = click.echo
+    plan = plan_files(packages, n_files, n_lines, n_open, seed)
     base.generate("def f(x):\n    return", max_tokens=4)  # warm MLX's kernels up
     before = machine()
     results = []
-    for cfg in configs_for(modes, args.no_suffix, args.no_draft):
-        results.append(summarize(replay(base, cfg, plan, args.lines, args.seed)))
-        print(f"# {cfg.label}: {results[-1]['seconds']:.0f} s", file=sys.stderr)
+    for cfg in configs_for(modes, no_suffix, no_draft):
+        results.append(summarize(replay(base, cfg, plan, n_lines, seed)))
+        say(f"# {cfg.label}: {results[-1]['seconds']:.0f} s", err=True)
     files = ", ".join(f"{f['name']}:{f['start'] + 1}" for f in plan)
-    print(f"# {base.name}: llama.vim replay, {args.files} files x {args.lines} lines ({files}), "
-          f"{args.open} other files opened each, seed {args.seed}; {before} at the start, "
-          f"{machine().rsplit(', ', 1)[1]} at the end")
-    print(table(results))
-    print()
+    say(f"# {base.name}: llama.vim replay, {n_files} files x {n_lines} lines ({files}), "
+        f"{n_open} other files opened each, seed {seed}; {before} at the start, "
+        f"{machine().rsplit(', ', 1)[1]} at the end")
+    say(table(results))
+    say("")
     for r in results:
-        print("- " + where_time_goes(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": base.name, "args": vars(args), "machine": before,
-                       "files": [{k: v for k, v in f.items() if k != "lines"} | {
-                           "others": [o[0] for o in f["others"]]} for f in plan],
-                       "results": results}, f, indent=1, default=str)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        say("- " + where_time_goes(r))
+    return {"model": base.name, "machine": before,
+            "files": [{k: v for k, v in f.items() if k != "lines"} | {
+                "others": [o[0] for o in f["others"]]} for f in plan],
+            "results": results}
