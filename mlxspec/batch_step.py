@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 # A joiner with at most this many prompt tokens left prefills with its round's other joiners
-# (`_open_pending`); longer ones alone: the model's head runs over every position of that forward.
+# (`_open_pending`); longer ones by themselves: the model's head runs over every position of that forward.
 GROUP_PREFILL_MAX = 64
 # ... and one with more cached than this on its own cache (the group would copy its prefix)
 GROUP_CACHED_MAX = 256
@@ -63,7 +63,7 @@ class BatchRow:
                  sampling: SamplingParams, key: mx.array, stats: Stats, end: int,
                  num_draft: int, stops: list[str], seeded: bool = False):
         self.batch, self.engine, self.pc = batch, engine, pc
-        # A seeded sampled row draws what it would alone: its fixed k stays fixed (`pinned`),
+        # A seeded sampled row draws what it would by itself: its fixed k stays fixed (`pinned`),
         # and its plain steps draw with its own key.
         self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
@@ -254,7 +254,7 @@ class BatchSpeculator:
 
     def _prefill(self, row: BatchRow, progress=None) -> None:
         """A short rest of the prompt waits for the round's joiners, a longer one is prefilled
-        now (`row_plans`: every step as alone, the first one too)."""
+        now (`row_plans`: every step planned by the row, the first one too)."""
         if self.policy is not None and len(row.context) - len(row.pc.tokens) <= GROUP_PREFILL_MAX:
             self.opening.append(row)
         else:
@@ -322,7 +322,7 @@ class BatchSpeculator:
             self.cache.add_empty_rows(need)
             self.slots.extend([None] * need)
         for r, token in zip(group, firsts):
-            try:  # a failure here is this row's alone
+            try:  # a failure here is this row's only
                 self._start(r, spent, token)
             except Exception as e:
                 self._fail_open(r, e)
@@ -337,7 +337,7 @@ class BatchSpeculator:
 
     def _prefill_group(self, group: list[BatchRow]) -> list[int]:
         """The group's uncached prompt tokens through the target, right-padded in one forward
-        (a row with more than GROUP_CACHED_MAX cached: alone, on its own cache); returns the
+        (a row with more than GROUP_CACHED_MAX cached: by itself, on its own cache); returns the
         rows' first tokens, read back with one wait."""
         drawn: dict[int, mx.array] = {}
         rows = []

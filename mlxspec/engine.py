@@ -1,5 +1,5 @@
 """The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
-the prompt cache). The decode loop is `batch_step.BatchSpeculator`: a request alone is a batch
+the prompt cache). The decode loop is `batch_step.BatchSpeculator`: a request by itself is a batch
 of one on its own cache (`Engine.open`)."""
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class Engine:
                     pc.drop()
 
     def open(self, prompt: str | list[int], **kwargs) -> BatchRow:
-        """A request alone, opened: a batch of one on its own cache (of any kind). Whoever
+        """A request by itself, opened: a batch of one on its own cache (of any kind). Whoever
         holds it steps `row.batch` and reads the row (`stream_steps`, the server's worker)
         and closes it. Keyword arguments as `stream_steps`."""
         return BatchSpeculator(self.model, row_plans=True, sync=self.sync).open(self, prompt,

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+# The source of a draft model's token tree (`proposers/draft.py`), an arm of the policy.
+DRAFT_TREE = "draft-tree"
+
 
 @dataclass
 class Proposal:

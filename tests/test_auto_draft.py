@@ -18,7 +18,7 @@ def test_a_sizeable_draft_of_the_family_starts_optimistic():
     tiny, _ = build_model("llama", seed=3, hidden=16, layers=1)
     other, _ = build_model("qwen3", seed=4, hidden=64, layers=2)
     priors = draft_priors(target, DraftModelProposer(same))
-    assert priors["group_prior_accept"] == {"draft": SAME_FAMILY_ACCEPT}
+    assert priors["group_prior_accept"]["draft"] == SAME_FAMILY_ACCEPT
     assert 0.3 < priors["group_prior_slope"]["draft"] < 0.45  # its share of the parameters
     for weak in (tiny, other):
         assert "group_prior_accept" not in draft_priors(target, DraftModelProposer(weak))

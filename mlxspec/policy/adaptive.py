@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import MlxspecError
+from ..proposal import DRAFT_TREE
 
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -102,7 +103,8 @@ class AdaptiveK:
     prior_accept: float = 0.5
     # a draft model costs a forward per token: off (probed at once) until its acceptance is
     # known, unless it is a sizeable model of the target's family (`draft_priors`)
-    group_prior_accept: dict[str, float] = field(default_factory=lambda: {"draft": 0.2})
+    group_prior_accept: dict[str, float] = field(
+        default_factory=lambda: {"draft": 0.2, DRAFT_TREE: 0.2})
     group_prior_slope: dict[str, float] = field(default_factory=dict)  # as prior_slope
     prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
     prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
@@ -376,18 +378,17 @@ def draft_priors(target, draft_proposer) -> dict:
     def size(model) -> int:
         return sum(v.size for _, v in tree_flatten(model.parameters()))
 
-    from ..proposers.draft import TREE, TREE_WIDTH
+    from ..proposers.draft import TREE_WIDTH
 
     ratio = size(draft) / max(size(target), 1)
     # A tree of width W verifies W rows per depth: the target's share of the slope grows.
     priors = {"group_prior_slope": {"draft": ratio + AdaptiveK.prior_slope,
-                                    TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH},
-              "variants": {"draft": TREE}}
+                                    DRAFT_TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH},
+              "variants": {"draft": DRAFT_TREE}}
     family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
     if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
-        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT, TREE: SAME_FAMILY_ACCEPT}
-    else:  # as the draft: off (probed) until measured
-        priors["group_prior_accept"] = {"draft": 0.2, TREE: 0.2}
+        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT,
+                                        DRAFT_TREE: SAME_FAMILY_ACCEPT}
     return priors
 
 

@@ -20,13 +20,14 @@ from .. import caches
 from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
 from ..caches.rows import RaggedRows, RowCache
+from ..proposal import DRAFT_TREE
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal, Proposer
 
 # A draft behind by more tokens than this catches up in a forward of its own (timed apart).
 CATCH_UP_APART = 8
-# The source of a draft tree, and its width where `auto` proposes one.
-TREE, TREE_WIDTH, MAX_TREE_WIDTH = "draft-tree", 2, 8
+# A draft tree's source, and its width where `auto` proposes one.
+TREE, TREE_WIDTH, MAX_TREE_WIDTH = DRAFT_TREE, 2, 8
 
 
 class DraftModelProposer(Proposer):
