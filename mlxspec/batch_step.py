@@ -25,7 +25,7 @@ from .errors import MlxspecError
 from .policy import MAX_NUM_DRAFT, AdaptiveK, BatchPolicy, Policy, RowOffer, RowPolicy, plan_rows
 from .proposal import Proposal
 from .proposers.base import Proposer
-from .proposers.draft import TREE, DraftRows, draft_proposer
+from .proposers.draft import CONTINUED, TREE, DraftRows, draft_proposer
 from .sampling import SamplingParams
 from .stats import Stats
 from .step import StartedStep, decode_step, draw_next, finish_step, start_step
@@ -75,7 +75,10 @@ class BatchRow:
         # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
         self.opening: tuple | None = None
         self.chunk: int | None = None
-        self.pending: list[int] | None = None  # committed, not read yet
+        # What its steps produced and no one has read yet: outputs (detokenized as committed,
+        # so a row stops at its end whenever it is read), or a raw row's tokens (`decode`)
+        self.outputs: list[StepOutput] = []
+        self.pending: list[int] | None = None
         self.shares = False  # may share a batch with other rows (`shareable`, set at `open`)
         self.error: BaseException | None = None
         self.closed = False
@@ -83,7 +86,7 @@ class BatchRow:
 
     @property
     def finished(self) -> bool:
-        """Its last output was read (an end-of-sequence token, a stop string, max_tokens)."""
+        """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
 
     @property
@@ -94,11 +97,6 @@ class BatchRow:
     def wants(self) -> bool:
         """It has not ended, left or failed."""
         return not (self.closed or self.finished or self.exhausted or self.error is not None)
-
-    @property
-    def waiting(self) -> bool:
-        """It wants tokens and has read its last ones."""
-        return self.wants and self.pending is None
 
     @property
     def wants_two(self) -> bool:
@@ -144,17 +142,22 @@ class BatchRow:
         if observe:
             self.planner.observe(arm, drafted, accepted, seconds, self.context)
         self.stats.record_step(source, drafted, accepted, len(tokens))
-        self.pending = (self.pending or []) + tokens  # one that has not read yet gets both
+        if self.detok is None:
+            self.pending = (self.pending or []) + tokens
+        elif not self.detok.done:
+            self.outputs.append(self.detok.feed(tokens, last=self.exhausted))
 
     def read(self) -> StepOutput | None:
-        """The output of the tokens committed since the last read (None: none, or ended);
-        raises the error of a step that failed."""
+        """The output of the steps since the last read, in one (None: none); raises the error
+        of a step that failed. Reading is the driver's business: steps never wait for it."""
         if self.error is not None:
             raise self.error
-        tokens, self.pending = self.pending, None
-        if self.finished or (not tokens and not self.exhausted):
-            return None
-        return self.detok.feed(tokens or [], last=self.exhausted)
+        outs, self.outputs = self.outputs, []
+        if len(outs) <= 1:
+            return outs[0] if outs else None
+        last = outs[-1]
+        return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
+                          last.stats, last.finish_reason, last.stop_string)
 
     def close(self) -> None:
         """Leave; the prompt cache gets the row's cache (every committed token but the last)."""
@@ -485,14 +488,14 @@ class BatchSpeculator:
 
     # -- the step
     def step(self) -> None:
-        """One batched step for every waiting row (one that has not read its last output sits
-        it out: fed padding, trimmed at once)."""
+        """One batched step for every row that wants tokens (the others sit it out: fed
+        padding, trimmed at once); each row's output waits in it for `read`."""
         self._prefill_chunks()
         self._open_pending()
         if self.queued is not None:
             self._deliver_queued()
             return
-        fed = [r if r is not None and r.waiting else None for r in self.slots]
+        fed = [r if r is not None and r.wants else None for r in self.slots]
         rows = [r for r in fed if r is not None]  # in the order of the cache's rows
         if not rows:
             return
@@ -564,7 +567,7 @@ class BatchSpeculator:
         try:
             at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
             fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
-                   else (r if r.waiting else None) for r in self.slots]
+                   else (r if r.wants else None) for r in self.slots]
             stepping = [r for r in fed if r is not None]
             # (a row on its own cache asks every step, as cheap sources end a stretch at once)
             replan = started is None and (
@@ -646,7 +649,7 @@ class BatchSpeculator:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
             proposals[i] = r.proposer.propose(r.context, k, key, source=source)
-            if source in ("draft", TREE):  # a draft that cannot batch: k forwards of its own
+            if source in ("draft", TREE, CONTINUED):  # a draft on its own: k forwards
                 draft_forwards += k
         widest = 0
         for model_id, members in by_draft.items():
@@ -681,12 +684,13 @@ def next_output(row: BatchRow) -> StepOutput:
     has ended or left): reading rows one at a time, in tests and benchmarks."""
     if row.opening is not None:  # its first token comes from its prefill, not a step
         row.batch._open_pending()
-    while not (row.closed or row.finished):
+    while True:
         out = row.read()
         if out is not None:
             return out
+        if row.closed or row.finished:
+            raise StopIteration
         row.batch.step()
-    raise StopIteration
 
 
 def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-# The source of a draft model's token tree (`proposers/draft.py`), an arm of the policy.
-DRAFT_TREE = "draft-tree"
+# Sources of the draft model's (`proposers/draft.py`), arms of the policy: its token tree, and
+# prompt lookup's chain continued by it.
+DRAFT_TREE, LOOKUP_DRAFT = "draft-tree", "lookup+draft"
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Draft trees (`proposers/draft.py`): at every depth the draft's top tokens, the first one
 continued, verified in one target forward. Token-identical to `none` at T = 0, exact in
 distribution at T > 0 (chi-square, and the same test rejects a broken rule), the draft cache
-right after a path through a sibling, and `auto` choosing the tree by itself where it can."""
+right after a path through a sibling, and `auto` choosing the tree by itself where it can.
+Also prompt lookup's chain continued by the draft (`propose_after`), exact the same ways."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from conftest import build_model, make_engine
 
 from mlxspec import caches
 from mlxspec.caches.prompt import PromptCache
+from mlxspec.policy import FixedK
+from mlxspec.proposal import LOOKUP_DRAFT
 from mlxspec.proposers.draft import TREE, DraftModelProposer
 from mlxspec.sampling import SamplingParams
 
@@ -118,3 +121,69 @@ def test_draft_tree_sampling_is_exact_and_the_test_rejects_a_broken_rule(monkeyp
     real = tv.device_sampled_deterministic
     monkeypatch.setattr("mlxspec.tree.device_sampled_deterministic", forgetful)
     assert ex.min_pvalue(ex.sample_counts(engine, ex.RUNS), exact) < 1e-4
+
+
+# ----------------------------------------------------------------------------- lookup + draft
+
+
+class Prefer(FixedK):
+    """A fixed-k policy that takes `source` whenever it is offered (else plain)."""
+
+    def __init__(self, source: str, k: int = 4):
+        super().__init__(k)
+        self.source = source
+
+    def plan(self, available):
+        n = (available or {}).get(self.source, 0)
+        return (self.source, min(n, self.max_k)) if n else ("", 0)
+
+
+def test_lookup_continued_by_the_draft_is_the_chain_then_the_draft(pair):
+    """`propose_after`: the chain's tokens, then what the draft drafts after them; a rejection
+    inside the chain leaves the draft holding exactly the committed tokens (a fresh prefill)."""
+    _, draft = pair
+    context = list(range(10, 40))
+    chain = [7, 8]
+    d = DraftModelProposer(draft)
+    d.reset(context, SamplingParams())
+    prop = d.propose_after(context, chain, 5, None)
+    fresh = DraftModelProposer(draft)
+    fresh.reset(context + chain, SamplingParams())
+    assert prop.source == LOOKUP_DRAFT
+    assert prop.tokens.tolist() == chain + fresh.propose(context + chain, 3, None).tokens.tolist()
+    d.update(context + [7, 99], 1)  # the chain's first token accepted, then the target's own
+    assert d.cached == context + [7] and caches.offset(d.cache) == len(d.cached)
+    ref = caches.make_cache(draft)
+    draft(mx.array(d.cached)[None], cache=ref)
+    np.testing.assert_allclose(np.array(d.cache[0].keys[..., : len(d.cached), :]),
+                               np.array(ref[0].keys[..., : len(d.cached), :]), atol=1e-5)
+
+
+def test_lookup_continued_by_the_draft_is_token_identical(pair):
+    """Forced wherever offered (lookup's match shorter than k), through the engine: identical
+    to `none`, and it ran."""
+    target, draft = pair
+    none = make_engine(target)
+    auto = make_engine(target, "auto", draft_model=draft)
+    ran = 0
+    for prompt in ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2] * 3, PROMPTS[0], PROMPTS[3]):
+        want = none.generate(prompt, max_tokens=30).tokens
+        got = auto.generate(prompt, max_tokens=30, policy=Prefer(LOOKUP_DRAFT),
+                            prompt_cache=PromptCache())
+        assert got.tokens == want
+        ran += got.stats.drafted_by_source.get(LOOKUP_DRAFT, 0)
+    assert ran > 0
+
+
+@pytest.mark.slow
+def test_lookup_continued_by_the_draft_samples_exactly():
+    """Chi-square at T = 1 (a predicted output gives lookup its chains, the draft continues
+    them, q one-hot on the chain's tokens), on a sliding-window model."""
+    import test_exact_sampling as ex
+
+    target, draft, exact, _ = ex.setup("gemma3_text", "draft")
+    engine = make_engine(target, "auto", draft_model=draft, vocab=ex.VOCAB)
+    kwargs = {"prediction": [1, 2, 3, 0, 1, 2], "policy": Prefer(LOOKUP_DRAFT)}
+    stats = engine.generate(ex.PROMPT, max_tokens=ex.N, seed=0, **ex.SAMPLING, **kwargs).stats
+    assert stats.drafted_by_source.get(LOOKUP_DRAFT, 0) > 0
+    assert ex.min_pvalue(ex.sample_counts(engine, ex.RUNS, **kwargs), exact) > 1e-4

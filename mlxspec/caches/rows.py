@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache
 
-from . import Checkpoint, checkpoint, offset, rollback
+from . import Checkpoint, checkpoint, has_recurrent, offset, rollback
 from .ragged import RaggedKVCache
 
 
@@ -23,6 +23,7 @@ class RowCache:
 
     def __init__(self, model, layers: list):
         self.model, self.layers = model, layers
+        self.recurrent = has_recurrent(layers)  # (a plain step then checkpoints nothing)
 
     @property
     def lengths(self) -> list[int]:
@@ -30,7 +31,7 @@ class RowCache:
 
     def checkpoint(self) -> Checkpoint | None:
         """What `trim_rows` needs to undo the next forward (None: every layer trims)."""
-        return checkpoint(self.layers)
+        return checkpoint(self.layers) if self.recurrent else None
 
     def trim_rows(self, drop: list[int], fed: list[list[int]] | None = None,
                   ckpt: Checkpoint | None = None) -> None:

@@ -46,7 +46,8 @@ def report_written(written: list[Path]) -> None:
 @option("no-draft")
 @click.option("--modes", default="none,ngram,draft,mlx_lm,mlx_lm_spec", show_default=True,
               help=f"Comma-separated: {', '.join(MODES)}, mlx_lm, mlx_lm_spec; "
-                   "MODE:k=N fixes k, draft:tree and ngram:tree propose token trees, MODE:adaptive adapts it (to compare k policies).")
+                   "MODE:k=N fixes k, MODE:adaptive adapts it (to compare k policies); "
+                   "draft:tree and ngram:tree propose token trees.")
 @click.option("--workloads", default=None,
               help="Comma-separated workloads (default: all the model has). The bundled model "
                    "(and models `mlxspec train` writes): completion, fim, edit, doc-qa, chat, "
@@ -114,6 +115,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         return
     from .. import backend
     from ..bench.run import (
+        TREE_OPTIONS,
         lossless_audit,
         machine_summary,
         make_runners,
@@ -132,10 +134,12 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     for m in mode_list:
         base, _, variant = m.partition(":")
+        tree = variant == "tree" and base in TREE_OPTIONS
         if base not in MODES + ("mlx_lm", "mlx_lm_spec") or (
-                variant and variant != "adaptive" and not (variant.startswith("k=")
-                                                           and variant[2:].isdigit())):
-            raise MlxspecError(f"unknown mode {m!r} in --modes (MODE, MODE:k=N or MODE:adaptive)")
+                variant and variant != "adaptive" and not tree and not (
+                    variant.startswith("k=") and variant[2:].isdigit())):
+            raise MlxspecError(f"unknown mode {m!r} in --modes (MODE, MODE:k=N, MODE:adaptive, "
+                               "draft:tree or ngram:tree)")
     if "none" not in mode_list:
         mode_list.insert(0, "none")  # the reference every ratio is taken against
     workload_list = [w.strip() for w in (workloads or "").split(",") if w.strip()]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import MlxspecError
-from ..proposal import DRAFT_TREE
+from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
 
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -104,7 +104,7 @@ class AdaptiveK:
     # a draft model costs a forward per token: off (probed at once) until its acceptance is
     # known, unless it is a sizeable model of the target's family (`draft_priors`)
     group_prior_accept: dict[str, float] = field(
-        default_factory=lambda: {"draft": 0.2, DRAFT_TREE: 0.2})
+        default_factory=lambda: {"draft": 0.2, DRAFT_TREE: 0.2, LOOKUP_DRAFT: 0.2})
     group_prior_slope: dict[str, float] = field(default_factory=dict)  # as prior_slope
     prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
     prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
@@ -383,12 +383,14 @@ def draft_priors(target, draft_proposer) -> dict:
     ratio = size(draft) / max(size(target), 1)
     # A tree of width W verifies W rows per depth: the target's share of the slope grows.
     priors = {"group_prior_slope": {"draft": ratio + AdaptiveK.prior_slope,
-                                    DRAFT_TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH},
+                                    DRAFT_TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH,
+                                    LOOKUP_DRAFT: ratio + AdaptiveK.prior_slope},
               "variants": {"draft": DRAFT_TREE}}
     family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
     if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
         priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT,
-                                        DRAFT_TREE: SAME_FAMILY_ACCEPT}
+                                        DRAFT_TREE: SAME_FAMILY_ACCEPT,
+                                        LOOKUP_DRAFT: SAME_FAMILY_ACCEPT}
     return priors
 
 

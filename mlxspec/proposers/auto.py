@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
-from .draft import TREE, DraftModelProposer
+from .draft import CONTINUED, TREE, DraftModelProposer
 from .ngram import NgramProposer
 from .suffix import _OWN, SuffixProposer
 
@@ -53,12 +53,15 @@ class AutoProposer(Proposer):
             self.draft.reset(prompt, sampling)
 
     def available(self, context: list[int], cap: int) -> dict[str, int]:
-        offered = self.ngram.available(context, cap)
+        lookup = self.ngram.available(context, cap)
+        offered = dict(lookup)
         if self.suffix is not None:
             offered.update(self.store_offer(context, cap, offered))
         if self.draft is not None and cap > 0:
             offered["draft"] = cap
             offered[TREE] = cap  # (where the row's cache can verify trees: `BatchRow.available`)
+            if 0 < max(lookup.values(), default=0) < cap and self.draft.continues():
+                offered[CONTINUED] = cap  # lookup's chain, the draft drafting on after it
         return offered
 
     def store_offer(self, context: list[int], cap: int, lookup: dict[str, int]) -> dict[str, int]:
@@ -83,12 +86,17 @@ class AutoProposer(Proposer):
                 source: str | None = None) -> Proposal | None:
         if source in ("draft", TREE) and self.draft is not None:
             return self.draft.propose(context, num_draft, key, source)
+        if source == CONTINUED and self.draft is not None:
+            chain = self.ngram.propose(context, num_draft - 1, None)
+            if chain is None or not len(chain):
+                return self.draft.propose(context, num_draft, key)
+            return self.draft.propose_after(context, chain.tokens.tolist(), num_draft, key)
         if source and source.startswith("suffix") and self.suffix is not None:
             return self.suffix.propose(context, num_draft, key, source)
         return self.ngram.propose(context, num_draft, key)
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
-        if source in ("draft", TREE):
+        if source in ("draft", TREE, CONTINUED):
             return None
         if source.startswith("suffix") and self.suffix is not None:
             return self.suffix.peek(context, num_draft, source)

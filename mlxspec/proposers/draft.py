@@ -20,7 +20,7 @@ from .. import caches
 from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
 from ..caches.rows import RaggedRows, RowCache
-from ..proposal import DRAFT_TREE
+from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
 from ..sampling import SamplingParams, probs_from_logits, sample
 from .base import Proposal, Proposer
 
@@ -28,6 +28,8 @@ from .base import Proposal, Proposer
 CATCH_UP_APART = 8
 # A draft tree's source, and its width where `auto` proposes one.
 TREE, TREE_WIDTH, MAX_TREE_WIDTH = DRAFT_TREE, 2, 8
+# Prompt lookup's chain continued by the draft (`propose_after`)
+CONTINUED = LOOKUP_DRAFT
 
 
 class DraftModelProposer(Proposer):
@@ -80,6 +82,31 @@ class DraftModelProposer(Proposer):
         width = (self.tree_width if self.uses_trees else TREE_WIDTH) if source == TREE else 1
         return self._own().propose([(self, context, num_draft, key)], [width])[0]
 
+    def continues(self) -> bool:
+        """Whether `propose_after` can run: a draft on its own cache that trims (a recurrent
+        state could not go back past tokens it took as context)."""
+        return self.cache is not None and not caches.has_recurrent(self.cache)
+
+    def propose_after(self, context: list[int], chain: list[int], num_draft: int,
+                      key: mx.array | None) -> Proposal:
+        """`chain` (another source's tokens, e.g. prompt lookup's) continued by the draft to
+        num_draft tokens in all: the draft reads the chain as context in one forward and
+        drafts the rest. One proposal, the chain's tokens deterministic (q one-hot)."""
+        n = len(chain)
+        rest = self._own().propose([(self, context + chain, num_draft - n, key)])[0]
+        # the chain went in as context; it is as speculative as the draft's own tokens
+        del self.cached[len(self.cached) - n :]
+        self._fed_drafts += n
+        self._fed_tokens = mx.concatenate([mx.array(chain, mx.uint32), rest.tokens[:-1]])
+        q = None
+        if rest.draft_probs is not None:
+            vocab = rest.draft_probs.shape[-1]
+            one_hot = (mx.arange(vocab)[None] == mx.array(chain)[:, None]).astype(
+                rest.draft_probs.dtype)
+            q = mx.concatenate([one_hot, rest.draft_probs])
+        return Proposal(tokens=mx.concatenate([mx.array(chain, mx.uint32), rest.tokens]),
+                        draft_probs=q, source=CONTINUED, setup_seconds=rest.setup_seconds)
+
     def update(self, context: list[int], num_accepted: int) -> None:
         self._own().update(self, context, num_accepted)
 
@@ -122,7 +149,7 @@ class DraftRows:
         self.members.pop(b)
         layers = self.rows.take_row(b)
         self.rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
-        proposer._fed_drafts, proposer._checkpoint = 0, None
+        proposer._fed_drafts, proposer._checkpoint, proposer._fed_tokens = 0, None, None
         if failed:
             proposer.cache, proposer.cached = caches.make_cache(self.model), []
         else:
