@@ -85,9 +85,14 @@ class BatchRow:
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
 
     @property
-    def finished(self) -> bool:
+    def ended(self) -> bool:
         """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
+
+    @property
+    def finished(self) -> bool:
+        """It has ended and its last output was read."""
+        return self.ended and not self.outputs
 
     @property
     def exhausted(self) -> bool:
@@ -96,7 +101,7 @@ class BatchRow:
     @property
     def wants(self) -> bool:
         """It has not ended, left or failed."""
-        return not (self.closed or self.finished or self.exhausted or self.error is not None)
+        return not (self.closed or self.ended or self.exhausted or self.error is not None)
 
     @property
     def wants_two(self) -> bool:

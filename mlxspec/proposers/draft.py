@@ -108,7 +108,8 @@ class DraftModelProposer(Proposer):
                         draft_probs=q, source=CONTINUED, setup_seconds=rest.setup_seconds)
 
     def update(self, context: list[int], num_accepted: int) -> None:
-        self._own().update(self, context, num_accepted)
+        if self._fed_drafts:  # (nothing to do after a plain step, or drafting in shared rows)
+            self._own().update(self, context, num_accepted)
 
 
 def draft_proposer(proposer) -> DraftModelProposer | None:
