@@ -78,13 +78,16 @@ def test_a_path_through_a_sibling_keeps_the_draft_cache_exact(pair):
 
 
 def test_auto_tries_the_tree_and_keeps_choosing_by_measurement(pair):
-    """`auto` with a draft explores the draft's tree on a request by itself (its priors alone
-    would never try it), stays identical to `none`, and offers no tree in a shared batch."""
+    """`auto` with its draft's variants on (`draft_variants`, off by default) explores the
+    draft's tree on a request by itself (its priors alone would never try it), stays identical
+    to `none`, and offers no tree in a shared batch."""
     from mlxspec.batch_step import BatchSpeculator
 
     target, draft = pair
+    default = make_engine(target, "auto", draft_model=draft).proposer  # variants off by default
+    assert set(default.available(PROMPTS[0], 4)) & {TREE, LOOKUP_DRAFT} == set()
     none = make_engine(target)
-    auto = make_engine(target, "auto", draft_model=draft)
+    auto = make_engine(target, "auto", draft_model=draft, draft_variants=True)
     tree_drafted = 0
     for prompt in PROMPTS * 2:
         want = none.generate(prompt, max_tokens=40).tokens
@@ -164,7 +167,7 @@ def test_lookup_continued_by_the_draft_is_token_identical(pair):
     to `none`, and it ran."""
     target, draft = pair
     none = make_engine(target)
-    auto = make_engine(target, "auto", draft_model=draft)
+    auto = make_engine(target, "auto", draft_model=draft, draft_variants=True)
     ran = 0
     for prompt in ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2] * 3, PROMPTS[0], PROMPTS[3]):
         want = none.generate(prompt, max_tokens=30).tokens
@@ -182,8 +185,10 @@ def test_lookup_continued_by_the_draft_samples_exactly():
     import test_exact_sampling as ex
 
     target, draft, exact, _ = ex.setup("gemma3_text", "draft")
-    engine = make_engine(target, "auto", draft_model=draft, vocab=ex.VOCAB)
-    kwargs = {"prediction": [1, 2, 3, 0, 1, 2], "policy": Prefer(LOOKUP_DRAFT)}
+    engine = make_engine(target, "auto", draft_model=draft, vocab=ex.VOCAB,
+                         draft_variants=True)
+    # (the predicted output matches the prompt's last 4 tokens, then offers 2: shorter than k)
+    kwargs = {"prediction": [0, 1, 2, 3, 2, 1], "policy": Prefer(LOOKUP_DRAFT)}
     stats = engine.generate(ex.PROMPT, max_tokens=ex.N, seed=0, **ex.SAMPLING, **kwargs).stats
     assert stats.drafted_by_source.get(LOOKUP_DRAFT, 0) > 0
     assert ex.min_pvalue(ex.sample_counts(engine, ex.RUNS, **kwargs), exact) > 1e-4

@@ -23,7 +23,7 @@ class AutoProposer(Proposer):
     adaptive = True  # the engine gives it an AdaptiveK policy whatever `adaptive` says
 
     def __init__(self, model, draft_model=None, min_ngram: int = 1, max_ngram: int = 4,
-                 suffix: bool = True, store=_OWN):
+                 suffix: bool = True, store=_OWN, draft_variants: bool = False):
         self.ngram = NgramProposer(min_ngram=min_ngram, max_ngram=max_ngram)
         # The current request's own text is prompt lookup's: the suffix source reads the store.
         self.suffix = SuffixProposer(store=store, local=False) if suffix else None
@@ -32,6 +32,10 @@ class AutoProposer(Proposer):
         # probe. Its first proposal in a request catches up on the context instead.
         self.draft = (DraftModelProposer(draft_model, prefill_at_reset=False)
                       if draft_model is not None else None)
+        # The draft's tree and lookup's chain continued by the draft as arms too: exact, but
+        # off by default: on the coder pair on 2 CPU cores the policy took them where prompt
+        # lookup paid more (fim 1.22x against lookup's 2.51x, docs/PERFORMANCE.md).
+        self.draft_variants = draft_variants
 
     def set_prediction(self, tokens: list[int] | None) -> None:
         self.ngram.set_prediction(tokens)
@@ -59,6 +63,8 @@ class AutoProposer(Proposer):
             offered.update(self.store_offer(context, cap, offered))
         if self.draft is not None and cap > 0:
             offered["draft"] = cap
+            if not self.draft_variants:
+                return offered
             offered[TREE] = cap  # (where the row's cache can verify trees: `BatchRow.available`)
             if 0 < max(lookup.values(), default=0) < cap and self.draft.continues():
                 offered[CONTINUED] = cap  # lookup's chain, the draft drafting on after it
