@@ -35,7 +35,6 @@ class StartedStep:
 
     rows: object  # the cache's rows
     fed: list[int | None]  # each row's last token (None: sat out, its padding trimmed)
-    drafts: list[list[int] | mx.array]
     sizes: list[int]  # draft tokens verified per row
     greedy: list[bool]
     sources: list[str]
@@ -126,7 +125,7 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     if sync is not None:
         out = sync(out)
     sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
-    return StartedStep(rows, list(last_tokens), drafts, sizes, [s.greedy for s in samplings],
+    return StartedStep(rows, list(last_tokens), sizes, [s.greedy for s in samplings],
                        sources, width, out, ckpt)
 
 
