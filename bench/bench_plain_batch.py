@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import workload  # noqa: E402
 
 import mlxspec  # noqa: E402  (OpenBLAS before mlx.core)
-from mlxspec.batch_step import BatchSpeculator, next_output  # noqa: E402
+from mlxspec.batch_step import BatchSpeculator  # noqa: E402
 from mlxspec.engine import PromptCache  # noqa: E402
 
 
@@ -31,10 +31,11 @@ def ours(engine, slots, prompts, max_tokens: int) -> float:
                        prompt_cache=PromptCache()) for slot, p in zip(slots, prompts)]
     n, live = 0, list(rows)
     while live:
+        produced = batch.step()
         for row in list(live):
-            out = next_output(row)
-            n += len(out.tokens)
-            if out.finish_reason:
+            out = row.output(produced)
+            n += len(out.tokens) if out is not None else 0
+            if out is not None and out.finish_reason:
                 row.close()
                 live.remove(row)
     return n / (time.perf_counter() - start)

@@ -1,9 +1,11 @@
 """mlxspec: lossless speculative decoding for local LLMs on MLX."""
 
+from .backend import full_float32 as _full_float32
 from .backend import setup_blas as _setup_blas
 
 # Must happen before anything imports mlx.core (see backend.py).
 _setup_blas()
+_full_float32()
 
 __version__ = "0.1.0"
 __all__ = ["load", "Engine", "GenerationResult", "Stats", "__version__"]

@@ -67,6 +67,15 @@ def setup_blas() -> str:
     return blas_in_use
 
 
+def full_float32() -> None:
+    """float32 matmuls in full precision unless the user asked otherwise (MLX_ENABLE_TF32). On
+    CUDA (and Apple's M5 accelerators) MLX runs float32 products of 2+ rows in TF32 by default
+    but a one-row product in float32: a verification forward then computes other logits than
+    a plain step, and the output is no longer the model's own (seen on an H200: 20 of 47
+    exactness tests failed). MLX reads the variable at its first such product."""
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+
 def device_name() -> str:
     """'metal', 'cuda' or 'cpu': the backend MLX computes on."""
     import mlx.core as mx

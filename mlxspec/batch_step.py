@@ -11,7 +11,6 @@ but the last, and its output equals the request decoded by itself. See docs/HOW_
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,7 +55,7 @@ class QueuedPlainStep:
 
 
 class BatchRow:
-    """One request in a `BatchSpeculator`: `step()` commits its tokens, `read()` returns them."""
+    """One request in a `BatchSpeculator`: `step()` commits its tokens and returns them."""
 
     def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
                  context: list[int], proposer: Proposer | None, policy: Policy,
@@ -75,10 +74,8 @@ class BatchRow:
         # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
         self.opening: tuple | None = None
         self.chunk: int | None = None
-        # What its steps produced and no one has read yet: outputs (detokenized as committed,
-        # so a row stops at its end whenever it is read), or a raw row's tokens (`decode`)
+        # What this step produced: detokenized as committed (a row stops at its end at once)
         self.outputs: list[StepOutput] = []
-        self.pending: list[int] | None = None
         self.shares = False  # may share a batch with other rows (`shareable`, set at `open`)
         self.error: BaseException | None = None
         self.closed = False
@@ -88,11 +85,6 @@ class BatchRow:
     def ended(self) -> bool:
         """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
-
-    @property
-    def finished(self) -> bool:
-        """It has ended and its last output was read."""
-        return self.ended and not self.outputs
 
     @property
     def exhausted(self) -> bool:
@@ -147,22 +139,17 @@ class BatchRow:
         if observe:
             self.planner.observe(arm, drafted, accepted, seconds, self.context)
         self.stats.record_step(source, drafted, accepted, len(tokens))
-        if self.detok is None:
-            self.pending = (self.pending or []) + tokens
+        if self.detok is None:  # a raw row (tests, tools): tokens only
+            self.outputs.append(StepOutput("", list(tokens), self.stats))
         elif not self.detok.done:
             self.outputs.append(self.detok.feed(tokens, last=self.exhausted))
 
-    def read(self) -> StepOutput | None:
-        """The output of the steps since the last read, in one (None: none); raises the error
-        of a step that failed. Reading is the driver's business: steps never wait for it."""
+    def output(self, produced: dict[BatchRow, StepOutput]) -> StepOutput | None:
+        """Its output in what a `step()` produced (None: none this step); raises the error of
+        a step or a prefill that failed."""
         if self.error is not None:
             raise self.error
-        outs, self.outputs = self.outputs, []
-        if len(outs) <= 1:
-            return outs[0] if outs else None
-        last = outs[-1]
-        return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
-                          last.stats, last.finish_reason, last.stop_string)
+        return produced.get(self)
 
     def close(self) -> None:
         """Leave; the prompt cache gets the row's cache (every committed token but the last)."""
@@ -233,7 +220,7 @@ class BatchSpeculator:
     def open(self, engine: Engine, prompt, *, progress=None, prefill_chunk: int | None = None,
              **request) -> BatchRow:
         """A request checked (`Engine.prepare`) joining the batch: each `step()` commits its
-        tokens, `row.read()` returns them as text; close the row to leave. A short rest of the
+        tokens, and returns them as text; close the row to leave. A short rest of the
         prompt prefills at the next step with the round's other joiners; a longer one here
         (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still.
         `request`: as `Engine.prepare`."""
@@ -336,7 +323,7 @@ class BatchSpeculator:
                 self._fail_open(r, e)
 
     def _fail_open(self, row: BatchRow, e: BaseException) -> None:
-        """A row whose prefill or join failed reports `e` at its next read; its cache goes."""
+        """A row whose prefill or join failed has `error` (its `output` raises it); its cache goes."""
         row.opening, row.error = None, e
         if row in self.slots and row not in self.rows:  # written in, not yet a member
             self.rows.append(row)
@@ -492,11 +479,31 @@ class BatchSpeculator:
             q.step.fed = [q.step.fed[b] for b in kept]
 
     # -- the step
-    def step(self) -> None:
-        """One batched step for every row that wants tokens (the others sit it out: fed
-        padding, trimmed at once); each row's output waits in it for `read`."""
+    def step(self) -> dict[BatchRow, StepOutput]:
+        """Admit the rows opened (`admit`), then one batched step for every row that wants
+        tokens (the others sit it out: fed padding, trimmed at once); returns what each row
+        produced (a row whose step failed has its `error`: `BatchRow.output` raises it)."""
         self._prefill_chunks()
         self._open_pending()
+        self._decode()
+        return self._produced()
+
+    def admit(self) -> dict[BatchRow, StepOutput]:
+        """Prefill a chunk of every long prompt, and the rows opened since the last step
+        together; returns their first tokens. No row decodes."""
+        self._prefill_chunks()
+        self._open_pending()
+        return self._produced()
+
+    def _produced(self) -> dict[BatchRow, StepOutput]:
+        produced = {}
+        for r in self.rows:
+            outs, r.outputs = r.outputs, []
+            if outs:
+                produced[r] = outs[0] if len(outs) == 1 else merged(outs)
+        return produced
+
+    def _decode(self) -> None:
         if self.queued is not None:
             self._deliver_queued()
             return
@@ -635,7 +642,7 @@ class BatchSpeculator:
             r.commit([token], seconds=None if synced and not shared else seconds)
 
     def fail(self, e: BaseException) -> None:
-        """A step failed: every row reports `e` at its next read."""
+        """A step failed: every row has `e` as its `error`."""
         self.queued = None
         for r in self.rows:
             r.error = e
@@ -684,36 +691,8 @@ def _spread(fed: list, values, empty=None) -> list:
     return [next(it) if r is not None else empty for r in fed]
 
 
-def next_output(row: BatchRow) -> StepOutput:
-    """The row's next output, stepping its batch until there is one (StopIteration once it
-    has ended or left): reading rows one at a time, in tests and benchmarks."""
-    if row.opening is not None:  # its first token comes from its prefill, not a step
-        row.batch._open_pending()
-    while True:
-        out = row.read()
-        if out is not None:
-            return out
-        if row.closed or row.finished:
-            raise StopIteration
-        row.batch.step()
-
-
-def decode(model, cache: list, context: list[int], proposer: Proposer | None, policy: Policy,
-           sampling: SamplingParams, max_tokens: int, key: mx.array, stats: Stats,
-           num_draft: int = MAX_NUM_DRAFT, sync=None) -> Iterator[list[int]]:
-    """One request on a raw cache holding `context` but its last token (tools, tests): yields
-    the tokens each step commits; `context` grows in place; `num_draft` caps k. When it ends
-    the cache holds every committed token but the last again."""
-    batch = BatchSpeculator(model, row_plans=True, sync=sync)
-    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
-                   stats, len(context) + max_tokens, num_draft, [], seeded=True)
-    batch._join(row)
-    try:
-        while row.wants:
-            batch.step()
-            if row.error is not None:
-                raise row.error
-            tokens, row.pending = row.pending, None
-            yield tokens
-    finally:
-        batch._leave(row)
+def merged(outs: list[StepOutput]) -> StepOutput:
+    """Consecutive outputs of one row as one."""
+    last = outs[-1]
+    return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
+                      last.stats, last.finish_reason, last.stop_string)

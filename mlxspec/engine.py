@@ -235,9 +235,8 @@ class Engine:
             row = self.open(prompt, **kwargs)
             pc = row.pc
             try:
-                while not row.finished:
-                    row.batch.step()
-                    out = row.read()
+                while not row.ended:
+                    out = row.output(row.batch.step())
                     if out is not None or row.opening is not None:
                         yield out
             finally:
@@ -251,8 +250,8 @@ class Engine:
 
     def open(self, prompt: str | list[int], **kwargs) -> BatchRow:
         """A request by itself, opened: a batch of one on its own cache (of any kind). Whoever
-        holds it steps `row.batch` and reads the row (`stream_steps`, the server's worker)
-        and closes it. Keyword arguments as `stream_steps`."""
+        holds it steps `row.batch`, takes the row's outputs from what the steps return
+        (`stream_steps`, the server's worker) and closes it. Keyword arguments as `stream_steps`."""
         return BatchSpeculator(self.model, row_plans=True, sync=self.sync).open(self, prompt,
                                                                            **kwargs)
 

@@ -86,6 +86,49 @@ def make_engine(model, mode="none", draft_model=None, vocab=256, **kw):
     return Engine(model, ByteTokenizer(vocab), mode=mode, draft_model=draft_model, **kw)
 
 
+def decode(model, cache: list, context: list[int], proposer, policy, sampling, max_tokens: int,
+           key: mx.array, stats, num_draft: int = 64, sync=None):
+    """One request on a raw cache holding `context` but its last token, through the batch's
+    one scheduler: yields the tokens each step commits; `context` grows in place. When it
+    ends the cache holds every committed token but the last again."""
+    from mlxspec.batch_step import BatchRow, BatchSpeculator
+    from mlxspec.engine import PromptCache
+
+    batch = BatchSpeculator(model, row_plans=True, sync=sync)
+    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
+                   stats, len(context) + max_tokens, num_draft, [], seeded=True)
+    batch._join(row)
+    try:
+        while row.wants:
+            out = row.output(batch.step())
+            yield [] if out is None else out.tokens
+    finally:
+        batch._leave(row)
+
+
+_unclaimed: dict = {}  # id(batch) -> {row: outputs a step produced, not yet asked for}
+
+
+def next_output(row):
+    """The row's next output, stepping its batch until there is one (StopIteration once it
+    has ended or left), keeping what the steps produced for the other rows: tests read rows
+    one at a time. A row still opening gets its prefill's token without a decoding step."""
+    from mlxspec.batch_step import merged
+
+    kept = _unclaimed.setdefault(id(row.batch), {})
+    while True:
+        if row.error is not None:
+            raise row.error
+        outs = kept.pop(row, None)
+        if outs:
+            return merged(outs)
+        if row.closed or row.ended:
+            raise StopIteration
+        produced = row.batch.admit() if row.opening is not None else row.batch.step()
+        for r, out in produced.items():
+            kept.setdefault(r, []).append(out)
+
+
 def save_model_dir(model, cfg: dict, path: Path, tokenizer_src: Path | None = None) -> Path:
     """Write a model in mlx-lm's directory format (for CLI and loading tests)."""
     path.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, make_engine
+from conftest import build_model, make_engine, next_output
 
 from mlxspec import caches
-from mlxspec.batch_step import BatchSpeculator, next_output
+from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.errors import MlxspecError
@@ -413,9 +413,9 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     rows, outs = [batch.open(base.clone(), reqs[0][0], max_tokens=12)], [[], []]
 
     def one_round():
-        batch.step()
+        produced = batch.step()
         for row, out in zip(rows, outs):
-            got = row.read()
+            got = row.output(produced)
             if got is not None:
                 out.extend(got.tokens)
 
@@ -433,7 +433,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     # steps in the same round, read or not) its second
     assert [c for c in counted.calls if c[1] > 1][2] == (1, 17) and len(outs[1]) == 2
     for _ in range(40):
-        if all(r.finished for r in rows):
+        if all(r.ended for r in rows):
             break
         one_round()
     assert outs == want and rows[1].stats.cached_tokens == 19

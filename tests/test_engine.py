@@ -7,11 +7,10 @@ import random
 
 import mlx.core as mx
 import pytest
-from conftest import build_model, make_engine
+from conftest import build_model, decode, make_engine
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxspec.batch_step import decode
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams

@@ -7,12 +7,11 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, make_engine
+from conftest import build_model, decode, make_engine
 from mlx_lm.models.cache import make_prompt_cache
 from scipy import stats as scipy_stats
 
 import mlxspec.step as loop_module
-from mlxspec.batch_step import decode
 from mlxspec.policy import AdaptiveK, FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams

@@ -131,6 +131,30 @@ def test_greedy_quantspec_is_token_identical_to_hierarchical_reference(arch):
     assert differs_from_fp > 1e-3  # the quantized part really changes the target's logits
 
 
+def test_dequantized_codes_path_stays_token_identical(monkeypatch):
+    """MLX's CUDA backend has no transpose=False quantized matmul for the cache's shapes: there
+    the codes are dequantized first. That path gives the kernel's products (to rounding), and
+    quantspec stays token-identical to its reference on it."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    mx.random.seed(3)
+    x, w = mx.random.normal((5, 64)), mx.random.normal((64, 4 * G))
+    for bits in (4, 8):
+        triple = mx.quantize(w, group_size=G, bits=bits)
+        kernel = hc._qmm(x, triple, G)
+        with monkeypatch.context() as m:
+            m.setattr(hc, "dequantize_codes", lambda: True)
+            fallback = hc._qmm(x, triple, G)
+        assert mx.allclose(kernel, fallback, rtol=1e-4, atol=1e-4).item()
+        assert not mx.allclose(kernel, x @ w, atol=1e-2).item()  # the codes were read
+    model = _model("qwen2", seed=11)
+    prompt = _prompts(1, seed=5)[0]
+    monkeypatch.setattr(hc, "dequantize_codes", lambda: True)
+    want = reference_decode(model, prompt, 24, group_size=G)
+    got, prop = speculative_greedy(model, prompt, 24, k=4, quantize="all")
+    assert got == want and 0 < prop.accepted
+
+
 def test_reference_cache_is_the_target_view():
     model = _model("llama", seed=2)
     cache = make_reference_cache(model, group_size=G)

@@ -628,9 +628,9 @@ def test_cancelled_non_streaming_request(server, client, ref, monkeypatch):
     assert ref["long"] is not None, "the fixture must provide a prompt with a long answer"
     step = server.worker._emit
 
-    def slow_step(job):  # a tiny model answers 200 tokens faster than a client can hang up
+    def slow_step(job, produced):  # a tiny model answers 200 tokens faster than a client hangs up
         time.sleep(0.01)
-        step(job)
+        step(job, produced)
 
     monkeypatch.setattr(server.worker, "_emit", slow_step)
     cancels = server.metrics.cancels

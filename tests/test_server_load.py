@@ -198,9 +198,9 @@ def test_client_that_stops_reading_is_dropped_and_its_job_cancelled(engine, ref)
     try:
         orig = srv.worker._emit
 
-        def slow_step(job):  # a few ms a step: the stream outlasts the buffers' slack
+        def slow_step(job, produced):  # a few ms a step: the stream outlasts the buffers' slack
             time.sleep(0.002)
-            orig(job)
+            orig(job, produced)
 
         srv.worker._emit = slow_step
         sock = socket.socket()
@@ -274,9 +274,9 @@ def test_drain_lets_short_requests_finish_and_ends_long_streams_cleanly(engine, 
     srv = start(engine)
     orig = srv.worker._emit
 
-    def slow(job):
+    def slow(job, produced):
         time.sleep(0.01)
-        orig(job)
+        orig(job, produced)
 
     srv.worker._emit = slow
     out: dict = {}
@@ -320,9 +320,9 @@ def test_drain_waits_for_a_running_request(engine, ref):
     t = threading.Thread(target=one, daemon=True)
     orig = srv.worker._emit
 
-    def slow(job):
+    def slow(job, produced):
         time.sleep(0.02)
-        orig(job)
+        orig(job, produced)
 
     srv.worker._emit = slow
     t.start()

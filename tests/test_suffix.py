@@ -281,7 +281,9 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     """Through the Python API alone (no server, chat or edit around it), both single and
     batched: the prompt and answer are in the store when the generation ends, not at the next
     request's start."""
-    from mlxspec.batch_step import BatchSpeculator, next_output
+    from conftest import next_output
+
+    from mlxspec.batch_step import BatchSpeculator
 
     store = SuffixIndex()
     engine = make_engine(tiny, "suffix", store=store)
@@ -291,10 +293,13 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     batch = BatchSpeculator(engine.model)
     rows = [batch.open(engine.clone(), p, max_tokens=12) for p in PROMPTS[1:]]
     answers = [[] for _ in rows]
-    while not all(row.finished for row in rows):
-        for row, answer in zip(rows, answers):
-            if not row.finished:
+    live = list(zip(rows, answers))
+    while live:
+        for row, answer in list(live):
+            try:
                 answer.extend(next_output(row).tokens)
+            except StopIteration:
+                live.remove((row, answer))
     for row in rows:
         row.close()
     assert sorted(store.documents()) == sorted(

@@ -7,12 +7,11 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, make_engine
+from conftest import build_model, decode, make_engine
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from scipy.stats import chisquare
 
 from mlxspec import tree_verify
-from mlxspec.batch_step import decode
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal
 from mlxspec.proposers.ngram_tree import MultiNgramIndex, TreeNgramProposer

@@ -175,7 +175,7 @@ def _policy_from(spec):
 class MirroredRow:
     """Rank 0's side of a request alone: a row of a batch of one (`Engine.open`) whose
     opening, steps and closing it tells the followers to repeat. Its own batch: whoever holds
-    it steps `row.batch` and reads the row, as a `BatchRow`."""
+    it steps `row.batch` and takes the row's output, as a `BatchRow`'s."""
 
     def __init__(self, engine, prompt, kwargs):
         self.engine, self.coord = engine, engine.coord
@@ -207,8 +207,8 @@ class MirroredRow:
                 self.coord.disarm()
 
     @property
-    def finished(self) -> bool:
-        return self.row.finished
+    def ended(self) -> bool:
+        return self.row.ended
 
     @property
     def opening(self):
@@ -245,24 +245,26 @@ class MirroredRow:
             self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
 
-    def step(self) -> None:
-        """One step, on every rank; a failure is raised by the next `read`."""
+    def step(self) -> dict:
+        """One step, on every rank: {self: its output} (a failure: raised by `output`)."""
         if self.done:
-            return
+            return {}
         try:
             self._guard(self._send, STEP)
             self.coord.tick()
-            self._guard(self.row.batch.step)
+            out = self.row.output(self._guard(self.row.batch.step))
         except Exception as e:
             self.fail(e)
+            return {}
+        return {} if out is None else {self: out}
 
     def fail(self, e: BaseException) -> None:
         self.error = e
 
-    def read(self):
+    def output(self, produced: dict):
         if self.error is not None:
             raise self.error
-        return self._guard(self.row.read)
+        return produced.get(self)
 
     def _lost(self, message: str) -> None:
         """Another rank is lost: every later generation would fail too. A command, or the
@@ -345,8 +347,7 @@ def _follow(engine, on_step) -> None:
             elif op == STEP and gid in rows:
                 row = rows[gid]
                 try:
-                    row.batch.step()
-                    out = row.read()
+                    out = row.output(row.batch.step())
                 except MlxspecError as e:  # rank 0 hits the same error, and closes its own
                     if isinstance(e, DistributedFailure):
                         raise

@@ -71,7 +71,9 @@ replaced (`make_hierarchical_cache`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -542,10 +544,25 @@ class HierarchicalKV:
 def _qmm(x, triple, group_size):
     """x @ packed codes (transpose=False); 4-bit planes or the 8-bit target triple, told apart
     by the codes' width against the groups (N = groups x group_size codes in N * bits / 32
-    words)."""
+    words). MLX's CUDA backend (0.32) has no transpose=False kernel for these shapes: there
+    the codes are dequantized first (every view, the draft's and the target's, the same way,
+    so quantspec stays token-identical to `none` on this cache)."""
     w, scales, _ = triple
     bits = 32 * w.shape[-1] // (scales.shape[-1] * group_size)
+    if dequantize_codes():
+        return x @ mx.dequantize(*triple, group_size=group_size, bits=bits).astype(x.dtype)
     return mx.quantized_matmul(x, *triple, transpose=False, group_size=group_size, bits=bits)
+
+
+@functools.cache
+def dequantize_codes() -> bool:
+    """Whether `_qmm` dequantizes (MLX's CUDA backend; MLXSPEC_DEQUANTIZE_KV=1 forces it)."""
+    forced = os.environ.get("MLXSPEC_DEQUANTIZE_KV", "")
+    if forced:
+        return forced != "0"
+    from ..backend import device_name
+
+    return device_name() == "cuda"
 
 
 def _expand_kv(a):

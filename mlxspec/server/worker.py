@@ -316,17 +316,18 @@ class Worker(threading.Thread):
         """One step of every batch (the shared one: one target forward for all its rows),
         then each job's new text to its request."""
         live = [job for job in list(self.jobs) if job.opened and self._live(job)]
+        produced = {}
         for batch in {id(job.row.batch): job.row.batch for job in live}.values():
             try:
-                batch.step()
-            except Exception as e:  # its rows fail (at their `read`), not the other batches'
+                produced.update(batch.step())
+            except Exception as e:  # its rows fail (their `output` raises), not other batches'
                 log.error("a step failed:\n%s", traceback.format_exc())
                 batch.fail(e)
         for job in live:
-            self._emit(job)
+            self._emit(job, produced)
 
-    def _emit(self, job: Job) -> None:
-        out = self._guarded(job, lambda j: j.row.read())
+    def _emit(self, job: Job, produced: dict) -> None:
+        out = self._guarded(job, lambda j: j.row.output(produced))
         if out is None:
             return
         job.stats = out.stats
