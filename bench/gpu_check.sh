@@ -28,7 +28,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   # exactness on the GPU: every mode against plain decoding, twelve families (sliding windows,
   # recurrent layers, half precision), QuantSpec, trees, acceptance rules
   timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider --maxfail=20 \
-    tests/test_verify.py tests/test_engine.py tests/test_quantspec.py tests/test_families.py \
+    tests/test_families.py tests/test_quantspec.py tests/test_engine.py tests/test_verify.py \
     tests/test_tree.py 2>&1 | tee "$out/tests.log" | tail -25 || echo "tests: stopped (timeout or failures)"
 fi
 $PY bench/gpu_check.py --json "$out/gpu_check.json" "$@" | tee "$out/gpu_check.md"
