@@ -17,6 +17,13 @@ Prints Markdown tables.
     python bench/bench_quantspec.py --cache-cost --model qwen2.5-coder-0.5b \\
         [--cost-contexts 1024,2048,4096] [--cost-reps 3] [--cost-tokens 32] [--cost-steps 64]
 
+    python bench/bench_quantspec.py --acceptance --model qwen2.5-coder-0.5b \\
+        --contexts 1024,4096 [--ks 2,4,8] [--weight-bits 4,8] [--prompts 4] [--max-tokens 32]
+
+`--acceptance` only measures QuantSpec's acceptance (by position, tokens per target forward)
+at each k, for the draft as shipped and with 8-bit weights (the 4-bit KV view's own share),
+every run asserted token-identical to `none` on the hierarchical cache.
+
 `--cache-cost` only measures what the hierarchical cache costs a user who is not drafting:
 prefill time and decode tokens/s of `none` on the hierarchical cache against `none` on the
 plain cache, the same weights in one process, interleaved (the order alternates each
@@ -255,6 +262,51 @@ def cache_cost(args, engines: dict | None = None) -> None:
                            lengths, args.cost_steps, plain.prefill_step_size, prompts)
 
 
+def acceptance(args) -> None:
+    """QuantSpec's acceptance on real source text at real lengths: per prompt the `none`
+    reference on the hierarchical cache, then quantspec at every k of `--ks` (one prefill per
+    draft variant, reused through the prompt cache), each asserted token-identical to it.
+    Variants: the draft as shipped (4-bit weights over the 4-bit KV view) and with 8-bit
+    weights (what the 4-bit KV view alone costs)."""
+    G = args.group_size
+    ks = [int(k) for k in args.ks.split(",") if k]
+    lengths = [int(c) for c in args.contexts.split(",") if c]
+    longest = max(lengths) + args.max_tokens + 1
+    base = load(args.model, mode="none", no_draft=True, max_context=longest)
+    common = dict(config=base.config, name=base.name, max_context=longest)
+    ref = Engine(base.model, base.tokenizer, mode="none", kv="hierarchical", kv_group_size=G,
+                 **common)
+    variants = {f"{bits}-bit weights + 4-bit KV": Engine(
+        base.model, base.tokenizer, mode="quantspec", num_draft=max(ks), group_size=G,
+        weight_bits=bits, **common) for bits in [int(b) for b in args.weight_bits.split(",")]}
+    dtype = str(next(iter(base.model.parameters()["model"]["embed_tokens"].values())).dtype)
+    print(f"{base.name}, {dtype.rsplit('.', 1)[-1]}, G = {G}, {args.prompts} prompts of held-out "
+          f"source per length, {args.max_tokens} tokens each, greedy\n")
+    print("| context | draft | k | acceptance | by draft position (%) | tokens / target forward "
+          "| identical |")
+    print("|---:|---|---:|---:|---|---:|---|")
+    for length in lengths:
+        stats: dict = {}
+        for prompt in context_prompts(base, length, args.prompts):
+            want = ref.generate(prompt, max_tokens=args.max_tokens, prompt_cache=PromptCache())
+            for label, eng in variants.items():
+                pc = PromptCache()
+                for k in ks:
+                    r = eng.generate(prompt, max_tokens=args.max_tokens, num_draft=k,
+                                     prompt_cache=pc)
+                    stats.setdefault((label, k), []).append((r, r.tokens == want.tokens))
+        for (label, k), runs in stats.items():
+            rs = [r.stats for r, _ in runs]
+            drafted, accepted = sum(s.drafted for s in rs), sum(s.accepted for s in rs)
+            a = [sum(x) for x in zip(*(s.accepted_by_position for s in rs))]
+            d = [sum(x) for x in zip(*(s.drafted_by_position for s in rs))]
+            tpf = sum(s.generated_tokens for s in rs) / max(1, sum(s.target_forwards for s in rs))
+            same = sum(ok for _, ok in runs)
+            print(f"| {length} | {label} | {k} | {100 * accepted / max(1, drafted):.1f}% | "
+                  + " ".join(f"{100 * x / y:.0f}" for x, y in zip(a, d) if y)
+                  + f" | {tpf:.2f} | {same}/{len(runs)} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -273,6 +325,11 @@ def main() -> None:
     ap.add_argument("--cache-cost", action="store_true",
                     help="only measure the hierarchical cache's own cost under `none` "
                          "(prefill time and decode tok/s against the plain cache)")
+    ap.add_argument("--acceptance", action="store_true",
+                    help="only QuantSpec's acceptance at --contexts for each k of --ks")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--weight-bits", default="4,8",
+                    help="draft weight bits compared by --acceptance (8: the KV view alone)")
     ap.add_argument("--cost-contexts", default="1024,2048,4096")
     ap.add_argument("--cost-reps", type=int, default=3,
                     help="repetitions of each whole generation (0: skip that table)")
@@ -282,6 +339,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.cache_cost:
         cache_cost(args)
+        return
+    if args.acceptance:
+        acceptance(args)
         return
     contexts = [int(c) for c in args.contexts.split(",") if c]
     long_contexts = [int(c) for c in args.long_contexts.split(",") if c]
