@@ -330,6 +330,9 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--weight-bits", default="4,8",
                     help="draft weight bits compared by --acceptance (8: the KV view alone)")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the KV memory table at --memory-contexts")
+    ap.add_argument("--memory-contexts", default="4096,8192,16384")
     ap.add_argument("--cost-contexts", default="1024,2048,4096")
     ap.add_argument("--cost-reps", type=int, default=3,
                     help="repetitions of each whole generation (0: skip that table)")
@@ -342,6 +345,13 @@ def main() -> None:
         return
     if args.acceptance:
         acceptance(args)
+        return
+    if args.memory:
+        model = load(args.model, mode="none", no_draft=True).model
+        lengths = tuple(int(c) for c in args.memory_contexts.split(",") if c)
+        print(f"KV bytes of every layer, fp16 keys/values, G = {args.group_size}:\n")
+        print(format_memory_table(kv_memory_for_model(model, lengths,
+                                                      group_size=args.group_size)))
         return
     contexts = [int(c) for c in args.contexts.split(",") if c]
     long_contexts = [int(c) for c in args.long_contexts.split(",") if c]

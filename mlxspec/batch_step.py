@@ -537,7 +537,7 @@ class BatchSpeculator:
         drafted = [res.drafted for res in results]
         if not any(drafted):
             self.plain_steps += 1
-        if self.policy is not None and self.cache.shared:
+        if self.policy is not None:  # (a row on its own cache too: one row's cost is a point)
             self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
                                 draft_forwards, seconds, span)
         for r, (arm, _), res in zip(rows, plans, results):
@@ -635,7 +635,7 @@ class BatchSpeculator:
         self.steps += 1
         self.plain_steps += 1
         self.rows_stepped += len(kept)
-        if self.policy is not None and shared and seconds is not None:
+        if self.policy is not None and seconds is not None:
             self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
         for r, token in kept:
             # (a row on its own cache learns only the steady state: not a stretch's synced first)
