@@ -17,6 +17,7 @@ from mlx_lm.generate import wired_limit
 from . import backend, caches
 from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
+from .caches.shift import check_shiftable
 from .errors import MlxspecError
 from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
 from .policy.adaptive import draft_priors, read_states, write_states
@@ -59,6 +60,7 @@ class Request:
     key: mx.array
     num_draft: int | None
     seeded: bool  # a seed was given: its draws are its own whatever else runs
+    cache_reuse: int = 0  # reuse cached chunks of at least this many tokens at shifted places
 
 
 class Engine:
@@ -260,12 +262,14 @@ class Engine:
                 min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
                 prediction: str | list[int] | None = None, num_draft: int | None = None,
                 prompt_cache: PromptCache | None = None, mode: str | None = None,
-                policy: Policy | None = None) -> Request:
+                policy: Policy | None = None, cache_reuse: int = 0) -> Request:
         """Check a request (clear errors before any work) and resolve its mode, proposer,
         policy, prompt cache and key. `prediction` (text or ids): a predicted output the
         n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
         prompt shares a prefix with it; `mode`, `num_draft` (a cap on k), `policy`: for this
-        request; `seed` None: MLX's global generator."""
+        request; `seed` None: MLX's global generator; `cache_reuse` N > 0: past the common
+        prefix, runs of at least N cached tokens are reused where they moved (llama.cpp's
+        `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`)."""
         sampling = SamplingParams(temperature, top_p, top_k, min_p)
         try:
             sampling.validate()
@@ -293,13 +297,17 @@ class Engine:
             if isinstance(prediction, str):
                 prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
             proposer.set_prediction(prediction)
+        if cache_reuse < 0:
+            raise MlxspecError(f"cache_reuse must be >= 0, got {cache_reuse}")
+        if cache_reuse:
+            check_shiftable(self.model, self.new_cache(proposer))
         return Request(
             tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
             proposer=proposer,
             policy=policy or self.policy_for(proposer, self.workload_signal(tokens, prediction)),
             pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
             stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
-            seeded=seed is not None,
+            seeded=seed is not None, cache_reuse=cache_reuse,
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
     def start_proposer(self, req: Request, prefill_seconds: float) -> None:
@@ -326,11 +334,14 @@ class Engine:
             return make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
         return caches.make_cache(self.model)
 
-    def reuse(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None) -> int:
+    def reuse(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
+              cache_reuse: int = 0) -> int:
         """Bring `pc` back to its longest reusable prefix of tokens[:-1] (a fresh cache when
-        none); how many tokens it keeps."""
+        none), extended by chunks reused at shifted positions where `cache_reuse` > 0; how many
+        tokens it keeps."""
         kind = self.cache_kind(proposer)
-        keep = pc.reuse_prefix(tokens[:-1], kind)
+        keep = pc.reuse_prefix(tokens[:-1], kind, self.model if cache_reuse else None,
+                               cache_reuse)
         if keep == 0:
             pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
         pc.tokens = tokens[:keep]

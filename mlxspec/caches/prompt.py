@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import Checkpoint, leaves, restore, trim_exact
 from . import checkpoint as checkpoint_states
+from .shift import reusable_chunks, shift_chunks
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -33,12 +34,18 @@ class PromptCache:
             held += self.checkpoint[1].nbytes()
         return held
 
-    def reuse_prefix(self, tokens: list[int], kind: str) -> int:
-        """Bring the cache back to its longest reusable common prefix with `tokens`; its length
-        (0: nothing reusable)."""
+    def reuse_prefix(self, tokens: list[int], kind: str, model=None, min_chunk: int = 0) -> int:
+        """Bring the cache back to its longest reusable common prefix with `tokens`, followed
+        (with `model` and `min_chunk` > 0) by its runs of at least `min_chunk` tokens moved to
+        where `tokens` has them (`shift.py`); the length it holds (0: nothing reusable)."""
         if self.cache is None or self.kind != kind:
             return 0
         keep = common_prefix_len(self.tokens, tokens)
+        chunks = reusable_chunks(self.tokens, tokens, keep, min_chunk) if min_chunk else []
+        if chunks and model is not None:
+            length = shift_chunks(model, self.cache, keep, chunks)
+            self.tokens, self.checkpoint = tokens[:length], None
+            return length
         if keep and trim_exact(self.cache, len(self.tokens) - keep):
             self.tokens = self.tokens[:keep]
             return keep
@@ -70,12 +77,16 @@ class PromptCacheStore:
     def nbytes(self) -> int:
         return sum(pc.nbytes() for pc in self.entries)
 
-    def take(self, tokens: list[int]) -> PromptCache:
-        best, best_len = None, 0
+    def take(self, tokens: list[int], min_chunk: int = 0) -> PromptCache:
+        """The entry sharing the longest prefix with `tokens` (with `min_chunk` > 0: the most
+        tokens reusable, shifted chunks counted), taken over where it is mostly reused."""
+        best, best_len, best_prefix = None, 0, 0
         for pc in self.entries:
-            n = common_prefix_len(pc.tokens, tokens)
+            prefix = n = common_prefix_len(pc.tokens, tokens)
+            if min_chunk:
+                n += sum(c[2] for c in reusable_chunks(pc.tokens, tokens, n, min_chunk))
             if n > best_len:
-                best, best_len = pc, n
+                best, best_len, best_prefix = pc, n, prefix
         if best is None:
             return PromptCache()
         if best_len * 2 >= len(best.tokens):
@@ -83,7 +94,7 @@ class PromptCacheStore:
             self.entries.remove(best)
             return best
         # A short shared prefix (a common system prompt): copy that prefix, keep the entry.
-        return copy_prefix(best, best_len) or PromptCache()
+        return copy_prefix(best, best_prefix) or PromptCache()
 
     def put(self, pc: PromptCache | None) -> None:
         if pc is None or pc.cache is None or not pc.tokens:

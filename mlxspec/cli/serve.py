@@ -111,6 +111,12 @@ def parse_size(text: str) -> int:
               callback=in_range(1),
               help="Tokens of earlier requests kept for the suffix source, all scopes together "
                    "(least recently used out first; about 30-60 bytes each).")
+@click.option("--cache-reuse", type=int, default=0, show_default=True, callback=in_range(0),
+              help="Reuse runs of at least N tokens of a cached prompt where the new prompt "
+                   "moved them (an editor's window scrolling), keys re-rotated, as llama.cpp's "
+                   "--cache-reuse (0: off). Faster, but not exact: the reused entries saw the "
+                   "old context. A request's n_cache_reuse overrides it. Plain-attention "
+                   "RoPE models only.")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
@@ -118,7 +124,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
           write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
-          suffix_cache=None, suffix_budget=1 << 20, distributed=None):
+          suffix_cache=None, suffix_budget=1 << 20, cache_reuse=0, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -148,7 +154,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             log_prompts=log_prompts, max_connections=max_connections,
             read_timeout=read_timeout, write_timeout=write_timeout,
             request_timeout=request_timeout, suffix_scope=suffix_scope,
-            suffix_cache=suffix_cache, suffix_budget=suffix_budget)
+            suffix_cache=suffix_cache, suffix_budget=suffix_budget, cache_reuse=cache_reuse)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if getattr(engine, "coord", None) is not None:

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .. import __version__
+from ..caches.shift import check_shiftable
 from ..engine import Engine
 from ..errors import MlxspecError
 from ..proposers import MODES
@@ -170,7 +171,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  read_timeout: float = 30.0, write_timeout: float = 30.0,
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
                  batch_spec: bool = True, suffix_scope: str = "client",
-                 suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None):
+                 suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None,
+                 cache_reuse: int = 0):
         if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
             spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
         # Earlier requests' text for the suffix source, one store per scope: `client` (the
@@ -180,6 +182,10 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                                f"got {suffix_scope!r}")
         self.suffix_scope, self.suffix_cache = suffix_scope, suffix_cache
         self.suffix = SuffixStores(suffix_budget, tokenizer_fingerprint(engine.tokenizer))
+        if cache_reuse < 0:
+            raise MlxspecError(f"--cache-reuse must be >= 0, got {cache_reuse}")
+        if cache_reuse:  # a model that cannot shift its cache says so before listening
+            check_shiftable(engine.model, engine.new_cache(engine.proposer_of(None)))
         if suffix_cache:
             load_suffix(self.suffix, suffix_cache)  # a bad file: one error line, before listening
         host = address[0]
@@ -210,7 +216,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
             model_name=name, model_aliases=aliases, max_context=engine.max_context,
             default_max_tokens=default_max_tokens, default_temperature=default_temperature,
             modes=MODES, accept_any_model=accept_any_model,
-            max_n_cmpl=max(1, min(16, max_queue)))
+            max_n_cmpl=max(1, min(16, max_queue)), cache_reuse=cache_reuse)
         self.total_slots = spec_max_concurrency + max_batch
         self.parser = RequestParser(engine.tokenizer, self.config)
         # Loading leaves lazy work (e.g. the float16 -> float32 cast on the CPU backend) on this

@@ -170,6 +170,7 @@ class GenRequest:
     context_limited: bool = False  # max_tokens was lowered to what the context leaves
     n_ctx: int | None = None
     n_indent: int = 0  # llama.cpp: stop at a new line indented less than this
+    cache_reuse: int = 0  # llama.cpp's n_cache_reuse: reuse cached chunks shifted (not exact)
     n_cmpl: int = 1  # llama.cpp: completions of the same prompt
     response_fields: list[str] | None = None
     model: str = ""
@@ -242,6 +243,7 @@ class ServerConfig:
     max_num_draft: int = 64
     accept_any_model: bool = False  # --accept-any-model: OpenAI requests may name any model
     max_n_cmpl: int = 16
+    cache_reuse: int = 0  # --cache-reuse: a request's default n_cache_reuse
 
 
 class RequestParser:
@@ -371,7 +373,8 @@ class RequestParser:
             include_usage=bool(so.get("include_usage", False)), mode=mode,
             num_draft=num_draft, use_suffix=use_suffix, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
             response_fields=fields, model=cfg.model_name, context_limited=limited, n_ctx=ctx,
-            n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl)
+            n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl,
+            cache_reuse=_number(body, "n_cache_reuse", cfg.cache_reuse, int, 0))
 
     # -- endpoints
     def completion(self, body: dict) -> GenRequest:

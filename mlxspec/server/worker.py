@@ -257,7 +257,7 @@ class Worker(threading.Thread):
     def _start_engine(self, job: Job) -> None:
         # a slot: the same weights, its own proposers, policies and prompt cache
         job.slot = self.idle_slots.pop() if self.idle_slots else self.engine.clone()
-        job.cache = self.cache.take(job.req.prompt)
+        job.cache = self.cache.take(job.req.prompt, job.req.cache_reuse)
         self.jobs.append(job)
 
     def _open_job(self, job: Job) -> None:
@@ -269,7 +269,8 @@ class Worker(threading.Thread):
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
-                      mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk)
+                      mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
+                      cache_reuse=r.cache_reuse)
         # A seeded sampled request keeps a batch of its own, drawing what it would alone
         # (llama.cpp's n_cmpl: seeds seed, seed + 1, ...), while at most one other does;
         # beyond that its draw is exact but not the one alone. (Unopened jobs are not counted.)
