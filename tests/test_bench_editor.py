@@ -161,6 +161,21 @@ def test_a_replay_against_the_server(tiny):
     assert "auto" in be.table([r]) and "prefill" in be.where_time_goes(r)
 
 
+def test_a_replay_with_cache_reuse_and_its_agreement(tiny):
+    """--cache-reuse: the server reuses shifted chunks (no fewer tokens reused than exact) and
+    the report compares its answers with the exact run's, request by request."""
+    plan = be.plan_files(["click"], 1, 1, 1, seed=5)
+    exact = be.summarize(be.replay(tiny, be.Config("none"), plan, 1, seed=5))
+    shifted = be.summarize(be.replay(tiny, be.Config("none", cache_reuse=16), plan, 1, seed=5))
+    assert shifted["config"] == "none --cache-reuse 16"
+    assert shifted["generation"]["reused_tokens"] >= exact["generation"]["reused_tokens"]
+    a = be.agreement(shifted, exact)
+    assert a["matched_requests"] >= 1 and 0 <= a["identical_answers"] <= a["matched_requests"]
+    same = be.agreement(exact, exact)
+    assert same["identical_answers"] == same["matched_requests"] >= 1
+    assert same["agreeing_chars_pct"] in (None, 100.0)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--modes", "auto,banana"], "unknown mode 'banana' in --modes"),
     (["--files", "0"], "--files must be >= 1, got 0"),
@@ -177,18 +192,22 @@ def test_the_command_runs_the_replays_and_writes_json(monkeypatch, tmp_path):
     options are not asked for); --json gets the figures and the options."""
     got = {}
 
-    def replays(engine, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed):
+    def replays(engine, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed,
+                cache_reuse=0):
         got.update(engine=engine, modes=modes, no_suffix=no_suffix, no_draft=no_draft,
-                   files=n_files, lines=n_lines, open=n_open, packages=packages, seed=seed)
+                   files=n_files, lines=n_lines, open=n_open, packages=packages, seed=seed,
+                   cache_reuse=cache_reuse)
         return {"model": "m", "results": []}
 
     monkeypatch.setattr("mlxspec.cli.bench.load_engine", lambda *a, **k: "engine")
     monkeypatch.setattr(be, "run_replays", replays)
     out = tmp_path / "editor.json"
     r = CliRunner().invoke(main, ["bench", "editor", "--modes", "auto", "--no-draft",
-                                  "--lines", "3", "--packages", "click", "--json", str(out)])
+                                  "--lines", "3", "--packages", "click", "--cache-reuse", "64",
+                                  "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert got == {"engine": "engine", "modes": ["auto"], "no_suffix": False, "no_draft": True,
-                   "files": 1, "lines": 3, "open": 2, "packages": ["click"], "seed": 0}
+                   "files": 1, "lines": 3, "open": 2, "packages": ["click"], "seed": 0,
+                   "cache_reuse": 64}
     report = json.loads(out.read_text())
     assert report["model"] == "m" and report["args"]["lines"] == 3

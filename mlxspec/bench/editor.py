@@ -607,10 +607,12 @@ class Config:
     mode: str
     suffix: bool = True
     draft: bool = True
+    cache_reuse: int = 0  # the server's --cache-reuse
 
     @property
     def label(self) -> str:
-        return self.mode + ("" if self.suffix else " -suffix") + ("" if self.draft else " -draft")
+        return (self.mode + ("" if self.suffix else " -suffix") + ("" if self.draft else " -draft")
+                + (f" --cache-reuse {self.cache_reuse}" if self.cache_reuse else ""))
 
 
 def engine_for(base: Engine, cfg: Config) -> Engine:
@@ -627,7 +629,8 @@ def replay(base: Engine, cfg: Config, plan: list, n_lines: int, seed: int) -> di
     """Type through `plan` against a fresh server in configuration `cfg`: the editor's
     request log (bodies and replies), its stops and what was typed and accepted."""
     engine = engine_for(base, cfg)
-    server = Server(engine, suffix_scope="client" if cfg.suffix else "request")
+    server = Server(engine, suffix_scope="client" if cfg.suffix else "request",
+                    cache_reuse=cfg.cache_reuse)
     log: list = []
     editor = Editor(server, random.Random(seed), log)
     typing = {"typed_chars": 0, "accepted_chars": 0, "accepts": 0}
@@ -728,6 +731,7 @@ def summarize(run: dict) -> dict:
         "requests": [{"kind": e["kind"], "file": e["file"], "line": e["line"],
                       "ring": e["ring"], "ttft": e["reply"].ttft, "total": e["reply"].total,
                       "content": e["reply"].content, "fields": e["reply"].fields,
+                      "body": e["body"],
                       "forwards": e["reply"].forwards,
                       "accepted_by_source": e["reply"].accepted_by_source}
                      for e in log],
@@ -794,7 +798,8 @@ def where_time_goes(r: dict) -> str:
             f"{g['truncated']} prompts truncated")
 
 
-def configs_for(modes: list[str], no_suffix: bool, no_draft: bool) -> list[Config]:
+def configs_for(modes: list[str], no_suffix: bool, no_draft: bool,
+                cache_reuse: int = 0) -> list[Config]:
     out = []
     for mode in modes:
         out.append(Config(mode))
@@ -802,7 +807,32 @@ def configs_for(modes: list[str], no_suffix: bool, no_draft: bool) -> list[Confi
             out.append(Config(mode, suffix=False))
         if no_draft and mode == "auto":
             out.append(Config(mode, draft=False))
+        if cache_reuse:
+            out.append(Config(mode, cache_reuse=cache_reuse))
     return out
+
+
+def agreement(run: dict, exact: dict) -> dict:
+    """How a --cache-reuse run's answers agree with the exact run's, over the requests both
+    sent with the same body (time limits make the runs drift apart): answers identical up to
+    the shorter one, and the share of their common length that agrees."""
+    def key(body: dict) -> str:  # what the model sees (the ring's chunks carry a time)
+        return json.dumps([body.get(k) for k in ("input_prefix", "input_suffix", "prompt")]
+                          + [c.get("text") for c in body.get("input_extra") or []])
+
+    answers = {key(r["body"]): r["content"] for r in exact["requests"] if r["kind"] != "warmup"}
+    same = matched = agreed = compared = 0
+    for r in run["requests"]:
+        want = answers.get(key(r["body"]))
+        if r["kind"] == "warmup" or want is None:
+            continue
+        got, n = r["content"], min(len(r["content"]), len(want))
+        common = next((i for i in range(n) if got[i] != want[i]), n)
+        matched += 1
+        same += common == n
+        agreed, compared = agreed + common, compared + n
+    return {"matched_requests": matched, "identical_answers": same,
+            "agreeing_chars_pct": 100 * agreed / compared if compared else None}
 
 
 def machine() -> str:
@@ -812,7 +842,8 @@ def machine() -> str:
 
 
 def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool, n_files: int,
-                n_lines: int, n_open: int, packages: list[str], seed: int) -> dict:
+                n_lines: int, n_open: int, packages: list[str], seed: int,
+                cache_reuse: int = 0) -> dict:
     """`mlxspec bench editor`: every configuration types the same plan on `base`'s weights.
     Prints the table (progress on stderr); returns every figure and request."""
     say = click.echo
@@ -820,9 +851,12 @@ def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool,
     base.generate("def f(x):\n    return", max_tokens=4)  # warm MLX's kernels up
     before = machine()
     results = []
-    for cfg in configs_for(modes, no_suffix, no_draft):
+    for cfg in configs_for(modes, no_suffix, no_draft, cache_reuse):
         results.append(summarize(replay(base, cfg, plan, n_lines, seed)))
         say(f"# {cfg.label}: {results[-1]['seconds']:.0f} s", err=True)
+        if cfg.cache_reuse:  # against the same mode's exact run (just before it)
+            exact = next(r for r in results if r["config"] == cfg.mode)
+            results[-1]["agreement"] = agreement(results[-1], exact)
     files = ", ".join(f"{f['name']}:{f['start'] + 1}" for f in plan)
     say(f"# {base.name}: llama.vim replay, {n_files} files x {n_lines} lines ({files}), "
         f"{n_open} other files opened each, seed {seed}; {before} at the start, "
@@ -831,6 +865,13 @@ def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool,
     say("")
     for r in results:
         say("- " + where_time_goes(r))
+        a = r.get("agreement")
+        if a:
+            pct_chars = "-" if a["agreeing_chars_pct"] is None else \
+                f"{a['agreeing_chars_pct']:.1f} %"
+            say(f"- {r['config']} against {r['mode']} (exact): {a['identical_answers']}/"
+                f"{a['matched_requests']} answers to the same request identical up to the "
+                f"shorter one; {pct_chars} of the characters compared agree")
     return {"model": base.name, "machine": before,
             "files": [{k: v for k, v in f.items() if k != "lines"} | {
                 "others": [o[0] for o in f["others"]]} for f in plan],

@@ -281,6 +281,10 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
               help="Also run auto (and suffix) with --suffix-scope request: no store of earlier "
                    "requests' text.")
 @click.option("--no-draft", is_flag=True, help="Also run auto without its draft model.")
+@click.option("--cache-reuse", type=int, default=0, show_default=True, callback=in_range(0),
+              help="Also run each mode with the server's --cache-reuse N (cached chunks reused "
+                   "at shifted positions; not exact), and report how its answers agree with "
+                   "the exact run's.")
 @click.option("--files", "n_files", type=int, default=1, show_default=True,
               callback=in_range(1), help="Files typed through.")
 @click.option("--lines", "n_lines", type=int, default=2, show_default=True,
@@ -293,8 +297,8 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every figure and request here.")
 @exits_cleanly
-def editor(model, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed,
-           json_path):
+def editor(model, modes, no_suffix, no_draft, cache_reuse, n_files, n_lines, n_open, packages,
+           seed, json_path):
     """The editor's wait: llama.vim typing through real files, against an in-process server.
 
     Types through installed packages' source files (click and rich by default) and sends
@@ -317,10 +321,10 @@ def editor(model, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages
     package_list = [p.strip() for p in packages.split(",") if p.strip()]
     engine = load_engine(model, None, "none", None)
     report = run_replays(engine, mode_list, no_suffix, no_draft, n_files, n_lines, n_open,
-                         package_list, seed)
+                         package_list, seed, cache_reuse=cache_reuse)
     if json_path:
         report["args"] = {"model": model, "modes": modes, "no_suffix": no_suffix,
-                          "no_draft": no_draft, "files": n_files, "lines": n_lines,
+                          "no_draft": no_draft, "cache_reuse": cache_reuse, "files": n_files, "lines": n_lines,
                           "open": n_open, "packages": packages, "seed": seed}
         Path(json_path).write_text(json.dumps(report, indent=1, default=str))
         click.echo(f"wrote {json_path}", err=True)
