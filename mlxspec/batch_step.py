@@ -239,7 +239,7 @@ class BatchSpeculator:
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
         keep = engine.reuse(tokens, pc, proposer, req.cache_reuse)
-        row.opening = (req, pc.reused, time.perf_counter() - start)
+        row.opening = (req, keep, time.perf_counter() - start)
         if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
             row.chunk = prefill_chunk
             self.prefilling.append(row)

@@ -22,20 +22,18 @@ def window(start: int, end: int, tail: list[int]) -> list[int]:
     return HEADER + [t for line in LINES[start:end] for t in line] + tail
 
 
-def test_chunks_moved_left_and_right():
+def test_chunks_follow_llama_cpp_scan():
     cached = [1, 2, 3, 4, 5, 6, 7, 8]
-    # the prompt lost "3": the run 4..8 continues it one place earlier (llama.cpp's case)
+    # the prompt lost "3": the run 4..8 continues it one place earlier
     assert reusable_chunks(cached, [1, 2, 4, 5, 6, 7, 8, 11], 2, 3) == [(3, 2, 5)]
-    # runs shorter than the minimum are computed; a prompt token the cache lacks is computed
-    assert reusable_chunks(cached, [1, 2, 4, 5, 9, 6, 7, 8], 2, 3) == [(5, 5, 3)]
-    assert reusable_chunks(cached, [1, 2, 4, 5, 9, 6, 7, 8], 2, 2) == [(3, 2, 2), (5, 5, 3)]
+    # runs shorter than the minimum are not reused, and a prompt token the cache lacks stops it
+    assert reusable_chunks(cached, [1, 2, 4, 5, 9, 6, 7, 8], 2, 3) == []
+    assert reusable_chunks(cached, [1, 2, 4, 5, 9, 6, 7, 8], 2, 2) == [(3, 2, 2)]
     # two runs in order, the cached tokens between them dropped
     assert reusable_chunks(cached, [1, 3, 4, 6, 7, 8], 1, 2) == [(2, 1, 2), (5, 3, 3)]
-    # a word typed before the rest: the rest moves right by its two tokens
-    assert reusable_chunks(cached, [1, 2, 3, 50, 51, 4, 5, 6, 7, 8, 9], 3, 3) == [(3, 5, 5)]
-    # runs stay in order: a run of the cache before the last one is not taken again
-    assert reusable_chunks(cached, [1, 6, 7, 8, 2, 3, 4], 1, 3) == [(5, 1, 3)]
-    assert reusable_chunks(cached, cached, 8, 1) == [] == reusable_chunks(cached, cached, 0, 0)
+    # a word typed before the rest: nothing moves right (see the next test's docstring)
+    assert reusable_chunks(cached, [1, 2, 3, 50, 51, 4, 5, 6, 7, 8, 9], 3, 3) == []
+    assert reusable_chunks(cached, cached, 8, 1) == []
 
 
 def test_rotation_composes_with_rope():
@@ -69,25 +67,21 @@ def test_one_layer_model_shifted_cache_equals_a_fresh_prefill(model_type):
         assert mx.array_equal(a.values[..., :reused, :], b.values[..., :reused, :]).item()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_a_typed_word_is_computed_and_the_text_after_it_moved_right(model_type):
-    """The editor's keystroke: new tokens in the middle of the prompt are computed in place and
-    the cached text after them is moved right; with one layer the cache then equals a fresh
-    prefill of the new prompt (keys to rounding, the moved values exactly)."""
-    model, _ = build_model(model_type, seed=4, layers=1, scale=4.0)
+def test_text_after_a_typed_word_is_computed_again():
+    """Runs only move left, as in llama.cpp. Moving the text after a typed word right was tried
+    (the word computed in place): on the llama.vim replay the first suggestion came 9x sooner,
+    but 1 answer in 10 matched the exact one (bench-results/editor-reuse/
+    coder-0.5b-right-shifts.md): the moved suffix's states still describe the old line, and a
+    FIM model then completes the old line, repeating what was just typed."""
+    model, _ = build_model("llama", seed=4, scale=4.0)
     engine = make_engine(model)
     old = window(0, 10, [99, 98])
     new = window(0, 5, [61, 62, 63]) + window(5, 10, [99, 97])[len(HEADER):]
     pc = PromptCache()
     engine.generate(old, max_tokens=2, prompt_cache=pc)
     got = engine.generate(new, max_tokens=10, prompt_cache=pc, cache_reuse=4)
-    assert got.stats.cached_tokens == len(HEADER) + 5 * 4 + 5 * 4 + 1  # not the 3 typed
-    fresh = PromptCache()
-    assert got.tokens == engine.generate(new, max_tokens=10, prompt_cache=fresh).tokens
-    n = len(new) - 1
-    for a, b in zip(pc.cache, fresh.cache):
-        assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-4).item()
-        assert mx.allclose(a.values[..., :n, :], b.values[..., :n, :], atol=1e-6).item()
+    assert got.stats.cached_tokens == len(HEADER) + 5 * 4  # the common prefix only
+    assert got.tokens == engine.generate(new, max_tokens=10, prompt_cache=PromptCache()).tokens
 
 
 def test_deep_model_reuses_and_then_computes_the_rest_at_its_positions():

@@ -26,7 +26,6 @@ class PromptCache:
     tokens: list[int] = field(default_factory=list)
     kind: str = ""
     checkpoint: tuple[int, Checkpoint] | None = None
-    reused: int = 0  # tokens the last `reuse_prefix` kept or moved (not those it computed)
 
     def nbytes(self) -> int:
         """The cache's bytes, plus the recurrent states its checkpoint keeps alive."""
@@ -39,26 +38,21 @@ class PromptCache:
         """Bring the cache back to its longest reusable common prefix with `tokens`, followed
         (with `model` and `min_chunk` > 0) by its runs of at least `min_chunk` tokens moved to
         where `tokens` has them (`shift.py`); the length it holds (0: nothing reusable)."""
-        self.reused = 0
         if self.cache is None or self.kind != kind:
             return 0
         keep = common_prefix_len(self.tokens, tokens)
         chunks = reusable_chunks(self.tokens, tokens, keep, min_chunk) if min_chunk else []
         if chunks and model is not None:
-            try:
-                held, computed = shift_chunks(model, self.cache, keep, chunks, tokens)
-            except BaseException:
-                self.drop()  # state unknown mid-way
-                raise
-            self.tokens, self.checkpoint, self.reused = tokens[:held], None, held - computed
-            return held
+            length = shift_chunks(model, self.cache, keep, chunks)
+            self.tokens, self.checkpoint = tokens[:length], None
+            return length
         if keep and trim_exact(self.cache, len(self.tokens) - keep):
-            self.tokens, self.reused = self.tokens[:keep], keep
+            self.tokens = self.tokens[:keep]
             return keep
         if self.checkpoint is not None:
             at, ckpt = self.checkpoint
             if 0 < at <= keep and restore(self.cache, ckpt, len(self.tokens), at):
-                self.tokens, self.reused = self.tokens[:at], at
+                self.tokens = self.tokens[:at]
                 return at
         return 0
 
