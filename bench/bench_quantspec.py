@@ -38,10 +38,12 @@ import argparse
 import statistics
 import time
 
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core: imported first, see backend.py)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import backend
 from mlxspec.engine import Engine, PromptCache
 from mlxspec.loading import load

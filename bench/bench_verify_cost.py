@@ -22,9 +22,11 @@ import subprocess
 import sys
 import time
 
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core: imported first, see backend.py)
+
+# isort: split
 import mlx.core as mx
 
-import mlxspec  # noqa: F401  (OpenBLAS before mlx.core's first BLAS call)
 from mlxspec.loading import load
 
 WIDTHS = (1, 5, 9, 17)
@@ -41,21 +43,26 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def op_times(model, context: int, w: int, reps: int) -> dict[str, float]:
-    """Seconds per op kind for one forward of w rows after `context` cached, summed over the
-    layers (each op timed alone on the inputs it sees there), and the whole forward."""
-    from mlx_lm.models.base import scaled_dot_product_attention
+def filled_cache(model, context: int) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
-    inner = model.model
-    layer = inner.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    n_layers = len(inner.layers)
     cache = make_prompt_cache(model)
     tokens = mx.random.randint(0, model.args.vocab_size, (1, context))
     for i in range(0, context, 1024):
         model(tokens[:, i : i + 1024], cache=cache)
         mx.eval([c.state for c in cache])
+    return cache
+
+
+def op_times(model, cache: list, context: int, w: int, reps: int) -> dict[str, float]:
+    """Seconds per op kind for one forward of w rows after `context` cached, summed over the
+    layers (each op timed alone on the inputs it sees there), and the whole forward."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    inner = model.model
+    layer = inner.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    n_layers = len(inner.layers)
     rows = mx.random.randint(0, model.args.vocab_size, (1, w))
 
     def whole():
@@ -97,12 +104,14 @@ def op_times(model, context: int, w: int, reps: int) -> dict[str, float]:
 def profile(args) -> None:
     engine = load(args.model, mode="none", no_draft=True)
     model = engine.model
+    mx.eval(model.parameters())  # (loading leaves the cast to float32 lazy: done once here)
     env = ", ".join(f"{v}={os.environ.get(v, '(unset)')}" for v in ENV_VARS)
     print(f"\n### {engine.name}, float32, C = {args.context} cached; {env}\n")
     print("| op | " + " | ".join(f"w={w} ms" for w in WIDTHS) + " | "
           + " | ".join(f"t({w})/t(1)" for w in WIDTHS[1:]) + " |")
     print("|---|" + "---:|" * (2 * len(WIDTHS) - 1))
-    by_width = {w: op_times(model, args.context, w, args.reps) for w in WIDTHS}
+    cache = filled_cache(model, args.context)
+    by_width = {w: op_times(model, cache, args.context, w, args.reps) for w in WIDTHS}
     for name in by_width[1]:
         t = [by_width[w][name] for w in WIDTHS]
         print(f"| {name} | " + " | ".join(f"{1000 * x:.1f}" for x in t) + " | "

@@ -37,10 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import mlxspec  # noqa: E402, F401  (OpenBLAS before mlx.core, on a CPU: imported first)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-
-import mlxspec  # noqa: E402, F401  (OpenBLAS before mlx.core, on a CPU)
 
 # The architectures of the coder pair (Qwen2.5-Coder-1.5B/0.5B-Instruct's config.json)
 LIKE = {
@@ -230,6 +231,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens-per-forward", type=json.loads, default=MEASURED_TPF,
                     help='JSON {"quantspec": 4.4, "draft": 3.6}: acceptance for the projection')
+    ap.add_argument("--project-bandwidth", default="",
+                    help="GB/s, comma-separated (e.g. 120,273,546: M4, M4 Pro, M4 Max): also "
+                         "project QuantSpec from bytes alone at these bandwidths")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
@@ -310,6 +314,27 @@ def main() -> int:
             print(f"| {c} | {mode} | {1000 * per_token:.2f} | {1000 * verify:.2f} | "
                   f"{1000 * plain:.2f} | {x:.2f} |")
     report["projection"] = projections
+
+    if args.project_bandwidth:
+        print("\n## PROJECTION at other memory bandwidths (bytes only: a bandwidth-bound step)\n")
+        print("QuantSpec: k = 4 draft steps reading 4-bit weights and the 4-bit KV view, then one "
+              "verify reading the weights and the 8-bit view; plain: the weights and a float16 "
+              f"KV cache; tokens per target forward {args.tokens_per_forward.get('quantspec')}."
+              "\n")
+        print("| GB/s | C | plain ms | QuantSpec draft + verify ms | projected x none |")
+        print("|---:|---:|---:|---:|---:|")
+        from mlxspec.quant.report import step_bytes
+
+        tpf = args.tokens_per_forward.get("quantspec", 4.4)
+        for gbps in [float(b) for b in args.project_bandwidth.split(",")]:
+            for c in contexts:
+                b = step_bytes(model, q4, c, 64, kv_dtype=mx.float16, weight_dtype=mx.float16)
+                plain, draft_s, verify = (b["plain_step"] / gbps / 1e9, b["draft_step"] / gbps
+                                          / 1e9, b["verify_step"] / gbps / 1e9)
+                x = tpf * plain / (4 * draft_s + verify)
+                projections[f"quantspec@{c}@{gbps:.0f}GB/s"] = x
+                print(f"| {gbps:.0f} | {c} | {1000 * plain:.2f} | {1000 * (4 * draft_s + verify):.2f}"
+                      f" | {x:.2f} |")
     report["profile"] = {k: {str(w): s for w, s in v.items()} for k, v in profile.items()}
 
     print(f"\n## End to end ({weights}), {args.max_tokens} tokens, {args.prompts} prompts "

@@ -42,6 +42,8 @@ def setup_blas() -> str:
     if "mlx.core" in sys.modules and blas_in_use == "unknown":
         # Too late: MLX already bound its BLAS symbols.
         blas_in_use = "reference (mlx imported before mlxspec)"
+        _warn("mlx.core was imported before mlxspec, so MLX keeps the reference BLAS, where "
+              "verifying k tokens costs k forwards; import mlxspec first")
         return blas_in_use
     asked = os.environ.get("MLXSPEC_BLAS", "")
     if asked:
