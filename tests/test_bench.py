@@ -55,6 +55,10 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
         assert plots and "plots skipped" not in result.stderr
     report = json.loads((out / "bench.json").read_text())
     assert report["machine_info"]["backend"] == "cpu" and "blas" in report["machine_info"]
+    cost = report["verify_cost"]  # what verifying k tokens costs against a plain step
+    assert set(cost["ratio"]) == {"1", "5", "9", "17"} and cost["ratio"]["1"] == 1.0
+    assert all(s > 0 for s in cost["seconds"].values()) and "verification cost t(w)/t(1)" in \
+        result.stderr
     assert set(report["results"]) == {"edit@0", "free@1"}
     for r in report["results"].values():
         assert set(r["modes"]) == {"none", "ngram", "draft", "mlx_lm", "mlx_lm_spec"}

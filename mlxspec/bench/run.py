@@ -76,6 +76,32 @@ def measure_bandwidth(mb: int = 256) -> float:
     return 2 * a.nbytes / best
 
 
+def verify_cost(model, context: int = 512, widths=(1, 5, 9, 17), reps: int = 3) -> dict:
+    """Seconds of one forward of w tokens over `context` cached tokens (median of `reps`) and
+    t(w)/t(1): what verifying w - 1 drafted tokens costs against a plain step, on which every
+    policy's arithmetic rests (`bench/bench_verify_cost.py` splits it by op)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    vocab = model.args.vocab_size
+    for i in range(0, context, 512):
+        model(mx.random.randint(0, vocab, (1, min(512, context - i))), cache=cache)
+        mx.eval([c.state for c in cache])
+    seconds = {}
+    for w in widths:
+        rows = mx.random.randint(0, vocab, (1, w))
+        times = []
+        for _ in range(reps + 1):  # the first one warms up
+            start = time.perf_counter()
+            mx.eval(model(rows, cache=cache))
+            times.append(time.perf_counter() - start)
+            for c in cache:
+                c.trim(w)
+        seconds[w] = statistics.median(times[1:])
+    return {"context": context, "seconds": seconds,
+            "ratio": {w: seconds[w] / seconds[widths[0]] for w in widths}}
+
+
 class Progress:
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.done, self.enabled, self.start = total, 0, enabled, time.perf_counter()

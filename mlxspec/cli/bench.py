@@ -121,6 +121,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         make_runners,
         markdown_table,
         run_workloads,
+        verify_cost,
         write_outputs,
     )
     from ..bench.workloads import (
@@ -182,8 +183,16 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     click.echo(f"runners: {', '.join(r.label for r in runners)}", err=True)
     click.echo(f"workloads: {', '.join(workload_list)} ({workload_kind(engine.tokenizer)})",
                err=True)
+    try:
+        cost = verify_cost(engine.model)
+        click.echo("verification cost t(w)/t(1) over 512 cached tokens: " + ", ".join(
+            f"t({w}) {r:.2f}" for w, r in cost["ratio"].items() if w > 1)
+                   + f" (t(1) {1000 * cost['seconds'][1]:.1f} ms)", err=True)
+    except Exception as e:  # a cache that cannot trim (recurrent layers): not measured here
+        cost = {"error": f"{type(e).__name__}: {e}"}
     results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures, seed)
     report = {"machine": machine_summary(), "machine_info": backend.machine_info(),
+              "verify_cost": cost,
               "model": engine.name, "num_draft": num_draft or DEFAULT_NUM_DRAFT,
               "auto_max_k": num_draft or AUTO_MAX_K, "max_tokens": max_tokens,
               "prompts_per_workload": n_prompts, "workloads": workload_kind(engine.tokenizer),
