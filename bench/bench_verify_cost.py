@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core: imported first, see backend.py)
 
@@ -29,18 +27,11 @@ import mlx.core as mx
 
 from mlxspec.loading import load
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check import timed  # noqa: E402  (median seconds of fn(), after a warm-up)
+
 WIDTHS = (1, 5, 9, 17)
 ENV_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-
-
-def timed(fn, reps: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def filled_cache(model, context: int) -> list:
