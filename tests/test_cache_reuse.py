@@ -5,6 +5,7 @@ models that refuse it with a clear message."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from conftest import build_model, make_engine
 from families import build as build_family
@@ -36,13 +37,35 @@ def test_chunks_follow_llama_cpp_scan():
     assert reusable_chunks(cached, cached, 8, 1) == []
 
 
-def test_rotation_composes_with_rope():
-    model, _ = build_model("llama", seed=3)
-    rope = model.model.layers[0].self_attn.rope
+class OffsetsSeen(nn.RoPE):
+    """A rope that records the offsets it is asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offsets = []
+
+    def __call__(self, x, offset=0):
+        self.offsets.append(offset)
+        return super().__call__(x, offset)
+
+
+@pytest.mark.parametrize("dims,traditional", [(16, False), (16, True), (8, False), (8, True)])
+def test_rotation_composes_with_rope(dims, traditional):
+    """Rotating by d moves a key by d positions, left too, with partial rotary dims and either
+    layout; no negative offset reaches the rope (MLX 0.32's CUDA rope gets them wrong)."""
+    rope = OffsetsSeen(dims, traditional=traditional)
     x = mx.random.normal((1, 2, 5, 16))
     at_10 = rope(x, offset=10)
     assert mx.allclose(rotate(rope, at_10, -7), rope(x, offset=3), atol=1e-5).item()
     assert mx.allclose(rotate(rope, rotate(rope, at_10, 4), -4), at_10, atol=1e-5).item()
+    assert mx.allclose(rotate(rope, at_10, -10), rope(x, offset=0), atol=1e-5).item()
+    assert min(rope.offsets) >= 0
+    # the reflection of the other layout does not pass: the test tells the layouts apart
+    i = mx.arange(16)
+    wrong = (i >= dims // 2) if traditional else (i % 2 == 1)
+    bad = mx.where(wrong & (i < dims), -1.0, 1.0)
+    assert not mx.allclose(bad * rotate(rope, bad * at_10, 7), rope(x, offset=3),
+                           atol=1e-3).item()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -68,8 +68,22 @@ def check_shiftable(model, cache: list) -> list:
 
 def rotate(rope, keys: mx.array, shift: int) -> mx.array:
     """Keys (B, heads, n, dim) rotated by `shift` positions: each token moved into the batch
-    axis of `mx.fast.rope`, so that all of them turn by the same angle."""
+    axis of `mx.fast.rope`, so that all of them turn by the same angle. A left shift turns the
+    keys back through a reflection (negating the second coordinate of every rotated pair turns
+    a rotation by d into one by -d): MLX 0.32's CUDA rope computes negative offsets wrong
+    (measured on an H200: keys off by ~4, every reused answer changed), so none reaches it."""
+    if shift < 0:
+        sign = _reflection(rope, keys.shape[-1], keys.dtype)
+        return sign * rotate(rope, sign * keys, -shift)
     return rope(keys.transpose(2, 1, 0, 3), offset=shift).transpose(2, 1, 0, 3)
+
+
+def _reflection(rope, head_dim: int, dtype) -> mx.array:
+    """+-1 per dimension: -1 on the second coordinate of each pair the rope rotates (the odd
+    ones for the interleaved layout, the second half of its dims otherwise)."""
+    i = mx.arange(head_dim)
+    second = (i % 2 == 1) if rope.traditional else (i >= rope.dims // 2)
+    return mx.where(second & (i < rope.dims), -1, 1).astype(dtype)
 
 
 def shift_chunks(model, cache: list, keep: int, chunks: list[tuple[int, int, int]]) -> int:
