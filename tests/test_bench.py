@@ -65,6 +65,13 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
         for f in r["modes"].values():
             assert f["prompts"] == 2 and f["tokens_per_s"] > 0
             assert len(f["speedup_ratios"]) == 2 and f["speedup_median"] is not None
+    # the roofline's projection: our modes only (mlx-lm's runs have no step counts), labelled
+    assert report["rates"]["bandwidth_gb_s"] > 0 and report["rates"]["gflops"] > 0
+    for r in report["results"].values():
+        projected = {m for m, f in r["modes"].items() if f.get("projected_tokens_per_s")}
+        assert projected == {"none", "ngram", "draft"}
+    assert "PROJECTION (not measured)" in (out / "bench.md").read_text()
+    assert "| edit | 0 | ngram |" in result.output.split("PROJECTION")[1]
     assert report["audit"]["prompts"] == 3
     for m in ("ngram", "draft"):
         assert report["audit"]["modes"][m]["bugs"] == 0

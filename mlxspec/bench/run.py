@@ -79,7 +79,7 @@ def measure_bandwidth(mb: int = 256) -> float:
 def verify_cost(model, context: int = 512, widths=(1, 5, 9, 17), reps: int = 3) -> dict:
     """Seconds of one forward of w tokens over `context` cached tokens (median of `reps`) and
     t(w)/t(1): what verifying w - 1 drafted tokens costs against a plain step, on which every
-    policy's arithmetic rests (`bench/bench_verify_cost.py` splits it by op)."""
+    policy's arithmetic rests (split by op: docs/PERFORMANCE.md)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -123,8 +123,9 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def summarize(runs: dict[str, list[Run]], weights: int) -> dict[str, dict]:
-    """Per-runner figures; speedup is the median of per-prompt ratios against `none`."""
+def summarize(runs: dict[str, list[Run]], weights: int, project=None) -> dict[str, dict]:
+    """Per-runner figures; speedup is the median of per-prompt ratios against `none`.
+    `project(label, run)`: a run's projected decode seconds (0: none), `roofline.py`."""
     out = {}
     base = runs.get("none")
     for label, rs in runs.items():
@@ -156,12 +157,15 @@ def summarize(runs: dict[str, list[Run]], weights: int) -> dict[str, dict]:
             "peak_memory_gb": max((r.stats.get("peak_memory_gb", 0.0) for r in rs), default=0.0),
             "weight_bandwidth_gb_s": weights * forwards / seconds / 1e9 if seconds else 0.0,
         }
+        projected = [project(label, r) for r in rs] if project else []
+        if projected and all(projected):
+            out[label]["projected_tokens_per_s"] = tokens / sum(projected)
     return out
 
 
 def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts: int,
                   max_tokens: int | None, temperatures: list[float], seed: int = 0,
-                  show_progress: bool = True) -> dict:
+                  show_progress: bool = True, project=None) -> dict:
     results = {}
     plan = []
     for w in workloads:
@@ -182,7 +186,7 @@ def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts
                 progress.step(f"{w} t={temp:g} {runner.label}")
         results[f"{w}@{temp:g}"] = {"workload": w, "temperature": temp,
                                     "max_tokens": max(it.max_tokens for it in items),
-                                    "modes": summarize(runs, weights)}
+                                    "modes": summarize(runs, weights, project)}
     progress.close()
     return results
 
@@ -230,11 +234,33 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def projection_table(report: dict) -> str:
+    """The roofline's projection next to what was measured (labelled: not a measurement)."""
+    rates = report.get("rates")
+    rows = [(r, m, f) for r in report["results"].values() for m, f in r["modes"].items()
+            if f.get("projected_tokens_per_s")]
+    if not rates or not rows:
+        return ""
+    lines = [f"PROJECTION (not measured): each run's forwards, their width and context, and its "
+             f"draft forwards, at this machine's measured rates: {rates['bandwidth_gb_s']:.1f} "
+             f"GB/s streamed by a one-row product, {rates['gflops']:.0f} GFLOP/s for a verify's "
+             "further rows (mlxspec/bench/roofline.py)", "",
+             "| workload | T | mode | measured tok/s | projected tok/s | measured / projected |",
+             "|---|---|---|---|---|---|"]
+    for r, mode, f in rows:
+        p = f["projected_tokens_per_s"]
+        lines.append(f"| {r['workload']} | {r['temperature']:g} | {mode} | "
+                     f"{f['tokens_per_s']:.1f} | {p:.1f} | {f['tokens_per_s'] / p:.2f} |")
+    return "\n".join(lines)
+
+
 def write_outputs(out_dir: Path, report: dict) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.json", out_dir / "bench.md"]
     written[0].write_text(json.dumps(report, indent=1))
     md = [f"Machine: {report['machine']}", "", markdown_table(report["results"])]
+    if projection_table(report):
+        md += ["", projection_table(report)]
     if report.get("audit"):
         md += ["", "Lossless audit (temperature 0, vs none):"]
         for m, a in report["audit"]["modes"].items():

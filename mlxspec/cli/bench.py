@@ -120,6 +120,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         machine_summary,
         make_runners,
         markdown_table,
+        projection_table,
         run_workloads,
         verify_cost,
         write_outputs,
@@ -190,9 +191,11 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
                    + f" (t(1) {1000 * cost['seconds'][1]:.1f} ms)", err=True)
     except Exception as e:  # a cache that cannot trim (recurrent layers): not measured here
         cost = {"error": f"{type(e).__name__}: {e}"}
-    results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures, seed)
+    rates, project = roofline_projector(engine)
+    results = run_workloads(engine, runners, workload_list, n_prompts, max_tokens, temperatures,
+                            seed, project=project)
     report = {"machine": machine_summary(), "machine_info": backend.machine_info(),
-              "verify_cost": cost,
+              "verify_cost": cost, "rates": rates,
               "model": engine.name, "num_draft": num_draft or DEFAULT_NUM_DRAFT,
               "auto_max_k": num_draft or AUTO_MAX_K, "max_tokens": max_tokens,
               "prompts_per_workload": n_prompts, "workloads": workload_kind(engine.tokenizer),
@@ -201,11 +204,43 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         report["audit"] = lossless_audit(engine, [r.label for r in runners], audit_prompts, seed=seed)
     written = write_outputs(out, report)
     click.echo(markdown_table(results))
+    if projection_table(report):
+        click.echo("\n" + projection_table(report))
     if report.get("audit"):
         for m, a in report["audit"]["modes"].items():
             click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
                        f"{a['bugs']} divergences with top-2 gap > 1e-3")
     report_written(written)
+
+
+def roofline_projector(engine):
+    """This machine's measured rates, and a function projecting a run's decode seconds from
+    them (`bench/roofline.py`): the target's forwards, and the draft's for a drafting mode."""
+    from ..bench.roofline import forward_cost, measure_rates, project_run
+    from ..proposers.draft import draft_proposer
+
+    rates = measure_rates()
+    target = forward_cost(engine.model)
+    drafts: dict = {}
+
+    def draft_cost(label: str):
+        mode = label.partition(":")[0]
+        if mode not in drafts:
+            try:
+                proposer = engine.proposer_of(mode)
+            except MlxspecError:
+                proposer = None
+            own = draft_proposer(proposer)  # the draft model's proposer, or None
+            model = getattr(own, "model", None) or getattr(proposer, "draft_model", None)
+            drafts[mode] = forward_cost(model) if model is not None else None
+        return drafts[mode]
+
+    def project(label: str, run) -> float:
+        if "prompt_tokens" not in run.stats:  # mlx-lm's runs: no step counts to project from
+            return 0.0
+        return project_run(run.stats, len(run.tokens), target, rates, draft_cost(label))
+
+    return {"bandwidth_gb_s": rates.bandwidth / 1e9, "gflops": rates.flops / 1e9}, project
 
 
 def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_tokens, num_draft,
