@@ -62,12 +62,22 @@ def target_triple(upper: mx.array, lower: mx.array, scales: mx.array,
     U_i << 4 | (L_i + 8), so the nibbles of the two planes are interleaved bytewise (uint8 views
     of the little-endian words: byte j of a 4-bit word holds elements 2j and 2j + 1). On MLX's
     CPU backend one 8-bit `quantized_matmul` costs a third of two 4-bit ones (measured: 0.61 vs
-    1.82 ms for 7 query heads x 4032 keys x 64), so the conversion plus one product is ~half."""
-    u8, l8 = upper.view(mx.uint8), lower.view(mx.uint8)
+    1.82 ms for 7 query heads x 4032 keys x 64), so the conversion plus one product is ~half.
+    The conversion is one compiled elementwise kernel (the two bytes of each uint16 are the
+    pair), 0.04 ms there against 0.3 ms as separate ops and a stack: at 4k tokens a decode
+    step converts every layer's keys and values."""
+    pairs = _interleave(upper.view(mx.uint8), lower.view(mx.uint8))
+    return pairs.view(mx.uint32), scales * (1.0 / 16.0), mins - scales * 0.5
+
+
+def _interleave_bytes(u8: mx.array, l8: mx.array) -> mx.array:
     even = mx.left_shift(u8, 4) | (l8 & 0xF)  # elements 2j: low nibbles
     odd = (u8 & 0xF0) | mx.right_shift(l8, 4)  # elements 2j + 1: high nibbles
-    codes = mx.stack([even, odd], axis=-1).reshape(*u8.shape[:-1], -1).view(mx.uint32)
-    return codes, scales * (1.0 / 16.0), mins - scales * 0.5
+    # little-endian: the uint16's low byte (element 2j) comes first
+    return even.astype(mx.uint16) | mx.left_shift(odd.astype(mx.uint16), 8)
+
+
+_interleave = mx.compile(_interleave_bytes, shapeless=True)
 
 
 def pack4(codes: mx.array) -> mx.array:
