@@ -43,6 +43,8 @@ import mlxspec  # noqa: E402, F401  (OpenBLAS before mlx.core, on a CPU: importe
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from mlxspec.bench.run import measure_bandwidth, weight_bytes  # noqa: E402
+
 # The architectures of the coder pair (Qwen2.5-Coder-1.5B/0.5B-Instruct's config.json)
 LIKE = {
     "qwen2.5-coder-1.5b": dict(
@@ -93,22 +95,10 @@ def quantized_copy(model, bits: int = 4, group_size: int = 64):
     return clone
 
 
-def weight_bytes(model) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
 def kv_bytes(model, context: int, dtype) -> int:
     args = model.args
     head_dim = args.hidden_size // args.num_attention_heads
     return 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * context * dtype.size
-
-
-def bandwidth() -> float:
-    from mlxspec.bench.run import measure_bandwidth
-
-    return measure_bandwidth(1024)
 
 
 def timed(fn, reps: int) -> float:
@@ -255,7 +245,7 @@ def main() -> int:
         tokenizer = load_tokenizer(args.tokenizer)
         weights = f"RANDOM weights shaped like {args.like} (timings hold; acceptance does not)"
     report["weights"] = weights
-    gbs = bandwidth()
+    gbs = measure_bandwidth(1024)
     report["bandwidth_gb_s"] = gbs / 1e9
     print(f"# GPU check\n\n{report['device']} · MLX {mx.__version__} · {report['backend']} · "
           f"{args.dtype} · {weights}\n\nmeasured copy bandwidth: {gbs / 1e9:.0f} GB/s\n")
