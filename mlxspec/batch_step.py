@@ -109,6 +109,16 @@ class BatchRow:
         offered = self.proposer.available(self.context, cap)
         if TREE in offered and not self.proposer.uses_trees and not self.batch.verifies_trees():
             offered = {s: n for s, n in offered.items() if s != TREE}
+        policy, draft = self.planner.policy, draft_proposer(self.proposer)
+        if "draft" in offered and isinstance(policy, AdaptiveK) and draft is not None:
+            # the target's prefill time per token: this request's, else the engine's last
+            prefilled = self.stats.prompt_tokens - self.stats.cached_tokens
+            per_token = (self.stats.prefill_seconds / prefilled if prefilled >= 16 else
+                         getattr(self.engine, "prefill_seconds_per_token", 0.0))
+            if not policy.catch_up_pays(len(self.context) - len(draft.cached),
+                                        self.end - len(self.context), per_token):
+                offered = {s: n for s, n in offered.items() if s not in (
+                    "draft", TREE, CONTINUED)}
         return offered
 
     def offer(self) -> tuple[str, RowOffer]:

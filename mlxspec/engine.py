@@ -90,6 +90,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.adaptive = adaptive
         self.prompt_cache = PromptCache()
+        self.prefill_seconds_per_token = 0.0  # the last prefill of 16+ tokens (`prefill`)
         self._proposers: dict = {}
         # (id(proposer), workload signal) -> (the key its state is kept under, policy)
         self._policies: dict[tuple[int, str], tuple[str, Policy]] = {}
@@ -355,7 +356,7 @@ class Engine:
         keep = self.reuse(tokens, pc, proposer)
         target = tokens[:-1]
         todo = target[keep:] if limit is None else target[keep : keep + limit]
-        done = 0
+        done, start = 0, time.perf_counter()
         try:
             while done < len(todo):
                 chunk = todo[done : done + self.prefill_step_size]
@@ -368,6 +369,8 @@ class Engine:
         except BaseException:
             pc.drop()  # state unknown mid-chunk
             raise
+        if done >= 16:  # what a draft's catch-up costs is judged from it (`BatchRow.available`)
+            self.prefill_seconds_per_token = (time.perf_counter() - start) / done
         if len(pc.tokens) == len(target):
             pc.remember()
             if proposer is not None:  # a proposer that drafts on the target's own cache

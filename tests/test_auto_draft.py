@@ -69,3 +69,42 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     assert set(again.policy_for(again.proposer, "edit").sources) == set(
         states["auto/edit"]["sources"])
     assert not again.policy_for(again.proposer, "fim").sources
+
+
+def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
+    """The coder pair on this CPU: a plain token 0.33 s, the target's prefill 27 ms a token,
+    the draft a third of it. A 40-token fill-in-the-middle answer after 1,400 prompt tokens
+    cannot repay the draft's catch-up (13 s against at most 7 s saved); a chat answer can."""
+    policy = AdaptiveK(draft_ratio=0.34)
+    assert policy.catch_up_pays(1400, 40, 0.027)  # the plain rate is not measured yet
+    policy.observe_plain(4, 4 * 0.33)
+    assert not policy.catch_up_pays(1400, 40, 0.027)
+    assert policy.catch_up_pays(1400, 200, 0.027)
+    assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(4, 2, 0.027)
+    assert AdaptiveK().catch_up_pays(1400, 40, 0.027)  # no draft model: nothing to refuse
+
+
+def test_auto_offers_its_draft_only_where_the_catch_up_pays(monkeypatch):
+    target, _ = build_model("llama", seed=1, hidden=64, layers=4)
+    draft, _ = build_model("llama", seed=2, hidden=64, layers=2)
+    prompt = [(7 * i) % 251 for i in range(56)]  # nothing for prompt lookup to match
+    seen = []
+
+    def judged(self, behind, remaining, prefill_per_token):
+        seen.append((behind, remaining, prefill_per_token))
+        return pays
+
+    monkeypatch.setattr(AdaptiveK, "catch_up_pays", judged)
+    for pays in (False, True):
+        seen.clear()
+        engine = make_engine(target, "auto", draft_model=draft)  # (no store of the last run)
+        assert engine.policy.draft_ratio > 0.3
+        stats = engine.generate(prompt + [3], max_tokens=24).stats
+        drafted = sum(n for s, n in stats.drafted_by_source.items() if "draft" in s)
+        assert seen and (drafted > 0) == pays, (pays, stats.drafted_by_source)
+        behind, remaining, per_token = seen[0]
+        assert behind >= len(prompt) - 1 and 0 < remaining <= 24 and per_token > 0
+    # a prompt its cache already holds: judged at the engine's last prefill rate
+    seen.clear()
+    engine.generate(prompt + [3], max_tokens=4)
+    assert seen and seen[0][2] == engine.prefill_seconds_per_token > 0
