@@ -74,13 +74,26 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
 def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     """The coder pair on this CPU: a plain token 0.33 s, the target's prefill 27 ms a token,
     the draft a third of it. A 40-token fill-in-the-middle answer after 1,400 prompt tokens
-    cannot repay the draft's catch-up (13 s against at most 7 s saved); a chat answer can."""
-    policy = AdaptiveK(draft_ratio=0.34)
+    cannot repay the draft's catch-up (13 s); a chat answer after 300 can, and so can a
+    request whose draft is a few tokens behind."""
+    target, _ = build_model("llama", seed=1, hidden=64, layers=8)
+    same, _ = build_model("llama", seed=2, hidden=64, layers=2)
+    policy = AdaptiveK(**draft_priors(target, DraftModelProposer(same)))
+    assert 0.3 < policy.draft_ratio < 0.4
     assert policy.catch_up_pays(1400, 40, 0.027)  # the plain rate is not measured yet
     policy.observe_plain(4, 4 * 0.33)
+    assert policy.choose("draft") > 0  # a same-family draft: on from its priors
     assert not policy.catch_up_pays(1400, 40, 0.027)
-    assert policy.catch_up_pays(1400, 200, 0.027)
-    assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(4, 2, 0.027)
+    assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(20, 2, 0.027)
+    # measured at 94 % acceptance it saves more per token: a longer catch-up pays
+    for _ in range(20):
+        policy.observe("draft", 4, 4, 0.6)
+    assert policy.catch_up_pays(1400, 256, 0.027) and not policy.catch_up_pays(1400, 40, 0.027)
+    # a draft the estimates keep off is probed only for a catch-up within 2 % of the request
+    off = AdaptiveK(draft_ratio=0.34)
+    off.observe_plain(4, 4 * 0.33)
+    assert off.choose("draft") == 0
+    assert off.catch_up_pays(60, 256, 0.027) and not off.catch_up_pays(300, 128, 0.027)
     assert AdaptiveK().catch_up_pays(1400, 40, 0.027)  # no draft model: nothing to refuse
 
 

@@ -206,14 +206,23 @@ class AdaptiveK:
 
     def catch_up_pays(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
         """Whether a draft model that has not read the last `behind` tokens (auto's draft
-        reads a request's prompt at its first proposal) can repay that catch-up over the
-        `remaining` tokens of the request: it saves at most CATCH_UP_GAIN of a plain step per
-        token. On the coder pair here a 40-token fill-in-the-middle answer after 1,400 prompt
-        tokens cannot (13 s to catch up, 7 s to gain at best); a chat answer can."""
+        reads a request's prompt at its first proposal) can repay that catch-up, at its
+        share of the target's prefill per token, over the `remaining` tokens the request may
+        generate: by the time per token the draft is expected to save at its best k (0 where
+        the estimates keep it off: then only a catch-up within PROBE_CATCH_UP of the request's
+        plain time is worth a probe). On the coder pair here a 40-token fill-in-the-middle
+        answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a chat answer can."""
         if not self.draft_ratio or not self.plain_weight or prefill_per_token <= 0:
             return True
         catch_up = behind * prefill_per_token * self.draft_ratio
-        return catch_up <= remaining * self.plain_time * CATCH_UP_GAIN
+        plain = self._plain()
+        if catch_up <= plain:  # a few tokens behind
+            return True
+        k = self.choose("draft", max(1, remaining - 1))
+        if k == 0:
+            return catch_up <= remaining * plain * PROBE_CATCH_UP
+        saved = plain - self.step_time("draft", k) / self.expected_tokens("draft", k)
+        return catch_up <= remaining * saved
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
@@ -377,9 +386,9 @@ class AdaptiveK:
 # 6.4 M target, keep the pessimistic prior and are probed.
 SAME_FAMILY_MIN_RATIO = 0.2
 SAME_FAMILY_ACCEPT = 0.75
-# The most of a plain step a draft model saves per token (the coder pair's draft at 94 %
-# acceptance: 1.41x, a saving of 0.29; 0.5 leaves room for a faster machine)
-CATCH_UP_GAIN = 0.5
+# A draft the estimates keep off is probed only where its catch-up costs at most this share of
+# the request's plain decoding time (`AdaptiveK.catch_up_pays`)
+PROBE_CATCH_UP = 0.02
 
 
 def draft_priors(target, draft_proposer) -> dict:
