@@ -90,7 +90,8 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
           collective_delay="0"):
     """Benchmark speculation modes and mlx-lm on held-out workloads.
 
-    `mlxspec bench editor` replays an editor (llama.vim) typing through files instead."""
+    Below the measured table, a roofline's PROJECTION of our runs from this machine's
+    measured rates (not a measurement). `mlxspec bench editor` replays an editor (llama.vim) typing through files instead."""
     if ctx.invoked_subcommand is not None:  # `bench editor`: its own options
         return
     from ..bench.workloads import DEFAULT_MAX_TOKENS
