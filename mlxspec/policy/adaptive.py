@@ -208,9 +208,9 @@ class AdaptiveK:
         """Whether a draft model that has not read the last `behind` tokens (auto's draft
         reads a request's prompt at its first proposal) can repay that catch-up, at its
         share of the target's prefill per token, over the `remaining` tokens the request may
-        generate: by the time per token the draft is expected to save at its best k (0 where
-        the estimates keep it off: then only a catch-up within PROBE_CATCH_UP of the request's
-        plain time is worth a probe). On the coder pair here a 40-token fill-in-the-middle
+        generate: by the time per token the draft is expected to save at its best k (at
+        CATCH_UP_ACCEPT until measured; 0 where the estimates keep it off: then only a
+        catch-up within PROBE_CATCH_UP of the request's plain time is worth a probe). On the coder pair here a 40-token fill-in-the-middle
         answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a chat answer can."""
         if not self.draft_ratio or not self.plain_weight or prefill_per_token <= 0:
             return True
@@ -221,7 +221,11 @@ class AdaptiveK:
         k = self.choose("draft", max(1, remaining - 1))
         if k == 0:
             return catch_up <= remaining * plain * PROBE_CATCH_UP
-        saved = plain - self.step_time("draft", k) / self.expected_tokens("draft", k)
+        if self._measured("draft") < CATCH_UP_MEASURED:  # judged as a draft that pays would
+            expected = sum(CATCH_UP_ACCEPT ** i for i in range(k + 1))
+        else:
+            expected = self.expected_tokens("draft", k)
+        saved = plain - self.step_time("draft", k) / expected
         return catch_up <= remaining * saved
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
@@ -389,6 +393,10 @@ SAME_FAMILY_ACCEPT = 0.75
 # A draft the estimates keep off is probed only where its catch-up costs at most this share of
 # the request's plain decoding time (`AdaptiveK.catch_up_pays`)
 PROBE_CATCH_UP = 0.02
+# Until its first position was reached this often, a draft the estimates turn on is judged at
+# this acceptance per position (a prior judged it would keep a draft off for good where
+# requests are short: nothing would measure it)
+CATCH_UP_MEASURED, CATCH_UP_ACCEPT = 4.0, 0.9
 
 
 def draft_priors(target, draft_proposer) -> dict:
