@@ -24,7 +24,7 @@ from .errors import MlxspecError
 from .policy import MAX_NUM_DRAFT, AdaptiveK, BatchPolicy, Policy, RowOffer, RowPolicy, plan_rows
 from .proposal import Proposal
 from .proposers.base import Proposer
-from .proposers.draft import CONTINUED, TREE, DraftRows, draft_proposer
+from .proposers.draft import DRAFT_ARMS, TREE, DraftRows, draft_proposer
 from .sampling import SamplingParams
 from .stats import Stats
 from .step import StartedStep, decode_step, draw_next, finish_step, start_step
@@ -111,14 +111,11 @@ class BatchRow:
             offered = {s: n for s, n in offered.items() if s != TREE}
         policy, draft = self.planner.policy, draft_proposer(self.proposer)
         if "draft" in offered and isinstance(policy, AdaptiveK) and draft is not None:
-            # the target's prefill time per token: this request's, else the engine's last
-            prefilled = self.stats.prompt_tokens - self.stats.cached_tokens
-            per_token = (self.stats.prefill_seconds / prefilled if prefilled >= 16 else
-                         getattr(self.engine, "prefill_seconds_per_token", 0.0))
+            # (at the target's prefill time per token, as the engine last measured it)
+            per_token = getattr(self.engine, "prefill_seconds_per_token", 0.0)
             if not policy.catch_up_pays(len(self.context) - len(draft.cached),
                                         self.end - len(self.context), per_token):
-                offered = {s: n for s, n in offered.items() if s not in (
-                    "draft", TREE, CONTINUED)}
+                offered = {s: n for s, n in offered.items() if s not in DRAFT_ARMS}
         return offered
 
     def offer(self) -> tuple[str, RowOffer]:
@@ -671,7 +668,7 @@ class BatchSpeculator:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
             proposals[i] = r.proposer.propose(r.context, k, key, source=source)
-            if source in ("draft", TREE, CONTINUED):  # a draft on its own: k forwards
+            if source in DRAFT_ARMS:  # a draft on its own: k forwards
                 draft_forwards += k
         widest = 0
         for model_id, members in by_draft.items():

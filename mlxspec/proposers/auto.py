@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
-from .draft import CONTINUED, TREE, DraftModelProposer
+from .draft import CONTINUED, DRAFT_ARMS, TREE, DraftModelProposer
 from .ngram import NgramProposer
 from .suffix import _OWN, SuffixProposer
 
@@ -102,7 +102,7 @@ class AutoProposer(Proposer):
         return self.ngram.propose(context, num_draft, key)
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
-        if source in ("draft", TREE, CONTINUED):
+        if source in DRAFT_ARMS:
             return None
         if source.startswith("suffix") and self.suffix is not None:
             return self.suffix.peek(context, num_draft, source)

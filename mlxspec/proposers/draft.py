@@ -30,6 +30,8 @@ CATCH_UP_APART = 8
 TREE, TREE_WIDTH, MAX_TREE_WIDTH = DRAFT_TREE, 2, 8
 # Prompt lookup's chain continued by the draft (`propose_after`)
 CONTINUED = LOOKUP_DRAFT
+# The arms whose tokens the draft model proposes
+DRAFT_ARMS = ("draft", TREE, CONTINUED)
 
 
 class DraftModelProposer(Proposer):
