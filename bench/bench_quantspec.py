@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core: imported first, see backend.py)
@@ -299,7 +300,7 @@ def acceptance(args) -> None:
     print("|---:|---|---:|---:|---|---:|---|")
     for length in lengths:
         stats: dict = {}
-        for prompt in context_prompts(base, length, args.prompts):
+        for n, prompt in enumerate(context_prompts(base, length, args.prompts), 1):
             prefilled = PromptCache()
             ref.prefill(prompt, prefilled, None)
             want = ref.generate(prompt, max_tokens=args.max_tokens,
@@ -310,16 +311,25 @@ def acceptance(args) -> None:
                                      prompt_cache=copied(prefilled, eng, eng.proposer))
                     assert r.stats.cached_tokens == len(prompt) - 1, "prefilled again"
                     stats.setdefault((label, k), []).append((r, r.tokens == want.tokens))
-        for (label, k), runs in stats.items():
-            rs = [r.stats for r, _ in runs]
-            drafted, accepted = sum(s.drafted for s in rs), sum(s.accepted for s in rs)
-            a = [sum(x) for x in zip(*(s.accepted_by_position for s in rs))]
-            d = [sum(x) for x in zip(*(s.drafted_by_position for s in rs))]
-            tpf = sum(s.generated_tokens for s in rs) / max(1, sum(s.target_forwards for s in rs))
-            same = sum(ok for _, ok in runs)
-            print(f"| {length} | {label} | {k} | {100 * accepted / max(1, drafted):.1f}% | "
-                  + " ".join(f"{100 * x / y:.0f}" for x, y in zip(a, d) if y)
-                  + f" | {tpf:.2f} | {same}/{len(runs)} |", flush=True)
+            # progress, and what a run stopped early still measured
+            print(f"after {n} prompt(s) of {length} tokens:", *_acceptance_rows(length, stats),
+                  sep="\n", file=sys.stderr, flush=True)
+        print(*_acceptance_rows(length, stats), sep="\n", flush=True)
+
+
+def _acceptance_rows(length: int, stats: dict) -> list[str]:
+    rows = []
+    for (label, k), runs in stats.items():
+        rs = [r.stats for r, _ in runs]
+        drafted, accepted = sum(s.drafted for s in rs), sum(s.accepted for s in rs)
+        a = [sum(x) for x in zip(*(s.accepted_by_position for s in rs))]
+        d = [sum(x) for x in zip(*(s.drafted_by_position for s in rs))]
+        tpf = sum(s.generated_tokens for s in rs) / max(1, sum(s.target_forwards for s in rs))
+        same = sum(ok for _, ok in runs)
+        rows.append(f"| {length} | {label} | {k} | {100 * accepted / max(1, drafted):.1f}% | "
+                    + " ".join(f"{100 * x / y:.0f}" for x, y in zip(a, d) if y)
+                    + f" | {tpf:.2f} | {same}/{len(runs)} |")
+    return rows
 
 
 def main() -> None:

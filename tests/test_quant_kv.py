@@ -316,14 +316,14 @@ def test_attention_tiles_are_bounded(monkeypatch):
     from mlxspec.quant import hierarchical_cache as hc
 
     widths = []
-    real = hc._qmm
+    real = hc._planes_product
 
-    def spy(x, triple, group_size):
-        out = real(x, triple, group_size)
+    def spy(x, planes, group_size, two):
+        out = real(x, planes, group_size, two)
         widths.append(out.shape[-1])
         return out
 
-    monkeypatch.setattr(hc, "_qmm", spy)
+    monkeypatch.setattr(hc, "_planes_product", spy)
     c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
     k = mx.random.normal((1, 2, 1100, 32))
     kv, _ = c.update_and_fetch(k, k)
@@ -483,6 +483,26 @@ def test_two_product_target_route(monkeypatch):
     route too matches the dequantized cache and keeps verifies equal to single steps."""
     from mlxspec.quant import hierarchical_cache as hc
 
-    monkeypatch.setattr(hc, "_target_in_one_product", lambda: False)
+    monkeypatch.setattr(hc, "_route", lambda dtype: "planes")
     test_attention_matches_dequantized_cache(32, 256)
     test_verify_equals_single_steps_bit_for_bit(mx.bfloat16, 32, 256)
+
+
+@pytest.mark.parametrize("two", [True, False])
+@pytest.mark.parametrize("k,n,g", [(32, 256, 64), (300, 64, 32), (64, 4096, 64)])
+def test_float_product_matches_packed_kernels(two, k, n, g):
+    """The CPU's float32 route (scales factored out of float products over the codes) computes
+    what MLX's packed kernels compute from the same planes, keys-like (many groups along N) and
+    values-like (groups along head_dim), in the target's 8-bit view and the draft's 4-bit one."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    mx.random.seed(7)
+    w = mx.random.normal((1, 2, k, n)) * 3
+    planes = quantize_two_plane(w, g)
+    x = mx.random.normal((1, 2, 7, k))
+    packed = hc._qmm(x, planes.target_triple() if two else planes.upper_triple(), g)
+    floats = hc._float_product(x, planes, g, two)
+    assert floats.dtype == mx.float32 and floats.shape == packed.shape
+    assert mx.allclose(floats, packed, rtol=1e-4, atol=1e-3 * k**0.5).item()
+    assert not mx.allclose(floats, x @ w, atol=0.05).item()  # the codes were read, not w
+    assert hc._route(mx.float32) == "floats" and hc._route(mx.bfloat16) == "eight"
