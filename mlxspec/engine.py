@@ -23,6 +23,7 @@ from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, ch
 from .policy.adaptive import draft_priors, read_states, write_states
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
+from .proposers.draft import draft_proposer
 from .sampling import SamplingParams
 from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
@@ -312,10 +313,19 @@ class Engine:
             key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
 
     def start_proposer(self, req: Request, prefill_seconds: float) -> None:
-        """Start the request's proposer on its cached prompt (a draft's prefill counts too)."""
+        """Start the request's proposer on its cached prompt (a draft's prefill counts too).
+        `auto`'s draft reads the prompt here too where its policy expects the draft to repay
+        that over the request (else at its first proposal, if any): with the target's prefill,
+        not as a step's cost, as the `draft` mode's does."""
         start = time.perf_counter()
         if req.proposer is not None:
             req.proposer.reset(req.tokens, req.sampling)
+            draft = draft_proposer(req.proposer)
+            if (draft is not None and isinstance(req.policy, AdaptiveK)
+                    and req.policy.catch_up_at_start(len(req.tokens) - 1 - len(draft.cached),
+                                                     req.max_tokens,
+                                                     self.prefill_seconds_per_token)):
+                draft.catch_up(req.tokens)
         req.stats.prefill_seconds = prefill_seconds + time.perf_counter() - start
 
     def cache_kind(self, proposer: Proposer | None) -> str:

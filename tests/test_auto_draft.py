@@ -124,3 +124,33 @@ def test_auto_offers_its_draft_only_where_the_catch_up_pays(monkeypatch):
     seen.clear()
     engine.generate(prompt + [3], max_tokens=4)
     assert seen and seen[0][2] == engine.prefill_seconds_per_token > 0
+
+
+def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeypatch):
+    """Where the policy expects the draft to repay its catch-up over the request, `auto`'s
+    draft reads the prompt at the start (prefill time, as the `draft` mode's does), not at its
+    first proposal (decode time); where not, it stays behind. Not before the plain rate is
+    measured (the request's first): then its first proposal judges."""
+    target, _ = build_model("llama", seed=1, hidden=64, layers=4)
+    draft, _ = build_model("llama", seed=2, hidden=64, layers=2)
+    prompts = [[(k * i) % 251 for i in range(60)] + [3] for k in (7, 11, 13)]
+    caught = []
+    real = DraftModelProposer.catch_up
+
+    def spy(self, prompt):
+        real(self, prompt)
+        caught.append((len(prompt), list(self.cached)))
+
+    monkeypatch.setattr(DraftModelProposer, "catch_up", spy)
+    engine = make_engine(target, "auto", draft_model=draft)
+    want = make_engine(target, "none").generate(prompts[1], max_tokens=12).tokens
+    engine.generate(prompts[0], max_tokens=12)
+    assert not caught and engine.policy.plain_weight > 0  # the first: nothing measured yet
+    monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: True)
+    result = engine.generate(prompts[1], max_tokens=12)
+    assert caught == [(len(prompts[1]), prompts[1][:-1])]
+    assert result.tokens == want and result.stats.prefill_seconds > 0
+    monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: False)
+    caught.clear()
+    engine.generate(prompts[2], max_tokens=12)
+    assert not caught

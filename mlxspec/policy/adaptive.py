@@ -228,6 +228,13 @@ class AdaptiveK:
         saved = plain - self.step_time("draft", k) / expected
         return catch_up <= remaining * saved
 
+    def catch_up_at_start(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
+        """Whether auto's draft should read the prompt with the target's prefill: where, with
+        the plain rate measured, `catch_up_pays` over the whole request (its first proposal
+        would catch up anyway, timed as decoding; the `draft` mode prefills its draft then)."""
+        return (self.draft_ratio > 0 and self.plain_weight > 0 and prefill_per_token > 0
+                and behind > 0 and self.catch_up_pays(behind, remaining, prefill_per_token))
+
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
         move in `observe` / `observe_plain`."""

@@ -70,9 +70,14 @@ class DraftModelProposer(Proposer):
             rows.update(self, self.cached, 0)
         keep = common_prefix_len(self.cached, prompt[:-1])
         rows.forget(0, len(self.cached) - keep)
-        if self.prefill_at_reset:  # the prompt, as the target's prefill did
-            rows.feed([prompt[len(self.cached) : -1]], self.prefill_step_size)
-            mx.eval(rows.rows.evaluate())
+        if self.prefill_at_reset:
+            self.catch_up(prompt)
+
+    def catch_up(self, prompt: list[int]) -> None:
+        """Read the prompt now (prefill time), as the target's prefill did."""
+        rows = self._own()
+        rows.feed([prompt[len(self.cached) : -1]], self.prefill_step_size)
+        mx.eval(rows.rows.evaluate())
 
     def available(self, context: list[int], cap: int) -> dict[str, int]:
         return {TREE if self.uses_trees else self.name: cap}
