@@ -287,14 +287,15 @@ def acceptance(args) -> None:
     longest = max(lengths) + args.max_tokens + 1
     base = load(args.model, mode="none", no_draft=True, max_context=longest)
     common = dict(config=base.config, name=base.name, max_context=longest)
+    buffer = args.buffer_size  # None: 2 G
     ref = Engine(base.model, base.tokenizer, mode="none", kv="hierarchical", kv_group_size=G,
-                 **common)
+                 kv_buffer_size=buffer, **common)
     variants = {f"{bits}-bit weights + 4-bit KV": Engine(
         base.model, base.tokenizer, mode="quantspec", num_draft=max(ks), group_size=G,
-        weight_bits=bits, **common) for bits in [int(b) for b in args.weight_bits.split(",")]}
+        buffer_size=buffer, weight_bits=bits, **common) for bits in [int(b) for b in args.weight_bits.split(",")]}
     dtype = str(next(iter(base.model.parameters()["model"]["embed_tokens"].values())).dtype)
-    print(f"{base.name}, {dtype.rsplit('.', 1)[-1]}, G = {G}, {args.prompts} prompts of held-out "
-          f"source per length, {args.max_tokens} tokens each, greedy\n")
+    print(f"{base.name}, {dtype.rsplit('.', 1)[-1]}, G = {G}, buffer {buffer or 2 * G}, "
+          f"{args.prompts} prompts of held-out source per length, {args.max_tokens} tokens each, greedy\n")
     print("| context | draft | k | acceptance | by draft position (%) | tokens / target forward "
           "| identical |")
     print("|---:|---|---:|---:|---|---:|---|")
@@ -311,8 +312,10 @@ def acceptance(args) -> None:
                                      prompt_cache=copied(prefilled, eng, eng.proposer))
                     assert r.stats.cached_tokens == len(prompt) - 1, "prefilled again"
                     stats.setdefault((label, k), []).append((r, r.tokens == want.tokens))
-            # progress, and what a run stopped early still measured
-            print(f"after {n} prompt(s) of {length} tokens:", *_acceptance_rows(length, stats),
+            # progress, what a run stopped early still measured, and what was generated
+            # (acceptance means little on a degenerate continuation)
+            print(f"after {n} prompt(s) of {length} tokens "
+                  f"(this one went on {base.tokenizer.decode(want.tokens)!r}):", *_acceptance_rows(length, stats),
                   sep="\n", file=sys.stderr, flush=True)
         print(*_acceptance_rows(length, stats), sep="\n", flush=True)
 
@@ -344,6 +347,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--buffer-size", type=int, default=None,
+                    help="--acceptance: the full-precision buffer (default 2 x --group-size)")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's quantized caches")
     ap.add_argument("--compare-weights", action="store_true",
                     help="only compare round-to-nearest and GPTQ draft weights (acceptance)")
