@@ -27,6 +27,7 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.bench.run import make_runners
 from mlxspec.bench.workloads import build_workload, uses_bundled_formats, workloads_for
 from mlxspec.engine import Engine, PromptCache
+from mlxspec.errors import MlxspecError
 from mlxspec.policy import DEFAULT_NUM_DRAFT
 
 
@@ -46,9 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the raw per-prompt figures here")
     args = ap.parse_args(argv)
 
-    # The bundled pair with its draft, as `mlxspec bench` loads it when a mode needs one.
-    engine = mlxspec.load(args.model, mode="draft" if args.model is None else "none",
-                          num_draft=args.num_draft)
+    # The model with its draft (the bundled pair, a named model's default draft) where a mode
+    # needs one, as `mlxspec bench` loads it.
+    needs = {m.partition(":")[0] for m in args.modes.split(",")}
+    try:
+        engine = mlxspec.load(args.model, num_draft=args.num_draft,
+                              mode="draft" if needs & {"draft", "auto", "mlx_lm_spec"} else "none")
+    except MlxspecError:
+        if "draft" in needs:
+            raise
+        engine = mlxspec.load(args.model, mode="none", num_draft=args.num_draft)  # none to load
     if not isinstance(engine, Engine):
         raise SystemExit(f"could not load {args.model or 'the bundled pair'}")
     if args.workloads is None:

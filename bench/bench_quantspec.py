@@ -290,9 +290,11 @@ def acceptance(args) -> None:
     buffer = args.buffer_size  # None: 2 G
     ref = Engine(base.model, base.tokenizer, mode="none", kv="hierarchical", kv_group_size=G,
                  kv_buffer_size=buffer, **common)
-    variants = {f"{bits}-bit weights + 4-bit KV": Engine(
+    variants = {f"{bits}-bit weights + {4 if view == 'draft' else 8}-bit KV": Engine(
         base.model, base.tokenizer, mode="quantspec", num_draft=max(ks), group_size=G,
-        buffer_size=buffer, weight_bits=bits, **common) for bits in [int(b) for b in args.weight_bits.split(",")]}
+        buffer_size=buffer, weight_bits=bits, draft_kv=view, **common)
+        for bits in [int(b) for b in args.weight_bits.split(",")]
+        for view in args.draft_kv.split(",")}
     dtype = str(next(iter(base.model.parameters()["model"]["embed_tokens"].values())).dtype)
     print(f"{base.name}, {dtype.rsplit('.', 1)[-1]}, G = {G}, buffer {buffer or 2 * G}, "
           f"{args.prompts} prompts of held-out source per length, {args.max_tokens} tokens each, greedy\n")
@@ -347,6 +349,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--draft-kv", default="draft",
+                    help="--acceptance: the KV views the draft reads, comma-separated: draft "
+                         "(4-bit, shipped), target (8-bit: what the 4-bit weights alone cost)")
     ap.add_argument("--buffer-size", type=int, default=None,
                     help="--acceptance: the full-precision buffer (default 2 x --group-size)")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's quantized caches")

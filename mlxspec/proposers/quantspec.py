@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from .. import caches
 from ..quant.hierarchical_cache import (
+    VIEWS,
     HierarchicalKVCache,
     check_hierarchical_support,
     draft_view,
@@ -47,10 +48,15 @@ class QuantSpecProposer(Proposer):
     def __init__(self, model, group_size: int = 64, buffer_size: int | None = None,
                  weight_bits: int = 4, quantize: str = "mlp", weight_group_size: int = 64,
                  value_group_size: int | None = None, weight_method: str = "rtn",
-                 calibration=None):
+                 calibration=None, draft_kv: str = "draft"):
         if weight_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"weight_bits must be one of 2, 3, 4, 5, 6, 8; got {weight_bits}")
+        if draft_kv not in VIEWS:
+            raise ValueError(f"draft_kv must be one of {VIEWS}, got {draft_kv!r}")
         self.model = model
+        # the KV view the draft reads: its 4-bit one, or the target's 8-bit one (an ablation:
+        # what the 4-bit weights alone cost in acceptance; the same bytes are stored either way)
+        self.draft_kv = draft_kv
         self.group_size = group_size
         self.buffer_size = 2 * group_size if buffer_size is None else buffer_size
         self.value_group_size = value_group_size
@@ -105,7 +111,7 @@ class QuantSpecProposer(Proposer):
         # Recurrent layers (hybrid models) cannot be trimmed: keep their states (references,
         # no copy) and put them back after drafting, so the verify starts from committed state.
         ckpt = caches.checkpoint(cache)
-        with draft_view(cache):  # upper plane, no auto-commit; commits what is due on entry
+        with draft_view(cache, self.draft_kv):  # no auto-commit; commits what is due on entry
             for i in range(num_draft):
                 logits = self.draft_model(token, cache=cache)[0, -1]
                 if greedy:

@@ -958,14 +958,15 @@ def commit(caches) -> None:
 
 
 @contextlib.contextmanager
-def draft_view(caches) -> Iterator[None]:
+def draft_view(caches, view: str = "draft") -> Iterator[None]:
     """Inside the block, every hierarchical cache in `caches` reads the draft (upper-plane) view
-    and does not auto-commit (what the draft appends is speculative). Commits once on entry: the
-    block must start with a cache of committed tokens only (as a proposer's `propose` does)."""
+    (or `view`) and does not auto-commit (what the draft appends is speculative). Commits once
+    on entry: the block must start with a cache of committed tokens only (as a proposer's
+    `propose` does)."""
     saved = [(c, c.view, c.auto_commit) for c in hierarchical_layers(caches)]
     for c, _, _ in saved:
         c.commit()
-        c.view, c.auto_commit = "draft", False
+        c.view, c.auto_commit = view, False
     try:
         yield
     finally:
