@@ -168,6 +168,14 @@ class Engine:
             mode = getattr(proposer, "name", "none")
             self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
             self._resume_policies()
+            if isinstance(policy, AdaptiveK) and not policy.plain_weight:
+                # a plain token costs what it costs whatever the kind of request: the first
+                # request of a new kind starts from the rate another kind measured (measured
+                # again at once), so that its draft's catch-up is judged at the start
+                known = [p for _, p in self._policies.values()
+                         if isinstance(p, AdaptiveK) and p.plain_weight]
+                if known:
+                    policy.borrow_plain(max(known, key=lambda p: p.plain_weight))
         return self._policies[key][1]
 
     def workload_signal(self, tokens: list[int], prediction) -> str:

@@ -60,6 +60,12 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     unit = [5, 9, 13, 17, 21, 25, 29]
     engine.generate(unit * 6, max_tokens=24)
     engine.generate(unit * 6, max_tokens=64, prediction=unit * 12)
+    # a new kind starts from the plain rate another measured (one observation: measured again)
+    edit = engine.policy_for(engine.proposer, "edit")
+    most = max((plain, edit), key=lambda p: p.plain_weight)
+    chat = engine.policy_for(engine.proposer, "chat")
+    assert chat.plain_time == most.plain_time > 0 and chat.plain_weight == 1.0
+    assert chat.plan({"ngram:2": 2, "draft": 4}) == ("", 0)
     engine.save_policies()
     states = read_states(tmp_path / "policy.json")
     assert {"auto", "auto/edit"} <= set(states)

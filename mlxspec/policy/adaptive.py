@@ -228,6 +228,12 @@ class AdaptiveK:
         saved = plain - self.step_time("draft", k) / expected
         return catch_up <= remaining * saved
 
+    def borrow_plain(self, other: AdaptiveK) -> None:
+        """Start from `other`'s plain rate, as one observation (measured again first, as
+        after `resume`)."""
+        self.plain_time, self.plain_weight = other.plain_time, min(other.plain_weight, 1.0)
+        self._memo.clear()
+
     def catch_up_at_start(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
         """Whether auto's draft should read the prompt with the target's prefill: where, with
         the plain rate measured, `catch_up_pays` over the whole request (its first proposal
