@@ -9,10 +9,11 @@ Layout (one `HierarchicalKVCache` per attention layer; KIVI):
   (B, kv_heads, tokens, head_dim), and the output is `mx.quantized_matmul(p, values, s, b,
   transpose=False)`;
 * each quantized element has two 4-bit planes (see `kvquant.py`): the draft view reads the upper
-  plane only (~INT4), the target view adds the lower plane (~INT8); the target's product is the
-  sum of two `mx.quantized_matmul` calls, never a dequantized copy of the cache (on the CPU one
-  8-bit call over the two planes interleaved on the fly, `kvquant.target_triple`: MLX's CPU
-  4-bit kernel costs 3x its 8-bit one per code);
+  plane only (~INT4), the target view adds the lower plane (~INT8); on a GPU the target's
+  product is the sum of two `mx.quantized_matmul` calls, never a dequantized copy of the cache;
+  on the CPU in float32 a tile's codes are multiplied as floats with the scales factored out
+  (`_float_product`), in half precision as one 8-bit call over the two planes interleaved on
+  the fly (`kvquant.target_triple`) (`_route`);
 * the most recent tokens live in a full-precision buffer. New keys/values land there.
 
 The position rule. A query at position p reads keys [0, Q(p)) quantized and [Q(p), p] in full
