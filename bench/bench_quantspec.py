@@ -297,7 +297,8 @@ def acceptance(args) -> None:
         for view in args.draft_kv.split(",")}
     dtype = str(next(iter(base.model.parameters()["model"]["embed_tokens"].values())).dtype)
     print(f"{base.name}, {dtype.rsplit('.', 1)[-1]}, G = {G}, buffer {buffer or 2 * G}, "
-          f"{args.prompts} prompts of held-out source per length, {args.max_tokens} tokens each, greedy\n")
+          f"{args.prompts} prompts of held-out source per length, {args.max_tokens} tokens "
+          "each, greedy\n")
     print("| context | draft | k | acceptance | by draft position (%) | tokens / target forward "
           "| identical |")
     print("|---:|---|---:|---:|---|---:|---|")
@@ -316,9 +317,9 @@ def acceptance(args) -> None:
                     stats.setdefault((label, k), []).append((r, r.tokens == want.tokens))
             # progress, what a run stopped early still measured, and what was generated
             # (acceptance means little on a degenerate continuation)
-            print(f"after {n} prompt(s) of {length} tokens "
-                  f"(this one went on {base.tokenizer.decode(want.tokens)!r}):", *_acceptance_rows(length, stats),
-                  sep="\n", file=sys.stderr, flush=True)
+            went_on = base.tokenizer.decode(want.tokens)
+            print(f"after {n} prompt(s) of {length} tokens (this one went on {went_on!r}):",
+                  *_acceptance_rows(length, stats), sep="\n", file=sys.stderr, flush=True)
         print(*_acceptance_rows(length, stats), sep="\n", flush=True)
 
 

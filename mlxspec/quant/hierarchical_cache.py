@@ -596,8 +596,8 @@ def _float_product(x: mx.array, planes: TwoPlane, group_size: int, two: bool) ->
     The codes are converted to floats (exact integers) and never scaled, so no broadcasting
     dequantization runs over the tile. On the CPU this takes ~half the time of MLX's 8-bit
     `quantized_matmul` (keys at 4,096 tokens: 0.45-0.6 against 0.75-1.3 ms a layer; values
-    0.45 against 0.7-0.8), whose per-code reconstruction is scalar. Each output row is computed
-    on its own, so a verify row equals the single step's (tested)."""
+    0.45 against 0.7-0.8), whose per-code reconstruction is scalar. A verify row equals the
+    single step's to float32 rounding (BLAS products of few and many rows; see `_route`)."""
     codes, step, bias = view_codes(planes, two)
     *lead, k, n = codes.shape
     groups = n // group_size

@@ -75,11 +75,10 @@ def view_codes(planes: TwoPlane, two: bool) -> tuple[mx.array, mx.array, mx.arra
     group: the target's 8-bit codes 16 U + L + 8 (`target_triple`'s), or the draft's U alone.
     For products in floats (`hierarchical_cache._float_product`): one compiled elementwise
     kernel each, over contiguous bytes (a broadcasting unpack costs 5-7x as much on the CPU)."""
-    u8 = planes.upper.view(mx.uint8)
     if two:
-        pairs = _interleave(u8, planes.lower.view(mx.uint8))
-        return pairs.view(mx.uint8), planes.scales * (1.0 / 16.0), planes.mins - planes.scales * 0.5
-    return _spread(u8).view(mx.uint8), planes.scales, planes.mins
+        codes, step, bias = planes.target_triple()
+        return codes.view(mx.uint8), step, bias
+    return _spread(planes.upper.view(mx.uint8)).view(mx.uint8), planes.scales, planes.mins
 
 
 def _spread_bytes(u8: mx.array) -> mx.array:
