@@ -21,7 +21,16 @@ from .caches.prompt import PromptCache
 from .caches.ragged import RaggedKVCache, plain_attention
 from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
-from .policy import MAX_NUM_DRAFT, AdaptiveK, BatchPolicy, Policy, RowOffer, RowPolicy, plan_rows
+from .policy import (
+    MAX_NUM_DRAFT,
+    AdaptiveK,
+    BatchPolicy,
+    Policy,
+    RowOffer,
+    RowPolicy,
+    forward_group,
+    plan_rows,
+)
 from .proposal import Proposal
 from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, DraftRows, draft_proposer
@@ -67,7 +76,7 @@ class BatchRow:
         self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
         self.context, self.proposer = context, proposer
-        self.planner = RowPolicy(policy, proposer, batched=batch.policy is not None)
+        self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans)
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows
@@ -106,6 +115,7 @@ class BatchRow:
         cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
+        self.planner.at(len(self.context) - 1)  # (its cache holds all but the last token)
         offered = self.proposer.available(self.context, cap)
         if TREE in offered and not self.proposer.uses_trees and not self.batch.verifies_trees():
             offered = {s: n for s, n in offered.items() if s != TREE}
@@ -173,12 +183,14 @@ class BatchSpeculator:
 
     def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
                  pipeline: bool = True, sync=None):
-        """`policy`: chooses every row's k (default a fresh `BatchPolicy`); `row_plans`: none,
-        each row plans its own k (a request by itself: `Engine.open`). `pipeline`: plain
-        stretches pipelined. `sync`: a sharded target's (rank 0's tokens on every rank)."""
+        """`policy`: chooses every row's k and learns the steps' cost (default a fresh
+        `BatchPolicy`; the engine's cost model: `BatchPolicy(engine.cost)`); `row_plans`: each
+        row plans its own k (a request by itself, `Engine.open`: prefilled at `open`). `pipeline`: plain stretches
+        pipelined. `sync`: a sharded target's (rank 0's tokens on every rank)."""
         self.model = model
         self.sync = sync
-        self.policy = None if row_plans else (policy or BatchPolicy())
+        self.policy = policy or BatchPolicy()
+        self.row_plans = row_plans
         self.rows: list[BatchRow] = []
         # Row b of the cache holds slots[b]; a row leaving leaves None (fed padding, trimmed at
         # once) for the next to join: neither joining nor leaving copies the cache (`_compact`).
@@ -257,7 +269,7 @@ class BatchSpeculator:
     def _prefill(self, row: BatchRow, progress=None) -> None:
         """A short rest of the prompt waits for the round's joiners, a longer one is prefilled
         now (`row_plans`: every step planned by the row, the first one too)."""
-        if self.policy is not None and len(row.context) - len(row.pc.tokens) <= GROUP_PREFILL_MAX:
+        if not self.row_plans and len(row.context) - len(row.pc.tokens) <= GROUP_PREFILL_MAX:
             self.opening.append(row)
         else:
             self._prefill_and_join(row, progress)
@@ -377,7 +389,7 @@ class BatchSpeculator:
         request (on ragged rows one ran at 0.93x, bench/bench_batch_of_one.py at 6fce6c1),
         until another joins. Not a pinned row of a shared batch (seeded, fixed k, T > 0): its
         draws must not depend on whether another row comes."""
-        return not self.rows and (self.policy is None or not row.shares or not row.pinned
+        return not self.rows and (self.row_plans or not row.shares or not row.pinned
                                   or isinstance(row.planner.policy, AdaptiveK))
 
     def _join(self, row: BatchRow, may_keep_own: bool = True) -> None:
@@ -528,7 +540,7 @@ class BatchSpeculator:
                 self._queue_next(fed, _spread(fed, verify_keys))
                 self._deliver_queued(started=start)
                 return
-            proposals, draft_forwards = self._propose(rows, plans, propose_keys)
+            proposals, forwards = self._propose(rows, plans, propose_keys)
             results = decode_step(
                 self.model, self.cache, _spread(fed, [r.context[-1] for r in rows]),
                 _spread(fed, proposals), [GREEDY if r is None else r.sampling for r in fed],
@@ -544,9 +556,8 @@ class BatchSpeculator:
         drafted = [res.drafted for res in results]
         if not any(drafted):
             self.plain_steps += 1
-        if self.policy is not None:  # (a row on its own cache too: one row's cost is a point)
-            self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted),
-                                draft_forwards, seconds, span)
+        self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted), forwards, seconds,
+                            span)
         for r, (arm, _), res in zip(rows, plans, results):
             r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
                      seconds if res.drafted else None)
@@ -621,12 +632,10 @@ class BatchSpeculator:
                            cache.shared)
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
-        """Every row's (source, k): the batch's policy over the rows' offers, or each row's
-        own plan (a row on its own cache, or one adaptive row: the batch's cost model, fitted
-        on wider batches, misjudges a draft model there). `commit=False`: only asking (a forced
-        probe is not counted as taken)."""
-        if self.policy is None or not self.cache.shared or (
-                len(self.rows) == 1 and isinstance(self.rows[0].planner.policy, AdaptiveK)):
+        """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
+        plan on its own cache (by the same cost model and rule, `policy/cost.py`).
+        `commit=False`: only asking (a forced probe is not counted as taken)."""
+        if self.row_plans or not self.cache.shared:
             return [r.planner.plan(r.available()) for r in rows]
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
@@ -642,8 +651,8 @@ class BatchSpeculator:
         self.steps += 1
         self.plain_steps += 1
         self.rows_stepped += len(kept)
-        if self.policy is not None and seconds is not None:
-            self.policy.observe(len(self.slots), 1, 0, 0, seconds, span, synced)
+        if seconds is not None:
+            self.policy.observe(len(self.slots), 1, 0, None, seconds, span, synced)
         for r, token in kept:
             # (a row on its own cache learns only the steady state: not a stretch's synced first)
             r.commit([token], seconds=None if synced and not shared else seconds)
@@ -655,12 +664,12 @@ class BatchSpeculator:
             r.error = e
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
-                 keys: list[mx.array]) -> tuple[list[Proposal | None], int]:
+                 keys: list[mx.array]) -> tuple[list[Proposal | None], dict[str, int]]:
         """Every row's proposal (draft-model rows draft together, `proposers/draft.py`),
-        and the sequential draft forwards this took."""
+        and the sequential forwards this took per source group (`forward_group`)."""
         proposals: list[Proposal | None] = [None] * len(rows)
         by_draft: dict[int, list[int]] = {}
-        draft_forwards = 0
+        forwards: dict[str, int] = {}
         for i, (r, (source, k), key) in enumerate(zip(rows, plans, keys)):
             if not k:
                 continue
@@ -668,8 +677,9 @@ class BatchSpeculator:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
             proposals[i] = r.proposer.propose(r.context, k, key, source=source)
-            if source in DRAFT_ARMS:  # a draft on its own: k forwards
-                draft_forwards += k
+            group = forward_group(source)
+            if group:  # a draft (or QuantSpec's pass) on its own: k forwards
+                forwards[group] = forwards.get(group, 0) + k
         widest = 0
         for model_id, members in by_draft.items():
             made = self.drafts[model_id].propose(
@@ -678,7 +688,9 @@ class BatchSpeculator:
                 proposals[i] = prop
             self.batched_drafts += len(members)
             widest = max(widest, max(plans[i][1] for i in members))
-        return proposals, draft_forwards + widest
+        if widest:
+            forwards["draft"] = forwards.get("draft", 0) + widest
+        return proposals, forwards
 
 
 def shareable(engine: Engine, proposer: Proposer | None) -> bool:

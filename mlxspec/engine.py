@@ -19,8 +19,17 @@ from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
 from .caches.shift import check_shiftable
 from .errors import MlxspecError
-from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
-from .policy.adaptive import draft_priors, read_states, write_states
+from .policy import (
+    AUTO_MAX_K,
+    DEFAULT_NUM_DRAFT,
+    AdaptiveK,
+    BatchPolicy,
+    FixedK,
+    Policy,
+    StepCost,
+    check_num_draft,
+)
+from .policy.adaptive import draft_policy, read_states, write_states
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .proposers.draft import draft_proposer
@@ -30,6 +39,7 @@ from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
 
 log = logging.getLogger("mlxspec")
 # Special tokens that tell a request's kind (`Engine.workload_signal`).
+COST_KEY = "step-cost"  # the cost model's entry in the policy file (no mode has this name)
 SIGNAL_TOKENS = {"fim": ("<|fim_middle|>", "<fim_middle>", "<|fim▁hole|>"),
                  "chat": ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")}
 
@@ -95,6 +105,8 @@ class Engine:
         self._proposers: dict = {}
         # (id(proposer), workload signal) -> (the key its state is kept under, policy)
         self._policies: dict[tuple[int, str], tuple[str, Policy]] = {}
+        # what a step costs on this model and machine: one model for every request and batch
+        self.cost = StepCost()
         self._signal_ids: dict[int, str] | None = None  # special token id -> signal
         # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
@@ -113,6 +125,7 @@ class Engine:
             adaptive=self.adaptive, kv=self.kv, kv_group_size=self.kv_group_size,
             kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source,
             load_draft=self.load_draft, **extra)
+        other.cost = self.cost  # the same weights on the same machine
         other.set_mode(self.mode, **self.mode_options)
         return other
 
@@ -159,23 +172,15 @@ class Engine:
         key = (id(proposer), signal)
         if key not in self._policies:
             if getattr(proposer, "adaptive", False):
-                policy = AdaptiveK(max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K,
-                                   **draft_priors(self.model, getattr(proposer, "draft", None)))
+                policy = draft_policy(self.model, getattr(proposer, "draft", None), self.cost,
+                                      max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K)
             elif self.adaptive:
-                policy = AdaptiveK(max_k=self.num_draft)
+                policy = AdaptiveK(max_k=self.num_draft, cost=self.cost)
             else:
                 policy = FixedK(self.num_draft)
             mode = getattr(proposer, "name", "none")
             self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
             self._resume_policies()
-            if isinstance(policy, AdaptiveK) and not policy.plain_weight:
-                # a plain token costs what it costs whatever the kind of request: the first
-                # request of a new kind starts from the rate another kind measured (measured
-                # again at once), so that its draft's catch-up is judged at the start
-                known = [p for _, p in self._policies.values()
-                         if isinstance(p, AdaptiveK) and p.plain_weight]
-                if known:
-                    policy.borrow_plain(max(known, key=lambda p: p.plain_weight))
         return self._policies[key][1]
 
     def workload_signal(self, tokens: list[int], prediction) -> str:
@@ -194,8 +199,11 @@ class Engine:
         return "fim" if "fim" in found else "chat" if "chat" in found else ""
 
     def _resume_policies(self) -> None:
-        """Adaptive policies that have measured nothing yet start from their state's."""
+        """Adaptive policies and the cost model that have measured nothing yet start from
+        their states'."""
         states = read_states(self.policy_file) if self.policy_file is not None else {}
+        if not self.cost.seconds and states.get(COST_KEY):
+            self.cost.resume(states[COST_KEY])
         for key, policy in self._policies.values():
             if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
                 policy.resume(states[key])
@@ -210,6 +218,8 @@ class Engine:
         """Keep what the adaptive policies measured at `policy_file` for the next process."""
         states = {key: policy.snapshot() for key, policy in self._policies.values()
                   if isinstance(policy, AdaptiveK) and policy.sources}
+        if states and self.cost.seconds:
+            states[COST_KEY] = self.cost.snapshot()
         if states and self.policy_file is not None:
             try:
                 write_states(self.policy_file, states)
@@ -264,8 +274,8 @@ class Engine:
         """A request by itself, opened: a batch of one on its own cache (of any kind). Whoever
         holds it steps `row.batch`, takes the row's outputs from what the steps return
         (`stream_steps`, the server's worker) and closes it. Keyword arguments as `stream_steps`."""
-        return BatchSpeculator(self.model, row_plans=True, sync=self.sync).open(self, prompt,
-                                                                           **kwargs)
+        return BatchSpeculator(self.model, BatchPolicy(self.cost), row_plans=True,
+                               sync=self.sync).open(self, prompt, **kwargs)
 
     def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,
                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

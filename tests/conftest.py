@@ -93,8 +93,11 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     ends the cache holds every committed token but the last again."""
     from mlxspec.batch_step import BatchRow, BatchSpeculator
     from mlxspec.engine import PromptCache
+    from mlxspec.policy import BatchPolicy, StepCost
 
-    batch = BatchSpeculator(model, row_plans=True, sync=sync)
+    # (the batch learns the cost model an adaptive policy plans with)
+    cost = getattr(policy, "cost", None) or StepCost()
+    batch = BatchSpeculator(model, BatchPolicy(cost), row_plans=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)
     batch._join(row)
@@ -213,3 +216,20 @@ def coder_small_4bit():
 
     return mlxspec.load("qwen2.5-coder-0.5b", mode="none", no_draft=True,
                         gguf_weights="quantized").model
+
+
+def observe_step(policy, source: str, drafted: int, accepted: int, seconds: float) -> None:
+    """A speculative step of a row alone, told as its batch tells it: the cost model learns
+    its time, the policy its acceptance."""
+    from mlxspec.policy import forward_group
+
+    policy.cost.add(1, 1 + drafted, drafted, {forward_group(source): drafted}, seconds,
+                    policy.span)
+    policy.observe(source, drafted, accepted, seconds)
+
+
+def observe_plain(policy, tokens: int, seconds: float) -> None:
+    """`tokens` of a pipelined plain stretch taking `seconds`, told as the batch tells them."""
+    for _ in range(tokens):
+        policy.cost.add(1, 1, 0, None, seconds / tokens, policy.span, synced=False)
+    policy.observe_plain(tokens)

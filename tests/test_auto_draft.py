@@ -5,9 +5,15 @@ estimates, in memory and in the policy file."""
 
 from __future__ import annotations
 
-from conftest import build_model, make_engine
+from conftest import build_model, make_engine, observe_plain, observe_step
 
-from mlxspec.policy.adaptive import SAME_FAMILY_ACCEPT, AdaptiveK, draft_priors, read_states
+from mlxspec.policy.adaptive import (
+    SAME_FAMILY_ACCEPT,
+    AdaptiveK,
+    draft_policy,
+    draft_priors,
+    read_states,
+)
 from mlxspec.proposers.draft import CATCH_UP_APART, DraftModelProposer
 from mlxspec.sampling import SamplingParams
 
@@ -19,15 +25,16 @@ def test_a_sizeable_draft_of_the_family_starts_optimistic():
     other, _ = build_model("qwen3", seed=4, hidden=64, layers=2)
     priors = draft_priors(target, DraftModelProposer(same))
     assert priors["group_prior_accept"]["draft"] == SAME_FAMILY_ACCEPT
-    assert 0.3 < priors["group_prior_slope"]["draft"] < 0.45  # its share of the parameters
+    assert 0.3 < priors["forward_prior"]["draft"] < 0.45  # its share of the parameters
     for weak in (tiny, other):
         assert "group_prior_accept" not in draft_priors(target, DraftModelProposer(weak))
     assert draft_priors(target, None) == {}
     # Such a draft is proposed from at once; the default prior probes it first.
-    optimistic = AdaptiveK(**priors)
-    optimistic.observe_plain(4, 4 * 0.1)
+    optimistic = draft_policy(target, DraftModelProposer(same))
+    assert optimistic.cost.forward_prior["draft"] == priors["forward_prior"]["draft"]
+    observe_plain(optimistic, 4, 4 * 0.1)
     assert optimistic.choose("draft") > 0
-    assert AdaptiveK(group_prior_slope=priors["group_prior_slope"]).choose("draft") == 0
+    assert AdaptiveK(cost=optimistic.cost).choose("draft") == 0
 
 
 def test_a_draft_catching_up_times_it_apart():
@@ -60,21 +67,20 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     unit = [5, 9, 13, 17, 21, 25, 29]
     engine.generate(unit * 6, max_tokens=24)
     engine.generate(unit * 6, max_tokens=64, prediction=unit * 12)
-    # a new kind starts from the plain rate another measured (one observation: measured again)
-    edit = engine.policy_for(engine.proposer, "edit")
-    most = max((plain, edit), key=lambda p: p.plain_weight)
+    # a step costs what it costs whatever the kind of request: one cost model for all
     chat = engine.policy_for(engine.proposer, "chat")
-    assert chat.plain_time == most.plain_time > 0 and chat.plain_weight == 1.0
-    assert chat.plan({"ngram:2": 2, "draft": 4}) == ("", 0)
+    assert not chat.sources and chat.cost is plain.cost is fim.cost is engine.cost
+    assert engine.cost.seconds > 0
     engine.save_policies()
     states = read_states(tmp_path / "policy.json")
-    assert {"auto", "auto/edit"} <= set(states)
+    assert {"auto", "auto/edit", "step-cost"} <= set(states)
     # The next engine starts each kind from its own state.
     again = make_engine(target, "auto", draft_model=draft)
     again.keep_policies(tmp_path / "policy.json")
     assert set(again.policy_for(again.proposer, "edit").sources) == set(
         states["auto/edit"]["sources"])
     assert not again.policy_for(again.proposer, "fim").sources
+    assert again.cost.groups == engine.cost.groups and 0 < again.cost.xx[0, 0] <= 8.0
 
 
 def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
@@ -84,10 +90,10 @@ def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     request whose draft is a few tokens behind."""
     target, _ = build_model("llama", seed=1, hidden=64, layers=8)
     same, _ = build_model("llama", seed=2, hidden=64, layers=2)
-    policy = AdaptiveK(**draft_priors(target, DraftModelProposer(same)))
+    policy = draft_policy(target, DraftModelProposer(same))
     assert 0.3 < policy.draft_ratio < 0.4
-    assert policy.catch_up_pays(1400, 40, 0.027)  # the plain rate is not measured yet
-    policy.observe_plain(4, 4 * 0.33)
+    assert policy.catch_up_pays(1400, 40, 0.027)  # no step's cost is measured yet
+    observe_plain(policy, 4, 4 * 0.33)
     assert policy.choose("draft") > 0  # a same-family draft: on from its priors
     assert not policy.catch_up_pays(1400, 40, 0.027)
     assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(20, 2, 0.027)
@@ -96,11 +102,11 @@ def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     assert policy.catch_up_pays(300, 40, 0.027)
     # measured at 94 % acceptance it saves more per token: a longer catch-up pays
     for _ in range(20):
-        policy.observe("draft", 4, 4, 0.6)
+        observe_step(policy, "draft", 4, 4, 0.6)
     assert policy.catch_up_pays(1400, 256, 0.027) and not policy.catch_up_pays(1400, 40, 0.027)
     # a draft the estimates keep off is probed only for a catch-up within 2 % of the request
     off = AdaptiveK(draft_ratio=0.34)
-    off.observe_plain(4, 4 * 0.33)
+    observe_plain(off, 4, 4 * 0.33)
     assert off.choose("draft") == 0
     assert off.catch_up_pays(60, 256, 0.027) and not off.catch_up_pays(300, 128, 0.027)
     assert AdaptiveK().catch_up_pays(1400, 40, 0.027)  # no draft model: nothing to refuse
@@ -151,7 +157,7 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     engine = make_engine(target, "auto", draft_model=draft)
     want = make_engine(target, "none").generate(prompts[1], max_tokens=12).tokens
     engine.generate(prompts[0], max_tokens=12)
-    assert not caught and engine.policy.plain_weight > 0  # the first: nothing measured yet
+    assert not caught and engine.cost.seconds > 0  # the first: nothing measured yet
     monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: True)
     result = engine.generate(prompts[1], max_tokens=12)
     assert caught == [(len(prompts[1]), prompts[1][:-1])]

@@ -10,14 +10,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, make_engine, next_output
+from conftest import build_model, make_engine, next_output, observe_plain, observe_step
 
 from mlxspec import caches
 from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.errors import MlxspecError
-from mlxspec.policy import BatchCost, BatchPolicy, RowOffer, choose_ks, survival
+from mlxspec.policy import BatchPolicy, RowOffer, StepCost, choose_ks, survival
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
 from mlxspec.step import decode_step
@@ -166,7 +166,7 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
-    batch = BatchSpeculator(target, policy=FrozenPolicy(BatchCost(prior=CHEAP_WIDTH)))
+    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=CHEAP_WIDTH)))
     rows, outs = [], [[] for _ in REQUESTS]
 
     opener = open_in(batch, lambda i: base.clone(), REQUESTS, rows)
@@ -603,7 +603,7 @@ def test_batch_policy_steps_plainly_when_proposals_do_not_pay_and_wide_when_they
     """Injected costs and acceptance, no timing: with the prior cost 5 % acceptance makes a
     plain batch (W = 1), 60 % a middle width, 90 % the full width; a long context (attention
     over many keys for every padded position) turns the 60 % batch plain."""
-    cost = BatchCost()
+    cost = StepCost()
     ks, _ = choose_ks(cost, offers(0.05, 4))
     assert ks == [0, 0, 0, 0]
     ks, rate = choose_ks(cost, offers(0.9, 4))
@@ -628,7 +628,7 @@ def test_plain_steps_alone_teach_the_batch_the_price_of_width():
     for _ in range(10):
         for b in (2, 4, 6, 8):
             for span in (100, 400, 800, 1600):
-                learned.observe(b, 1, 0, 0, seconds(b, 1, span), span, synced=False)
+                learned.observe(b, 1, 0, None, seconds(b, 1, span), span, synced=False)
     assert learned.cost.time(4, 3, 8, span=800, synced=False) == pytest.approx(
         seconds(4, 3, 800), rel=0.1)
     assert learned.decide(offers(0.6, 4), span=800, pipelined=True) == [0, 0, 0, 0]
@@ -636,16 +636,16 @@ def test_plain_steps_alone_teach_the_batch_the_price_of_width():
 
 
 def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_speculates():
-    cost = BatchCost()
+    cost = StepCost()
     # a draft row at 10 %: its draft forwards do not pay; the n-gram row at 90 % does
-    good, bad = offers(0.9, 1)[0], offers(0.1, 1, draft=True)[0]
+    good, bad = offers(0.9, 1)[0], offers(0.1, 1, group="draft")[0]
     assert choose_ks(cost, [good, bad])[0] == [4, 0]
     # draft rows at 90 % draft beside it (the shared draft forwards now pay)
-    assert choose_ks(cost, [good] + offers(0.9, 2, draft=True))[0] == [4, 4, 4]
+    assert choose_ks(cost, [good] + offers(0.9, 2, group="draft"))[0] == [4, 4, 4]
     # a position below its marginal cost (e * rate) is not proposed even inside the width
     assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
     assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
-    pricey = BatchPolicy(BatchCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
+    pricey = BatchPolicy(StepCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
     assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
     # a probe (forced) widens a batch that would step plainly; the others fill the width
     ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
@@ -663,7 +663,7 @@ def test_a_policy_choosing_k_keeps_every_request_exact(pair):
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
-    batch = BatchSpeculator(target, policy=FrozenPolicy(BatchCost(prior=CHEAP_WIDTH)))
+    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=CHEAP_WIDTH)))
     rows = [batch.open(base.clone(), p, max_tokens=n, mode=m, **kw) for p, m, n, kw in REQUESTS]
     outs = [[] for _ in REQUESTS]
     drain(rows, outs)
@@ -689,7 +689,7 @@ DRAFT_REQUESTS = [
 @pytest.mark.parametrize("same", [False, True], ids=["random-draft", "target-as-draft"])
 def test_batched_draft_rows_equal_each_request_alone(pair, same):
     """Draft rows of different lengths draft together (one draft forward per position for
-    all), joining and leaving mid-generation, each row's plan its own (row_plans): every
+    all), joining and leaving mid-generation, each row's plan its own (row_plans=True): every
     output, and every row's drafted and accepted counts, equal the request alone (the draft
     tokens are the same: with the target as its own draft, all are accepted); each row's
     draft cache, given back on leaving, holds exactly its `cached` tokens."""
@@ -786,16 +786,17 @@ def test_fixed_k_rows_are_pinned_at_temperature_above_zero_and_probes_are_forced
     hot = batch.open(base.clone(), prompt, max_tokens=20, temperature=0.8)
     cold = batch.open(base.clone(), prompt, max_tokens=20)
     assert hot.offer()[0] == "draft" and hot.offer()[1].forced == 4
-    assert cold.offer()[0] == "draft" and cold.offer()[1].forced == 0
+    source, offer = cold.offer()  # not pinned (its shadow's probe of the draft may be due)
+    assert source == "draft" and (offer.forced == 0 or offer.probe)
     policy = AdaptiveK(max_k=4, dither=False)
-    policy.observe_plain(4, 0.04)
+    observe_plain(policy, 4, 0.04)
     for _ in range(20):  # the draft rejected at once, every time: the arm goes off
-        policy.observe("draft", 4, 0, 0.02)
+        observe_step(policy, "draft", 4, 0, 0.02)
     auto = batch.open(base.clone(), prompt, max_tokens=20, mode="auto", policy=policy)
     assert policy.choose("draft") == 0
     policy.clock = policy.probes["draft"].due  # a probe is due
     source, offer = auto.offer()
-    assert (source, offer.forced) == ("draft", policy.probe_k) and offer.draft
+    assert (source, offer.forced) == ("draft", policy.probe_k) and offer.group == "draft"
     policy.clock = policy.probes["draft"].due - 1  # not yet
     assert auto.offer()[1].forced == 0
     for row in (hot, cold, auto):
@@ -812,13 +813,13 @@ def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
     others = [("ngram", RowOffer(survival([0.1] * 4, 4))) for _ in range(7)]
     dear = (1.0, 0.3, 1.0, 2.0, 0.01, 3.0)
     for prior, forced in ((CHEAP_WIDTH, 4), (dear, 0)):
-        policy = FrozenPolicy(BatchCost(prior=prior))
+        policy = FrozenPolicy(StepCost(prior=prior))
         offers = policy.limit_probes([probe] + others, step=0, rows=8, span=100)
         assert offers[0][1].forced == forced and offers[1:] == others
         again = policy.limit_probes([probe] + others, step=1, rows=8, span=100)
         assert again[0][1].forced == 0  # the gap
-    policy = FrozenPolicy(BatchCost(prior=CHEAP_WIDTH))
-    lone_draft = ("draft", RowOffer(probe[1].survive, draft=True, forced=4, probe=True))
+    policy = FrozenPolicy(StepCost(prior=CHEAP_WIDTH))
+    lone_draft = ("draft", RowOffer(probe[1].survive, group="draft", forced=4, probe=True))
     assert policy.limit_probes([lone_draft] + others, step=0, rows=8,
                                span=100)[0][1].forced == 0
 
@@ -835,7 +836,7 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
     prompt = [5, 9, 2, 7, 11, 3]
     answer = base.clone().generate(prompt, max_tokens=24, mode="none").tokens
     dear = (1.0, 0.3, 3.0, 2.0, 0.01, 3.0)  # width never pays
-    batch = BatchSpeculator(target, policy=FrozenPolicy(BatchCost(prior=dear)))
+    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=dear)))
     right, wrong = AdaptiveK(max_k=4, dither=False), AdaptiveK(max_k=4, dither=False)
     rows = [batch.open(base.clone(), prompt, max_tokens=24, prediction=answer, policy=right),
             batch.open(base.clone(), prompt, max_tokens=24,

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, decode, make_engine
+from conftest import build_model, decode, make_engine, observe_plain, observe_step
 from mlx_lm.models.cache import make_prompt_cache
 from scipy import stats as scipy_stats
 
@@ -34,9 +34,9 @@ def simulate(policy: AdaptiveK, accept: float, plain: float, slope: float, steps
             n += 1
         noise = 1 + rng.uniform(-0.05, 0.05)  # timings are noisy
         if k:
-            policy.observe("draft", k, n, (plain + slope * k) * noise)
+            observe_step(policy, "draft", k, n, (plain + slope * k) * noise)
         else:  # a token of a pipelined plain stretch
-            policy.observe_plain(1, plain * noise)
+            observe_plain(policy, 1, plain * noise)
         used.append(k)
     return used
 
@@ -99,15 +99,15 @@ def test_plan_is_idempotent_and_probes_a_switched_off_source():
         source, k = first
         if k:
             probes.append(step)
-            policy.observe(source, k, 0, 0.01 + 0.005 * k)
+            observe_step(policy, source, k, 0, 0.01 + 0.005 * k)
         else:
-            policy.observe_plain(1, 0.01)
+            observe_plain(policy, 1, 0.01)
     assert len(probes) >= 5  # never switched off for good
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] <= policy.probe_max + 1  # backs off, up to a cap
     # A probe that is all accepted brings the next one close.
     due = policy.probes["draft"].due - policy.clock
-    policy.observe("draft", 2, 2, 0.02)
+    observe_step(policy, "draft", 2, 2, 0.02)
     assert policy.probes["draft"].due - policy.clock <= policy.probe_every < due
 
 
@@ -115,7 +115,7 @@ def test_a_draft_model_starts_off_and_is_probed_at_once():
     """Before anything is measured, a draft model (a forward per drafted token) is not used
     at a guessed cost, but probed; an n-gram arm at the same prior acceptance is used."""
     policy = AdaptiveK(max_k=8)
-    policy.observe_plain(4, 0.04)
+    observe_plain(policy, 4, 0.04)
     assert policy.choose("draft") == 0 and policy.choose("ngram:4") > 0
     assert policy.plan({"draft": 8}) == ("draft", policy.probe_k)
 
@@ -127,7 +127,7 @@ def test_a_probe_that_cost_more_than_modelled_spaces_the_next_one_out():
         policy = AdaptiveK(max_k=8, probe_every=4)
         simulate(policy, accept=0.0, plain=0.01, slope=0.005, steps=300)
         policy.probes.pop("draft", None)
-        policy.observe("draft", 2, 0, probe_seconds)
+        observe_step(policy, "draft", 2, 0, probe_seconds)
         return policy.probes["draft"].due - policy.clock
 
     modelled, slow = next_gap(0.02), next_gap(0.2)  # 20 plain tokens' time: 19 lost
@@ -137,11 +137,11 @@ def test_a_probe_that_cost_more_than_modelled_spaces_the_next_one_out():
 
 def test_plan_picks_the_better_source_within_what_is_offered():
     policy = AdaptiveK(max_k=8)
-    policy.observe_plain(4, 0.04)
+    observe_plain(policy, 4, 0.04)
     for _ in range(300):  # ngram: always accepted; draft: never
         for source, accept in (("ngram", True), ("draft", False)):
-            policy.observe(source, 4, 4 if accept else 0, 0.012 + 0.001 * 4)
-        policy.observe_plain(2, 0.02)
+            observe_step(policy, source, 4, 4 if accept else 0, 0.012 + 0.001 * 4)
+        observe_plain(policy, 2, 0.02)
     assert policy.plan({"ngram": 3, "draft": 8})[0] == "ngram"
     assert policy.plan({"draft": 8})[1] in (0, policy.probe_k)
     assert policy.plan({}) == ("", 0)
@@ -155,7 +155,8 @@ def test_auto_respects_k_and_per_call_num_draft():
     unit = [5, 9, 13, 17, 21, 25, 29]
     out = auto.generate(unit * 6, max_tokens=40, num_draft=2)
     assert max(len(out.stats.drafted_by_position), 0) <= 2
-    assert auto.policy is auto.policy_for(auto.proposer) and auto.policy.plain_weight > 0
+    assert auto.policy is auto.policy_for(auto.proposer) and auto.policy.sources
+    assert auto.policy.cost is auto.cost and auto.cost.seconds > 0  # the engine's, learning
     default = make_engine(target, "auto")
     assert default.policy.max_k == 8
 
@@ -285,20 +286,15 @@ def test_auto_is_exact_at_temperature_through_the_engine(tiny):
 
 
 class Recorder(FixedK):
-    """FixedK(2) that keeps every step plain for `plain` plans, then proposes; records what
-    it is told."""
+    """FixedK(2) that keeps every step plain for `plain` plans, then proposes."""
 
     def __init__(self, plain: int):
         super().__init__(2)
-        self.plain, self.events = plain, []
+        self.plain = plain
 
     def plan(self, available):
-        self.events.append(("plan", len(self.events)))
         self.plain -= 1
         return ("onzero", 2) if self.plain < 0 else ("", 0)
-
-    def observe_plain(self, tokens, seconds=None):
-        self.events.append(("plain", seconds))
 
 
 class Always(OnZero):
@@ -306,23 +302,35 @@ class Always(OnZero):
         return {"onzero": cap}
 
 
-def test_a_plain_stretch_tells_the_policy_steady_times_only(tiny):
+def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypatch):
     """In a pipelined plain stretch each token's time is the wait between two tokens read
-    back. Its first token (synced) and its last (computed while the host planned, nothing
-    queued after it) are counted without a time: timed, the last one made plain decoding look
+    back. Its first step is synced and learnt as such; its last (computed while the host
+    planned, nothing queued after it) is not learnt: timed, it made plain decoding look
     several times cheaper than it is, and `auto` proposed too little."""
+    from mlxspec.policy import StepCost
+
     target, _, _ = tiny
     cache = make_prompt_cache(target)
     target(mx.array(PROMPT[:-1])[None], cache=cache)
+    added = []
+    add = StepCost.add
+
+    def spy(self, rows, width, proposed, forwards, seconds, span=0, synced=True):
+        added.append((proposed, synced, seconds))
+        add(self, rows, width, proposed, forwards, seconds, span, synced)
+
+    monkeypatch.setattr(StepCost, "add", spy)
     policy = Recorder(plain=6)
     steps = decode(target, cache, list(PROMPT), Always(), policy, SamplingParams(), 12,
                    mx.random.key(0), Stats())
-    for _ in steps:
+    tokens = 0
+    for out in steps:
+        tokens += len(out)
         if policy.plain < 0:  # the plan that ended the stretch was made
             break
     steps.close()
-    plains = [seconds for kind, seconds in policy.events if kind == "plain"]
-    assert plains[0] is None  # the stretch's first, synced step
-    assert all(s is not None and s > 0 for s in plains[1:-1])  # the pipelined ones
-    assert plains[-1] is None  # the token delivered when the plan ended the stretch
-    assert len(plains) >= 5
+    plains = [(synced, s) for proposed, synced, s in added if not proposed]
+    assert not any(proposed for proposed, _, _ in added)  # (nothing proposed yet)
+    assert plains[0][0]  # the stretch's first step, synced
+    assert all(not synced and s > 0 for synced, s in plains[1:])  # the pipelined ones
+    assert len(plains) == tokens - 1 >= 5  # the token delivered as the stretch ended: unlearnt

@@ -8,36 +8,41 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, observe_plain, observe_step
 
 import mlxspec
-from mlxspec.policy import AdaptiveK, read_states, write_states
+from mlxspec.policy import AdaptiveK, StepCost, read_states, write_states
 
 
 def measured() -> AdaptiveK:
     policy = AdaptiveK(max_k=8)
-    policy.observe_plain(4, 0.4)
+    observe_plain(policy, 4, 0.4)
     for _ in range(40):  # a 4-gram arm whose first 6 positions are always accepted
-        policy.observe("ngram:4", 8, 6, 0.15)
-        policy.observe("ngram:1", 2, 0, 0.11)
+        observe_step(policy, "ngram:4", 8, 6, 0.15)
+        observe_step(policy, "ngram:1", 2, 0, 0.11)
     return policy
 
 
 def test_resume_starts_from_the_measurements_scaled_down():
-    state = json.loads(json.dumps(measured().snapshot()))  # it survives JSON
-    fresh, resumed = AdaptiveK(max_k=8), AdaptiveK(max_k=8)
+    before = measured()
+    state = json.loads(json.dumps(before.snapshot()))  # it survives JSON
+    cost = StepCost()
+    assert cost.resume(json.loads(json.dumps(before.cost.snapshot())), weight=8.0)
+    fresh, resumed = AdaptiveK(max_k=8), AdaptiveK(max_k=8, cost=cost)
     assert resumed.resume(state, weight=8.0)
     # The prior proposes a few tokens; the resumed policy knows how far 4-gram matches go.
     assert resumed.choose("ngram:4") == 6 > fresh.choose("ngram:4")  # 6 always accepted
     assert resumed.choose("ngram:1") == 0 < fresh.choose("ngram:1")
     # Scaled to 8 observations: this process's own measurements take over quickly.
     assert resumed.sources["ngram:4"].reached[0] == pytest.approx(8.0)
-    assert resumed.costs["ngram"].w == pytest.approx(8.0)
-    # The plain rate is measured again before the first proposal.
-    assert resumed.plan({"ngram:4": 8}) == ("", 0)
+    assert cost.xx[0, 0] == pytest.approx(8.0) and cost.plain_weight <= 1.0
+    # ... and it predicts what was measured (its prior counts a little more now)
+    assert cost.time(1, 9, 8) == pytest.approx(0.15, rel=0.05)
+    assert cost.plain() == pytest.approx(0.1, rel=0.2)
 
 
 @pytest.mark.parametrize("bad", [{"version": 99}, {"version": 1, "sources": 3},
+                                 {"version": 2, "sources": 3},
                                  {"version": 1, "sources": {}, "costs": {"ngram": [1]},
                                   "plain": [0.1, 1]}])
 def test_resume_refuses_other_snapshots_and_changes_nothing(bad):
@@ -45,6 +50,17 @@ def test_resume_refuses_other_snapshots_and_changes_nothing(bad):
     before = policy.snapshot()
     assert not policy.resume(bad)
     assert policy.snapshot() == before
+
+
+@pytest.mark.parametrize("bad", [{"version": 2}, {"version": 1, "groups": [], "xx": [[1.0]],
+                                                  "xt": [1.0], "seconds": [1, 1, 1]},
+                                 {"version": 1, "groups": ["draft"], "xx": "x", "xt": [],
+                                  "seconds": [1, 1, 1]}])
+def test_the_cost_model_refuses_other_snapshots_and_changes_nothing(bad):
+    cost = measured().cost
+    before = json.dumps(cost.snapshot())
+    assert not cost.resume(bad)
+    assert json.dumps(cost.snapshot()) == before
 
 
 def test_the_file_merges_modes_and_a_damaged_one_is_ignored(tmp_path, caplog):
@@ -66,10 +82,12 @@ def test_a_command_keeps_its_policy_for_the_next_run(model_dirs, tmp_path):
     assert run.returncode == 0, run.stderr
     files = list((tmp_path / "policy").glob("*.json"))
     assert len(files) == 1
-    state = read_states(files[0])["auto"]
-    assert state["sources"] and state["plain"][0] > 0
+    states = read_states(files[0])
+    state = states["auto"]
+    assert state["sources"] and states["step-cost"]["seconds"][0] > 0
     # The next engine on this model starts from it.
     engine = mlxspec.load(str(model_dirs["llama"]), mode="auto")
     engine.keep_policies(files[0])
     policy = engine.policy_for(engine.proposer)
     assert set(policy.sources) == set(state["sources"])
+    assert policy.cost is engine.cost and engine.cost.seconds > 0

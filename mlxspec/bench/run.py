@@ -34,8 +34,8 @@ def make_runners(engine: Engine, modes: list[str], num_draft: int) -> list:
         mode, _, variant = label.partition(":")
         if variant:
             if variant == "adaptive":
-                runners.append(EngineRunner(engine, mode, label,
-                                            policy=AdaptiveK(max_k=2 * num_draft)))
+                adaptive = AdaptiveK(max_k=2 * num_draft, cost=engine.cost)
+                runners.append(EngineRunner(engine, mode, label, policy=adaptive))
             elif variant.startswith("k="):
                 runners.append(EngineRunner(engine, mode, label,
                                             policy=FixedK(int(variant[2:]))))

@@ -1,6 +1,8 @@
-"""The policies: how many tokens to propose per step, and from which source. `adaptive.py`:
-one request's (`FixedK`, `AdaptiveK`, kept across processes); `batch.py`: a batch's widths
-(`BatchPolicy`, `RowPolicy`). The decode loop (`batch_step.py`) only asks and tells them.
+"""The policies: how many tokens to propose per step, and from which source. `cost.py`: the
+one cost model of a step (`StepCost`) and the rule that picks k from it (`choose_ks`);
+`adaptive.py`: one request's source and k (`FixedK`, `AdaptiveK`, kept across processes);
+`batch.py`: a batch's widths (`BatchPolicy`, `RowPolicy`). The decode loop (`batch_step.py`)
+only asks and tells them.
 """
 
 from .adaptive import (
@@ -14,8 +16,9 @@ from .adaptive import (
     read_states,
     write_states,
 )
-from .batch import BatchCost, BatchPolicy, RowOffer, RowPolicy, choose_ks, plan_rows, survival
+from .batch import BatchPolicy, RowPolicy, plan_rows
+from .cost import RowOffer, StepCost, choose_ks, forward_group, survival
 
-__all__ = ["AUTO_MAX_K", "DEFAULT_NUM_DRAFT", "MAX_NUM_DRAFT", "AdaptiveK", "BatchCost",
-           "BatchPolicy", "FixedK", "Policy", "RowOffer", "RowPolicy", "check_num_draft",
-           "choose_ks", "plan_rows", "read_states", "survival", "write_states"]
+__all__ = ["AUTO_MAX_K", "DEFAULT_NUM_DRAFT", "MAX_NUM_DRAFT", "AdaptiveK", "BatchPolicy",
+           "FixedK", "Policy", "RowOffer", "RowPolicy", "StepCost", "check_num_draft",
+           "choose_ks", "forward_group", "plan_rows", "read_states", "survival", "write_states"]

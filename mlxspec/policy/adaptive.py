@@ -1,6 +1,7 @@
 """Per-request policies: the source and k (tokens to propose) per step. `FixedK` always
-proposes k; `AdaptiveK` maximises expected tokens per second from measured acceptance and step
-cost (formulas, probe schedule: docs/HOW_IT_WORKS.md, `auto.py` under "Proposers").
+proposes k; `AdaptiveK` maximises expected tokens per second from measured acceptance and the
+engine's one cost model (`cost.py`; formulas, probe schedule: docs/HOW_IT_WORKS.md, `auto.py`
+under "Proposers").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from ..errors import MlxspecError
 from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
+from .cost import PRIOR, RowOffer, StepCost, choose_ks, cost_group, forward_group, survival
 
 DEFAULT_NUM_DRAFT = 4  # k of the fixed-k modes unless num_draft (-k) sets one
 AUTO_MAX_K = 8  # auto's cap on k unless num_draft (-k) sets one
@@ -33,9 +35,10 @@ class Policy(Protocol):
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]: ...
 
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None: ...
+    def observe(self, source: str, drafted: int, accepted: int,
+                seconds: float | None) -> None: ...
 
-    def observe_plain(self, tokens: int, seconds: float | None = None) -> None: ...
+    def observe_plain(self, tokens: int) -> None: ...
 
 
 @dataclass
@@ -50,10 +53,11 @@ class FixedK:
                 return source, min(n, self.max_k)
         return "", 0
 
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, source: str, drafted: int, accepted: int,
+                seconds: float | None) -> None:
         pass
 
-    def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
+    def observe_plain(self, tokens: int) -> None:
         pass
 
 
@@ -66,37 +70,16 @@ class SourceEstimate:
 
 
 @dataclass
-class CostEstimate:
-    """Decayed sums for a least-squares line seconds = t_step + slope * k."""
-
-    w: float = 0.0
-    k: float = 0.0
-    kk: float = 0.0
-    t: float = 0.0
-    kt: float = 0.0
-
-    def add(self, k: int, seconds: float, decay: float) -> None:
-        self.w = self.w * decay + 1.0
-        self.k = self.k * decay + k
-        self.kk = self.kk * decay + k * k
-        self.t = self.t * decay + seconds
-        self.kt = self.kt * decay + k * seconds
-
-
-@dataclass
 class Probe:
     interval: float
     due: float  # the token clock at which the arm may be probed again
 
 
-def cost_group(arm: str) -> str:
-    return arm.split(":", 1)[0]
-
-
 @dataclass
 class AdaptiveK:
-    """Source and k per step from measured acceptance per arm (`ngram:4`) and a step-cost
-    line per cost group (the arm's name up to the first ':')."""
+    """Source and k per step from measured acceptance per arm (`ngram:4`) and the step's cost
+    (`cost`, the engine's: shared with every row and batch). Set `span`, the row's cached
+    length, before asking."""
 
     max_k: int = 8
     decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
@@ -105,18 +88,12 @@ class AdaptiveK:
     # known, unless it is a sizeable model of the target's family (`draft_priors`)
     group_prior_accept: dict[str, float] = field(
         default_factory=lambda: {"draft": 0.2, DRAFT_TREE: 0.2, LOOKUP_DRAFT: 0.2})
-    group_prior_slope: dict[str, float] = field(default_factory=dict)  # as prior_slope
     prior_strength: float = 2.0  # pseudo-observations behind the acceptance prior
-    prior_overhead: float = 0.2  # a synced step's intercept over t_plain, before measuring it
-    prior_slope: float = 0.05  # marginal cost of one more token, as a fraction of t_plain
-    cost_prior_weight: float = 1.0  # pseudo-observations (at k=0 and k=4) behind the cost prior
-    plain_decay: float = 0.98  # per plain token
-    plain_every: int = 128  # refresh t_plain after this many speculative steps without a stretch
+    plain_every: int = 128  # a plain stretch after this many synced steps without one
     probe_every: int = 16  # tokens between probes of a switched-off arm, at first
     probe_max: int = 256
     probe_budget: float = 0.005
     probe_k: int = 2
-    outlier: float = 2.0  # a time above this multiple of its estimate counts as this multiple
     switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
     dither: bool = True  # every other step, k +- 1 around the best (flat there; see `plan`)
     # arm -> a variant of it (the draft -> its tree) taken every `explore_every`-th step while
@@ -128,17 +105,14 @@ class AdaptiveK:
     draft_ratio: float = 0.0
     explore_every: int = 8
     explore_until: float = 8.0
+    cost: StepCost = field(default_factory=StepCost)
+    span: int = 0  # the row's cached length (what a step's queries attend)
     sources: dict[str, SourceEstimate] = field(default_factory=dict)
-    costs: dict[str, CostEstimate] = field(default_factory=dict)
-    plain_time: float = 0.0  # decayed mean seconds per token of pipelined plain decoding
-    plain_weight: float = 0.0
     clock: float = 0.0  # tokens decoded under this policy
     probes: dict[str, Probe] = field(default_factory=dict)
     _steps: int = 0  # speculative steps observed
-    _since_plain: int = 0  # speculative steps since t_plain was last measured
-    _fresh_plain: int = 0  # plain tokens measured since the last speculative step
     _memo: dict = field(default_factory=dict)  # (arm, limit) -> k, while the estimates hold
-    _memo_plain: float = 0.0
+    _memo_stamp: tuple = ()  # (the cost's measured seconds, span) the memo holds for
 
     def accept_probs(self, source: str) -> list[float]:
         """P(accept position i | positions < i accepted), each shrunk towards the one before
@@ -160,49 +134,29 @@ class AdaptiveK:
         return total
 
     def _plain(self) -> float:
-        return self.plain_time if self.plain_weight else 1.0
-
-    def step_cost(self, source: str) -> tuple[float, float]:
-        """(t_step, slope) of a speculative step from this arm's cost group."""
-        plain = self._plain()
-        a0 = plain * (1.0 + self.prior_overhead)
-        b0 = plain * self.group_prior_slope.get(cost_group(source), self.prior_slope)
-        c = self.costs.get(cost_group(source)) or CostEstimate()
-        lam = self.cost_prior_weight
-        w, k, kk = c.w + 2 * lam, c.k + 4 * lam, c.kk + 16 * lam
-        t, kt = c.t + lam * (2 * a0 + 4 * b0), c.kt + lam * 4 * (a0 + 4 * b0)
-        det = w * kk - k * k
-        slope = max((w * kt - k * t) / det, 0.0)
-        intercept = max((t - slope * k) / w, 0.5 * plain)
-        return intercept, slope
+        return self.cost.plain(self.span)
 
     def step_time(self, source: str, k: int) -> float:
+        """Predicted seconds of a step proposing k from `source` (0: a pipelined plain one)."""
         if k == 0:
             return self._plain()
-        intercept, slope = self.step_cost(source)
-        return intercept + k * slope
+        return self.cost.time(1, 1 + k, k, {forward_group(source): k}, self.span)
 
     def choose(self, source: str, limit: int | None = None) -> int:
-        """The k <= limit with the highest expected tokens per second (0: do not speculate)."""
+        """The k <= limit with the highest expected tokens per second (0: do not speculate):
+        the batch's rule (`choose_ks`) for a row alone."""
         limit = self.max_k if limit is None else min(limit, self.max_k)
-        if self.plain_weight and abs(self.plain_time - self._memo_plain) > 0.02 * self._memo_plain:
+        stamp = (self.cost.seconds, self.span)
+        if stamp != self._memo_stamp:
             self._memo.clear()
-            self._memo_plain = self.plain_time
+            self._memo_stamp = stamp
         hit = self._memo.get((source, limit))
-        if hit is not None:
-            return hit
-        probs = self.accept_probs(source)
-        intercept, slope = self.step_cost(source)
-        best_k, best = 0, (1.0 + self.switch_margin) / self._plain()
-        total, survive = 1.0, 1.0
-        for k in range(1, limit + 1):
-            survive *= probs[k - 1]
-            total += survive
-            rate = total / (intercept + k * slope)
-            if rate > best * 1.0001:
-                best_k, best = k, rate
-        self._memo[(source, limit)] = best_k
-        return best_k
+        if hit is None:
+            offer = RowOffer(survival(self.accept_probs(source), limit), forward_group(source))
+            hit = choose_ks(self.cost, [offer], margin=self.switch_margin, span=self.span,
+                            pipelined=True)[0][0]
+            self._memo[(source, limit)] = hit
+        return hit
 
     def catch_up_pays(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
         """Whether a draft model that has not read the last `behind` tokens (auto's draft
@@ -212,7 +166,7 @@ class AdaptiveK:
         CATCH_UP_ACCEPT until measured; 0 where the estimates keep it off: then only a
         catch-up within PROBE_CATCH_UP of the request's plain time is worth a probe). On the coder pair here a 40-token fill-in-the-middle
         answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a chat answer can."""
-        if not self.draft_ratio or not self.plain_weight or prefill_per_token <= 0:
+        if not self.draft_ratio or not self.cost.seconds or prefill_per_token <= 0:
             return True
         catch_up = behind * prefill_per_token * self.draft_ratio
         plain = self._plain()
@@ -228,24 +182,18 @@ class AdaptiveK:
         saved = plain - self.step_time("draft", k) / expected
         return catch_up <= remaining * saved
 
-    def borrow_plain(self, other: AdaptiveK) -> None:
-        """Start from `other`'s plain rate, as one observation (measured again first, as
-        after `resume`)."""
-        self.plain_time, self.plain_weight = other.plain_time, min(other.plain_weight, 1.0)
-        self._memo.clear()
-
     def catch_up_at_start(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
         """Whether auto's draft should read the prompt with the target's prefill: where, with
-        the plain rate measured, `catch_up_pays` over the whole request (its first proposal
+        steps' cost measured, `catch_up_pays` over the whole request (its first proposal
         would catch up anyway, timed as decoding; the `draft` mode prefills its draft then)."""
-        return (self.draft_ratio > 0 and self.plain_weight > 0 and prefill_per_token > 0
+        return (self.draft_ratio > 0 and self.cost.seconds > 0 and prefill_per_token > 0
                 and behind > 0 and self.catch_up_pays(behind, remaining, prefill_per_token))
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
         move in `observe` / `observe_plain`."""
-        if self.plain_weight < 1.5 or self._since_plain >= self.plain_every:
-            return "", 0  # (re)measure the plain rate first
+        if self.cost.since_plain >= self.plain_every:
+            return "", 0  # measure the plain rate again
         best_source, best_k, best_rate = "", 0, 0.0
         probe = None
         for source, n in available.items():
@@ -274,23 +222,18 @@ class AdaptiveK:
                 best_k -= 1
         return best_source, best_k
 
-    STATE_VERSION = 1
+    STATE_VERSION = 2
 
     def snapshot(self) -> dict:
-        """What was measured, as JSON-able data for `resume` in a later process."""
+        """What was measured, as JSON-able data for `resume` in a later process (the cost is
+        the engine's: `StepCost.snapshot`)."""
         return {"version": self.STATE_VERSION,
-                "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()},
-                "costs": {g: [c.w, c.k, c.kk, c.t, c.kt] for g, c in self.costs.items()},
-                "plain": [self.plain_time, self.plain_weight]}
+                "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()}}
 
     def resume(self, state: dict, weight: float = 8.0) -> bool:
         """Start from an earlier `snapshot`, scaled down to at most `weight` observations so
-        that this process's measurements soon take over; the plain rate (which moves most with
-        the machine's load) is measured again first. False, nothing changed, on a bad shape."""
-        def scaled(values: list[float], count: float) -> list[float]:  # at most `weight` seen
-            scale = min(1.0, weight / count) if count > 0 else 1.0
-            return [x * scale for x in values]
-
+        that this process's measurements soon take over. False, nothing changed, on a bad
+        shape."""
         try:
             if state.get("version") != self.STATE_VERSION:
                 return False
@@ -299,53 +242,32 @@ class AdaptiveK:
                 reached = [float(x) for x in reached][: self.max_k]
                 accepted = [float(x) for x in accepted][: len(reached)]
                 count = reached[0] if reached else 0
-                sources[str(arm)] = SourceEstimate(scaled(reached, count), scaled(accepted, count))
-            costs = {}
-            for group, sums in state["costs"].items():
-                sums = [float(x) for x in sums]
-                w, k, kk, t, kt = scaled(sums, sums[0] if sums else 0)
-                costs[str(group)] = CostEstimate(w, k, kk, t, kt)
-            plain_time = float(state["plain"][0])
+                scale = min(1.0, weight / count) if count > 0 else 1.0
+                sources[str(arm)] = SourceEstimate([x * scale for x in reached],
+                                                   [x * scale for x in accepted])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError):
             return False
-        self.sources, self.costs = sources, costs
-        self.plain_time, self.plain_weight = plain_time, min(float(state["plain"][1]), 1.0)
+        self.sources = sources
         self._memo.clear()
         return True
 
-    def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
-        """`tokens` decoded by the pipelined plain loop; `seconds` their steady-state time
-        (excluding a stretch's first token and the one consumed on leaving it), or None."""
+    def observe_plain(self, tokens: int) -> None:
+        """`tokens` decoded plainly (their cost is the engine's `StepCost`'s to learn)."""
         self.clock += tokens
-        if seconds is None or tokens <= 0:
-            return
-        if self.plain_weight:  # a descheduled process or a GC pause is not the model's cost
-            seconds = min(seconds, self.outlier * tokens * self.plain_time)
-        d = self.plain_decay**tokens
-        self.plain_time = (self.plain_time * self.plain_weight * d + seconds) / (
-            self.plain_weight * d + tokens)
-        self.plain_weight = self.plain_weight * d + tokens
-        self._fresh_plain += tokens
-        if self._fresh_plain >= 2:
-            self._since_plain = 0
 
-    def observe(self, source: str, drafted: int, accepted: int, seconds: float) -> None:
-        """A speculative step; `seconds` for all of it (plan, propose, verify, update)."""
+    def observe(self, source: str, drafted: int, accepted: int,
+                seconds: float | None) -> None:
+        """A speculative step; `seconds` for all of it (plan, propose, verify, update), or None.
+        The cost model learns the step's cost apart; only a probe's loss is judged here."""
         self.clock += accepted + 1
         if not drafted:
-            return  # a synced step that verified nothing: not the plain reference
+            return  # a synced step that verified nothing
         self._steps += 1
-        self._since_plain += 1
-        self._fresh_plain = 0
         was_off = self.choose(source) == 0
         self._count(source, drafted, accepted)
-        # What this step lost against plain decoding, in tokens, before the outlier clip: a
-        # probe of a draft model also pays its catch-up on the tokens it skipped.
-        lost = seconds / self._plain() - (accepted + 1)
-        cost = self.costs.setdefault(cost_group(source), CostEstimate())
-        if cost.w:
-            seconds = min(seconds, self.outlier * self.step_time(source, drafted))
-        cost.add(drafted, seconds, self.decay)
+        # What this step lost against plain decoding, in tokens: a probe of a draft model
+        # also pays its catch-up on the tokens it skipped.
+        lost = 0.0 if seconds is None else seconds / self._plain() - (accepted + 1)
         self._memo.clear()
         self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
 
@@ -413,8 +335,9 @@ CATCH_UP_MEASURED, CATCH_UP_ACCEPT = 4.0, 0.9
 
 
 def draft_priors(target, draft_proposer) -> dict:
-    """`AdaptiveK` settings for auto's draft model: the acceptance a same-family draft earns,
-    and a cost per drafted token of the draft's share of the target's parameters (a draft
+    """`AdaptiveK` settings for auto's draft model: the acceptance a same-family draft earns;
+    and (`forward_prior`, for the engine's `StepCost`) a cost per drafted token of the draft's
+    share of the target's parameters (a draft
     forward costs about that fraction of a target forward: 0.34 measured for the coder pair,
     0.32 by parameters)."""
     draft = getattr(draft_proposer, "model", None)
@@ -428,10 +351,10 @@ def draft_priors(target, draft_proposer) -> dict:
     from ..proposers.draft import TREE_WIDTH
 
     ratio = size(draft) / max(size(target), 1)
-    # A tree of width W verifies W rows per depth: the target's share of the slope grows.
-    priors = {"group_prior_slope": {"draft": ratio + AdaptiveK.prior_slope,
-                                    DRAFT_TREE: ratio + AdaptiveK.prior_slope * TREE_WIDTH,
-                                    LOOKUP_DRAFT: ratio + AdaptiveK.prior_slope},
+    # (`forward_prior`: the engine's cost model's, per forward relative to a target step; a
+    # tree's forward also has the target verify W rows per depth)
+    priors = {"forward_prior": {"draft": ratio, LOOKUP_DRAFT: ratio,
+                                DRAFT_TREE: ratio + PRIOR[2] * (TREE_WIDTH - 1)},
               "variants": {"draft": DRAFT_TREE}, "draft_ratio": ratio}
     family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
     if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
@@ -439,6 +362,15 @@ def draft_priors(target, draft_proposer) -> dict:
                                         DRAFT_TREE: SAME_FAMILY_ACCEPT,
                                         LOOKUP_DRAFT: SAME_FAMILY_ACCEPT}
     return priors
+
+
+def draft_policy(target, draft_proposer, cost: StepCost | None = None, **kwargs) -> AdaptiveK:
+    """`AdaptiveK` on `cost` (the engine's) with `draft_priors`, the draft's forward cost
+    prior put in `cost`; `kwargs`: other settings (max_k)."""
+    cost = cost or StepCost()
+    priors = draft_priors(target, draft_proposer)
+    cost.forward_prior.update(priors.pop("forward_prior", {}))
+    return AdaptiveK(cost=cost, **priors, **kwargs)
 
 
 def read_states(path: Path) -> dict[str, dict]:

@@ -23,6 +23,7 @@ from ..batch_step import BatchRow, BatchSpeculator, shareable
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
+from ..policy import BatchPolicy
 from ..stats import Stats
 from ..suffix_store import SuffixStores
 from .metrics import Metrics
@@ -279,7 +280,7 @@ class Worker(threading.Thread):
         if ((self.batch_spec or job.plain) and not r.warmup and not seeded
                 and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
             if self.spec_batch is None:
-                self.spec_batch = BatchSpeculator(self.engine.model)
+                self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
             job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
             job.shared = True
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
