@@ -92,7 +92,8 @@ def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     same, _ = build_model("llama", seed=2, hidden=64, layers=2)
     policy = draft_policy(target, DraftModelProposer(same))
     assert 0.3 < policy.draft_ratio < 0.4
-    assert policy.catch_up_pays(1400, 40, 0.027)  # no step's cost is measured yet
+    # no step's cost measured yet: a plain step is judged at its lower bound (8 x 27 ms)
+    assert not policy.catch_up_pays(1400, 40, 0.027) and policy.catch_up_pays(140, 40, 0.027)
     observe_plain(policy, 4, 4 * 0.33)
     assert policy.choose("draft") > 0  # a same-family draft: on from its priors
     assert not policy.catch_up_pays(1400, 40, 0.027)
@@ -141,8 +142,8 @@ def test_auto_offers_its_draft_only_where_the_catch_up_pays(monkeypatch):
 def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeypatch):
     """Where the policy expects the draft to repay its catch-up over the request, `auto`'s
     draft reads the prompt at the start (prefill time, as the `draft` mode's does), not at its
-    first proposal (decode time); where not, it stays behind. Not before the plain rate is
-    measured (the request's first): then its first proposal judges."""
+    first proposal (decode time); where not, it stays behind. A fresh engine's first request
+    too (judged at a plain step's lower bound, `DECODE_OVER_PREFILL`)."""
     target, _ = build_model("llama", seed=1, hidden=64, layers=4)
     draft, _ = build_model("llama", seed=2, hidden=64, layers=2)
     prompts = [[(k * i) % 251 for i in range(60)] + [3] for k in (7, 11, 13)]
@@ -156,9 +157,8 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     monkeypatch.setattr(DraftModelProposer, "catch_up", spy)
     engine = make_engine(target, "auto", draft_model=draft)
     want = make_engine(target, "none").generate(prompts[1], max_tokens=12).tokens
-    engine.generate(prompts[0], max_tokens=12)
-    assert not caught and engine.cost.seconds > 0  # the first: nothing measured yet
     monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: True)
+    assert not engine.cost.seconds  # nothing measured yet
     result = engine.generate(prompts[1], max_tokens=12)
     assert caught == [(len(prompts[1]), prompts[1][:-1])]
     assert result.tokens == want and result.stats.prefill_seconds > 0

@@ -164,12 +164,15 @@ class AdaptiveK:
         share of the target's prefill per token, over the `remaining` tokens the request may
         generate: by the time per token the draft is expected to save at its best k (at
         CATCH_UP_ACCEPT until measured; 0 where the estimates keep it off: then only a
-        catch-up within PROBE_CATCH_UP of the request's plain time is worth a probe). On the coder pair here a 40-token fill-in-the-middle
-        answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a chat answer can."""
-        if not self.draft_ratio or not self.cost.seconds or prefill_per_token <= 0:
+        catch-up within PROBE_CATCH_UP of the request's plain time is worth a probe). Before
+        any step is measured, a plain step is judged at its lower bound, DECODE_OVER_PREFILL
+        times the prefill's time per token. On the coder pair here a 40-token
+        fill-in-the-middle answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a
+        chat answer can."""
+        if not self.draft_ratio or prefill_per_token <= 0:
             return True
         catch_up = behind * prefill_per_token * self.draft_ratio
-        plain = self._plain()
+        plain = self._plain() if self.cost.seconds else DECODE_OVER_PREFILL * prefill_per_token
         if catch_up <= plain:  # a few tokens behind
             return True
         k = self.choose("draft", max(1, remaining - 1))
@@ -179,15 +182,15 @@ class AdaptiveK:
             expected = sum(CATCH_UP_ACCEPT ** i for i in range(k + 1))
         else:
             expected = self.expected_tokens("draft", k)
-        saved = plain - self.step_time("draft", k) / expected
+        saved = plain * (1.0 - self.step_time("draft", k) / self._plain() / expected)
         return catch_up <= remaining * saved
 
     def catch_up_at_start(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
-        """Whether auto's draft should read the prompt with the target's prefill: where, with
-        steps' cost measured, `catch_up_pays` over the whole request (its first proposal
-        would catch up anyway, timed as decoding; the `draft` mode prefills its draft then)."""
-        return (self.draft_ratio > 0 and self.cost.seconds > 0 and prefill_per_token > 0
-                and behind > 0 and self.catch_up_pays(behind, remaining, prefill_per_token))
+        """Whether auto's draft should read the prompt with the target's prefill: where
+        `catch_up_pays` over the whole request (its first proposal would catch up anyway,
+        timed as decoding; the `draft` mode prefills its draft then)."""
+        return (self.draft_ratio > 0 and prefill_per_token > 0 and behind > 0
+                and self.catch_up_pays(behind, remaining, prefill_per_token))
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
@@ -328,6 +331,10 @@ SAME_FAMILY_ACCEPT = 0.75
 # A draft the estimates keep off is probed only where its catch-up costs at most this share of
 # the request's plain decoding time (`AdaptiveK.catch_up_pays`)
 PROBE_CATCH_UP = 0.02
+# Before any step is measured, a plain decode step is taken to cost at least this many times the
+# target's prefill time per token: a lower bound (14-24x measured for the coder 1.5B on this
+# CPU, docs/PERFORMANCE.md), so that a fresh process's first request judges its draft's catch-up
+DECODE_OVER_PREFILL = 8.0
 # Until its first position was reached this often, a draft the estimates turn on is judged at
 # this acceptance per position (a prior judged it would keep a draft off for good where
 # requests are short: nothing would measure it)
