@@ -99,7 +99,7 @@ def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     assert not policy.catch_up_pays(1400, 40, 0.027)
     assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(20, 2, 0.027)
     # not measured yet, it is judged as a draft that pays would: a 40-token chat answer after a
-    # 300-token prompt is worth it (judged at the prior's 0.75 it was not, and nothing measured)
+    # 300-token prompt is worth it (judged at the prior it was not, and nothing measured)
     assert policy.catch_up_pays(300, 40, 0.027)
     # measured at 94 % acceptance it saves more per token: a longer catch-up pays
     for _ in range(20):
