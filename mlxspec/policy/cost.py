@@ -1,6 +1,6 @@
 """What a step costs, and the k that pays most: the one cost model (`StepCost`) and the one
 planning rule (`choose_ks`) for a request alone (a batch of one row) and for rows in a batch.
-See docs/HOW_IT_WORKS.md, "Choosing k".
+See docs/HOW_IT_WORKS.md, "Several requests".
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
 PROPOSED = 4  # index of K in the features
 BASE = 5  # features before the groups' forward columns
-# source groups (a source's name up to ':') whose proposals cost no model forward
-FREE_GROUPS = frozenset({"", "ngram", "prediction", "ngram-tree", "suffix"})
+# source groups (a source's name up to ':') whose proposals cost no model forward of their own
+# (lookahead's window rides in the verifying forward)
+FREE_GROUPS = frozenset({"", "ngram", "prediction", "ngram-tree", "suffix", "lookahead"})
 
 
 def cost_group(source: str) -> str:
