@@ -112,7 +112,7 @@ class AdaptiveK:
     probes: dict[str, Probe] = field(default_factory=dict)
     _steps: int = 0  # speculative steps observed
     _memo: dict = field(default_factory=dict)  # (arm, limit) -> k, while the estimates hold
-    _memo_stamp: tuple = ()  # (the cost's measured seconds, span) the memo holds for
+    _memo_at: tuple = (0.0, 0)  # (plain step time, span) the memo was made at
 
     def accept_probs(self, source: str) -> list[float]:
         """P(accept position i | positions < i accepted), each shrunk towards the one before
@@ -146,10 +146,12 @@ class AdaptiveK:
         """The k <= limit with the highest expected tokens per second (0: do not speculate):
         the batch's rule (`choose_ks`) for a row alone."""
         limit = self.max_k if limit is None else min(limit, self.max_k)
-        stamp = (self.cost.seconds, self.span)
-        if stamp != self._memo_stamp:
+        # Kept while the estimates hold: asked every step of a plain stretch, where only the
+        # cost moves, a little (a full re-plan per source cost ~35 us a step)
+        plain, (memo_plain, memo_span) = self._plain(), self._memo_at
+        if abs(plain - memo_plain) > 0.02 * memo_plain or abs(self.span - memo_span) > 256:
             self._memo.clear()
-            self._memo_stamp = stamp
+            self._memo_at = (plain, self.span)
         hit = self._memo.get((source, limit))
         if hit is None:
             offer = RowOffer(survival(self.accept_probs(source), limit), forward_group(source))
