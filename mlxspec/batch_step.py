@@ -185,8 +185,9 @@ class BatchSpeculator:
                  pipeline: bool = True, sync=None):
         """`policy`: chooses every row's k and learns the steps' cost (default a fresh
         `BatchPolicy`; the engine's cost model: `BatchPolicy(engine.cost)`); `row_plans`: each
-        row plans its own k (a request by itself, `Engine.open`: prefilled at `open`). `pipeline`: plain stretches
-        pipelined. `sync`: a sharded target's (rank 0's tokens on every rank)."""
+        row plans its own k (a request by itself, `Engine.open`: prefilled at `open`).
+        `pipeline`: plain stretches pipelined. `sync`: a sharded target's (rank 0's tokens on
+        every rank)."""
         self.model = model
         self.sync = sync
         self.policy = policy or BatchPolicy()

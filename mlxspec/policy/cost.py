@@ -105,9 +105,9 @@ class StepCost:
         self.coef()
         return sum(c * v for c, v in zip(self._terms, values))
 
-    def plain(self, span: int = 0, rows: int = 1) -> float:
-        """Seconds of a pipelined plain step."""
-        return self.time(rows, 1, span=span, synced=False)
+    def plain(self, span: int = 0) -> float:
+        """Seconds of a pipelined plain step of one row."""
+        return self.time(1, 1, span=span, synced=False)
 
     def add(self, rows: int, width: int, proposed: int, forwards: dict[str, int] | None,
             seconds: float, span: int = 0, synced: bool = True) -> None:
