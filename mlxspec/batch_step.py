@@ -76,7 +76,8 @@ class BatchRow:
         self.seeded = seeded
         self.pinned = seeded and not sampling.greedy
         self.context, self.proposer = context, proposer
-        self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans)
+        self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans,
+                                 cost=batch.policy.cost)
         self.sampling, self.key, self.stats = sampling, key, stats
         self.end, self.num_draft = end, num_draft
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows

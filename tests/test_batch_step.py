@@ -139,6 +139,14 @@ class FrozenPolicy(BatchPolicy):
 CHEAP_WIDTH = (1.0, 0.3, 0.01, 0.0, 0.01, 0.3)
 
 
+def frozen_batch(target, engine, prior=CHEAP_WIDTH) -> BatchSpeculator:
+    """A batch whose frozen cost model is also `engine`'s (and its clones'), as the server's
+    batch shares its engine's: every row's policy decides by these costs, never by timing."""
+    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=prior)))
+    engine.cost = batch.policy.cost
+    return batch
+
+
 def alone(base, requests):
     return [base.clone().generate(p, max_tokens=n, mode=m, **kw).tokens
             for p, m, n, kw in requests]
@@ -166,7 +174,7 @@ def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
-    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=CHEAP_WIDTH)))
+    batch = frozen_batch(target, base)
     rows, outs = [], [[] for _ in REQUESTS]
 
     opener = open_in(batch, lambda i: base.clone(), REQUESTS, rows)
@@ -663,7 +671,7 @@ def test_a_policy_choosing_k_keeps_every_request_exact(pair):
     target, draft = pair
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
-    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=CHEAP_WIDTH)))
+    batch = frozen_batch(target, base)
     rows = [batch.open(base.clone(), p, max_tokens=n, mode=m, **kw) for p, m, n, kw in REQUESTS]
     outs = [[] for _ in REQUESTS]
     drain(rows, outs)

@@ -65,11 +65,11 @@ class RowPolicy:
     """A row's side of the batch's planning: its own policy, a `shadow` AdaptiveK measuring a
     FixedK row's acceptance, and the watch of a source the batch kept plain."""
 
-    def __init__(self, policy: Policy, proposer, batched: bool):
+    def __init__(self, policy: Policy, proposer, batched: bool, cost: StepCost):
         self.policy, self.proposer = policy, proposer
+        # the shadow prices k with the batch's cost model (`cost`): the one that decides
         self.shadow = None if not batched or isinstance(policy, AdaptiveK) else \
-            AdaptiveK(max_k=max(policy.max_k, 1), dither=False,
-                      cost=getattr(policy, "cost", None) or StepCost())
+            AdaptiveK(max_k=max(policy.max_k, 1), dither=False, cost=cost)
         # (context length, source, tokens): what a free source kept plain would have proposed
         self.watching: tuple[int, str, list[int]] | None = None
         # (source, k) the last plan kept plain: watched after each watch ends, till the next plan
