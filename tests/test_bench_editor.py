@@ -103,6 +103,22 @@ def test_typing_what_the_suggestion_says_shows_it_from_the_cache():
                                                         "c = a - b"]
 
 
+
+def test_accept_all_takes_every_suggestion_and_read_ms_waits_after_each(monkeypatch):
+    """--accept-all: the suggestion that is not the file's text is accepted all the same
+    (the line becomes the model's), its follow-up's answer is shown next from llama.vim's
+    cache; --read-ms: the user waits that long after each suggestion shown."""
+    slept = []
+    monkeypatch.setattr(be.time, "sleep", slept.append)
+    server = ScriptedServer(answer)
+    ed = be.Editor(server, random.Random(0), [], read_ms=700, accept_all=True)
+    ed.open_file("pkg/a.py", BUFFER, 3, [("pkg/other.py", OTHER, 5)])
+    got = ed.type_block(["c = a - b"], 3)
+    assert got == {"typed_chars": 0, "accepted_chars": 9, "accepts": 1}
+    assert ed.lines[2] == "c = a + b"
+    assert [s["hint_from"] for s in ed.stops] == ["request:first", "cache:follow"]
+    assert slept == [0.7, 0.7]
+
 def test_the_report_of_a_scripted_run():
     server = ScriptedServer(answer)
     ed = editor(server)
@@ -193,10 +209,11 @@ def test_the_command_runs_the_replays_and_writes_json(monkeypatch, tmp_path):
     got = {}
 
     def replays(engine, modes, no_suffix, no_draft, n_files, n_lines, n_open, packages, seed,
-                cache_reuse=0):
+                cache_reuse=0, no_follow_ahead=False, read_ms=0, accept_all=False):
         got.update(engine=engine, modes=modes, no_suffix=no_suffix, no_draft=no_draft,
                    files=n_files, lines=n_lines, open=n_open, packages=packages, seed=seed,
-                   cache_reuse=cache_reuse)
+                   cache_reuse=cache_reuse, no_follow_ahead=no_follow_ahead, read_ms=read_ms,
+                   accept_all=accept_all)
         return {"model": "m", "results": []}
 
     monkeypatch.setattr("mlxspec.cli.bench.load_engine", lambda *a, **k: "engine")
@@ -204,10 +221,12 @@ def test_the_command_runs_the_replays_and_writes_json(monkeypatch, tmp_path):
     out = tmp_path / "editor.json"
     r = CliRunner().invoke(main, ["bench", "editor", "--modes", "auto", "--no-draft",
                                   "--lines", "3", "--packages", "click", "--cache-reuse", "64",
+                                  "--no-follow-ahead", "--read-ms", "800", "--accept-all",
                                   "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert got == {"engine": "engine", "modes": ["auto"], "no_suffix": False, "no_draft": True,
                    "files": 1, "lines": 3, "open": 2, "packages": ["click"], "seed": 0,
-                   "cache_reuse": 64}
+                   "cache_reuse": 64, "no_follow_ahead": True, "read_ms": 800,
+                   "accept_all": True}
     report = json.loads(out.read_text())
     assert report["model"] == "m" and report["args"]["lines"] == 3

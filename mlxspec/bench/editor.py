@@ -219,8 +219,11 @@ class Editor:
     """llama.vim's FIM client on one buffer (lines 1-based as in Vim, ASCII assumed: Vim's
     string functions count bytes)."""
 
-    def __init__(self, server: Server, rng: random.Random, log: list):
+    def __init__(self, server: Server, rng: random.Random, log: list, read_ms: int = 0,
+                 accept_all: bool = False):
         self.server, self.rng, self.log = server, rng, log
+        # the user reads a shown suggestion this long before the next key; accepts every one
+        self.read_ms, self.accept_all = read_ms, accept_all
         self.lines: list[str] = []
         self.filename = ""
         self.modified = False
@@ -482,6 +485,8 @@ class Editor:
                            "can_accept": bool(hint and hint.can_accept),
                            "busy": time.perf_counter() - t0})
         self.hint = hint
+        if hint is not None and self.read_ms:
+            time.sleep(self.read_ms / 1000)
         return hint
 
     def type_block(self, target_lines: list[str], at: int) -> dict:
@@ -499,7 +504,9 @@ class Editor:
                 if hint is not None and hint.can_accept and hint.content[0]:
                     keep = hint.line_cur[:hint.pos_x] if hint.pos_x > 0 else hint.line_cur
                     new = keep + hint.content[0]
-                    if len(new) > len(line) and target.startswith(new):
+                    if len(new) > len(line) and (target.startswith(new) or self.accept_all):
+                        if not target.startswith(new):  # --accept-all: the line is the model's
+                            target = new
                         self.lines[y - 1] = new  # accept the first line
                         accepted_chars += len(new) - len(line)
                         accepts += 1
@@ -608,11 +615,13 @@ class Config:
     suffix: bool = True
     draft: bool = True
     cache_reuse: int = 0  # the server's --cache-reuse
+    follow_ahead: bool = True  # the server's --follow-ahead
 
     @property
     def label(self) -> str:
         return (self.mode + ("" if self.suffix else " -suffix") + ("" if self.draft else " -draft")
-                + (f" --cache-reuse {self.cache_reuse}" if self.cache_reuse else ""))
+                + (f" --cache-reuse {self.cache_reuse}" if self.cache_reuse else "")
+                + ("" if self.follow_ahead else " --no-follow-ahead"))
 
 
 def engine_for(base: Engine, cfg: Config) -> Engine:
@@ -625,14 +634,15 @@ def engine_for(base: Engine, cfg: Config) -> Engine:
                   load_draft=base.load_draft)
 
 
-def replay(base: Engine, cfg: Config, plan: list, n_lines: int, seed: int) -> dict:
+def replay(base: Engine, cfg: Config, plan: list, n_lines: int, seed: int, read_ms: int = 0,
+           accept_all: bool = False) -> dict:
     """Type through `plan` against a fresh server in configuration `cfg`: the editor's
     request log (bodies and replies), its stops and what was typed and accepted."""
     engine = engine_for(base, cfg)
     server = Server(engine, suffix_scope="client" if cfg.suffix else "request",
-                    cache_reuse=cfg.cache_reuse)
+                    cache_reuse=cfg.cache_reuse, follow_ahead=cfg.follow_ahead)
     log: list = []
-    editor = Editor(server, random.Random(seed), log)
+    editor = Editor(server, random.Random(seed), log, read_ms, accept_all)
     typing = {"typed_chars": 0, "accepted_chars": 0, "accepts": 0}
     t0 = time.perf_counter()
     try:
@@ -799,7 +809,7 @@ def where_time_goes(r: dict) -> str:
 
 
 def configs_for(modes: list[str], no_suffix: bool, no_draft: bool,
-                cache_reuse: int = 0) -> list[Config]:
+                cache_reuse: int = 0, no_follow_ahead: bool = False) -> list[Config]:
     out = []
     for mode in modes:
         out.append(Config(mode))
@@ -809,6 +819,8 @@ def configs_for(modes: list[str], no_suffix: bool, no_draft: bool,
             out.append(Config(mode, draft=False))
         if cache_reuse:
             out.append(Config(mode, cache_reuse=cache_reuse))
+        if no_follow_ahead and mode in ("auto", "suffix"):
+            out.append(Config(mode, follow_ahead=False))
     return out
 
 
@@ -843,7 +855,8 @@ def machine() -> str:
 
 def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool, n_files: int,
                 n_lines: int, n_open: int, packages: list[str], seed: int,
-                cache_reuse: int = 0) -> dict:
+                cache_reuse: int = 0, no_follow_ahead: bool = False, read_ms: int = 0,
+                accept_all: bool = False) -> dict:
     """`mlxspec bench editor`: every configuration types the same plan on `base`'s weights.
     Prints the table (progress on stderr); returns every figure and request."""
     say = click.echo
@@ -851,15 +864,17 @@ def run_replays(base: Engine, modes: list[str], no_suffix: bool, no_draft: bool,
     base.generate("def f(x):\n    return", max_tokens=4)  # warm MLX's kernels up
     before = machine()
     results = []
-    for cfg in configs_for(modes, no_suffix, no_draft, cache_reuse):
-        results.append(summarize(replay(base, cfg, plan, n_lines, seed)))
+    for cfg in configs_for(modes, no_suffix, no_draft, cache_reuse, no_follow_ahead):
+        results.append(summarize(replay(base, cfg, plan, n_lines, seed, read_ms, accept_all)))
         say(f"# {cfg.label}: {results[-1]['seconds']:.0f} s", err=True)
         if cfg.cache_reuse:  # against the same mode's exact run (just before it)
             exact = next(r for r in results if r["config"] == cfg.mode)
             results[-1]["agreement"] = agreement(results[-1], exact)
     files = ", ".join(f"{f['name']}:{f['start'] + 1}" for f in plan)
     say(f"# {base.name}: llama.vim replay, {n_files} files x {n_lines} lines ({files}), "
-        f"{n_open} other files opened each, seed {seed}; {before} at the start, "
+        f"{n_open} other files opened each, seed {seed}"
+        + (f", {read_ms} ms read per suggestion" if read_ms else "")
+        + (", every suggestion accepted" if accept_all else "") + f"; {before} at the start, "
         f"{machine().rsplit(', ', 1)[1]} at the end")
     say(table(results))
     say("")

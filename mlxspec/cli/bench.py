@@ -330,6 +330,15 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
               help="Also run each mode with the server's --cache-reuse N (cached chunks reused "
                    "at shifted positions; not exact), and report how its answers agree with "
                    "the exact run's.")
+@click.option("--no-follow-ahead", is_flag=True,
+              help="Also run auto (and suffix) with the server's --no-follow-ahead: answers cut "
+                   "by t_max_predict_ms are not decoded on for the follow-up.")
+@click.option("--read-ms", type=int, default=0, show_default=True, callback=in_range(0),
+              help="The user reads each shown suggestion this long before the next key (the "
+                   "server's idle time).")
+@click.option("--accept-all", is_flag=True,
+              help="The user accepts every suggestion's first line (each follow-up's guess is "
+                   "right), not only those the file has next.")
 @click.option("--files", "n_files", type=int, default=1, show_default=True,
               callback=in_range(1), help="Files typed through.")
 @click.option("--lines", "n_lines", type=int, default=2, show_default=True,
@@ -342,8 +351,8 @@ def bench_distributed(model, draft_model, modes, workloads, n_prompts, max_token
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every figure and request here.")
 @exits_cleanly
-def editor(model, modes, no_suffix, no_draft, cache_reuse, n_files, n_lines, n_open, packages,
-           seed, json_path):
+def editor(model, modes, no_suffix, no_draft, cache_reuse, no_follow_ahead, read_ms, accept_all,
+           n_files, n_lines, n_open, packages, seed, json_path):
     """The editor's wait: llama.vim typing through real files, against an in-process server.
 
     Types through installed packages' source files (click and rich by default) and sends
@@ -366,10 +375,13 @@ def editor(model, modes, no_suffix, no_draft, cache_reuse, n_files, n_lines, n_o
     package_list = [p.strip() for p in packages.split(",") if p.strip()]
     engine = load_engine(model, None, "none", None)
     report = run_replays(engine, mode_list, no_suffix, no_draft, n_files, n_lines, n_open,
-                         package_list, seed, cache_reuse=cache_reuse)
+                         package_list, seed, cache_reuse=cache_reuse,
+                         no_follow_ahead=no_follow_ahead, read_ms=read_ms, accept_all=accept_all)
     if json_path:
         report["args"] = {"model": model, "modes": modes, "no_suffix": no_suffix,
-                          "no_draft": no_draft, "cache_reuse": cache_reuse, "files": n_files, "lines": n_lines,
+                          "no_draft": no_draft, "cache_reuse": cache_reuse,
+                          "no_follow_ahead": no_follow_ahead, "read_ms": read_ms,
+                          "accept_all": accept_all, "files": n_files, "lines": n_lines,
                           "open": n_open, "packages": packages, "seed": seed}
         Path(json_path).write_text(json.dumps(report, indent=1, default=str))
         click.echo(f"wrote {json_path}", err=True)

@@ -117,6 +117,11 @@ def parse_size(text: str) -> int:
                    "--cache-reuse (0: off). Faster, but not exact: the reused entries saw the "
                    "old context. A request's n_cache_reuse overrides it. Plain-attention "
                    "RoPE models only.")
+@click.option("--follow-ahead/--no-follow-ahead", default=True, show_default=True,
+              help="When an answer is cut by a request's t_max_predict_ms (an editor showing a "
+                   "suggestion), decode on while no request waits and keep the text for the "
+                   "editor's follow-up request to propose from (exact either way; needs the "
+                   "suffix source: modes auto, suffix).")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
@@ -124,7 +129,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
           write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
-          suffix_cache=None, suffix_budget=1 << 20, cache_reuse=0, distributed=None):
+          suffix_cache=None, suffix_budget=1 << 20, cache_reuse=0, follow_ahead=True,
+          distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -154,7 +160,8 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             log_prompts=log_prompts, max_connections=max_connections,
             read_timeout=read_timeout, write_timeout=write_timeout,
             request_timeout=request_timeout, suffix_scope=suffix_scope,
-            suffix_cache=suffix_cache, suffix_budget=suffix_budget, cache_reuse=cache_reuse)
+            suffix_cache=suffix_cache, suffix_budget=suffix_budget, cache_reuse=cache_reuse,
+            follow_ahead=follow_ahead)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if getattr(engine, "coord", None) is not None:

@@ -172,7 +172,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
                  batch_spec: bool = True, suffix_scope: str = "client",
                  suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None,
-                 cache_reuse: int = 0):
+                 cache_reuse: int = 0, follow_ahead: bool = True):
         if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
             spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
         # Earlier requests' text for the suffix source, one store per scope: `client` (the
@@ -230,7 +230,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
                              metrics=self.metrics, request_timeout=request_timeout,
-                             batch_spec=batch_spec, suffix=self.suffix)
+                             batch_spec=batch_spec, suffix=self.suffix,
+                             follow_ahead=follow_ahead)
         coord = getattr(engine, "coord", None)
         if coord is not None:  # --distributed: a lost rank fails the requests, then we exit
             coord.on_lost = self.worker.fail_all

@@ -55,6 +55,7 @@ class Metrics:
         self.failures = 0
         self.rejections: dict[str, int] = defaultdict(int)  # 503s by reason
         self.timeouts: dict[str, int] = defaultdict(int)  # by kind: request, read, write
+        self.ahead_tokens = 0  # decoded past a t_max_predict_ms cut, for follow-ups
 
     # -- recording (handlers and the worker)
     def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
@@ -97,6 +98,10 @@ class Metrics:
     def timed_out(self, kind: str) -> None:
         with self.lock:
             self.timeouts[kind] += 1
+
+    def looked_ahead(self, tokens: int) -> None:
+        with self.lock:
+            self.ahead_tokens += tokens
 
     def failed(self) -> None:
         with self.lock:
@@ -149,6 +154,10 @@ class Metrics:
             metric("mlxspec_client_disconnects_total", "counter",
                    "Requests whose client went away before the answer was complete.",
                    [f"mlxspec_client_disconnects_total {self.disconnects}"])
+            metric("mlxspec_follow_ahead_tokens_total", "counter",
+                   "Tokens decoded past an answer cut by t_max_predict_ms while the server was "
+                   "idle, kept for the follow-up's proposals.",
+                   [f"mlxspec_follow_ahead_tokens_total {self.ahead_tokens}"])
             metric("mlxspec_failed_generations_total", "counter", "Generations that failed.",
                    [f"mlxspec_failed_generations_total {self.failures}"])
             metric("mlxspec_rejected_requests_total", "counter",

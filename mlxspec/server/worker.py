@@ -72,6 +72,9 @@ class Job:
     first_token: float = 0.0
     indent: IndentStop | None = None
     deadline: float | None = None  # perf_counter time after which it ends ("timeout")
+    # answered (cut by t_max_predict_ms): its row decodes on while the worker is idle, and
+    # what it adds goes into the scope's store for the follow-up's proposals (`_look_ahead`)
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.req.n_indent > 0:
@@ -97,7 +100,8 @@ class Worker(threading.Thread):
                  max_batch: int = 8,
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
-                 batch_spec: bool = True, suffix: SuffixStores | None = None):
+                 batch_spec: bool = True, suffix: SuffixStores | None = None,
+                 follow_ahead: bool = True):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         # earlier requests' text per scope, for the suffix source (this thread only)
@@ -116,6 +120,7 @@ class Worker(threading.Thread):
         # made on this thread (their proposers' arrays live there) from the engine's weights
         self.idle_slots: list[Engine] = []
         self.batch_spec = batch_spec  # requests share one batch where they can
+        self.follow_ahead = follow_ahead  # answers cut by time decode on while idle
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
@@ -175,7 +180,8 @@ class Worker(threading.Thread):
         return None
 
     def active(self) -> int:
-        return len(self.jobs)
+        """Requests queued to the worker and not answered (looking ahead is not one)."""
+        return sum(1 for job in self.jobs if not job.ahead)
 
     def start(self) -> None:
         super().start()
@@ -237,6 +243,7 @@ class Worker(threading.Thread):
             if job is None:  # stop() or a wake-up: the loop looks again
                 return
             block = False
+            self._end_look_ahead()  # a request waits: what they decoded so far is kept
             if job.cancelled.is_set():
                 self.metrics.cancelled()
                 continue
@@ -288,6 +295,12 @@ class Worker(threading.Thread):
 
     def _live(self, job: Job) -> bool:
         """Whether the job goes on; a cancelled or ended one is closed or finished here."""
+        if job.ahead:  # answered: ends quietly with the server or its request's time
+            if self.ending is not None or (job.deadline is not None
+                                           and time.perf_counter() > job.deadline):
+                self._close_engine_job(job)
+                return False
+            return True
         if job.cancelled.is_set():
             self.metrics.cancelled()
             self._close_engine_job(job)
@@ -329,6 +342,9 @@ class Worker(threading.Thread):
             self._emit(job, produced)
 
     def _emit(self, job: Job, produced: dict) -> None:
+        if job.ahead:
+            self._look_ahead_step(job, produced)
+            return
         out = self._guarded(job, lambda j: j.row.output(produced))
         if out is None:
             return
@@ -347,13 +363,41 @@ class Worker(threading.Thread):
         elif out.finish_reason:
             self._finish_engine(job, out.finish_reason, out.stats, stop_string=out.stop_string)
         elif self._over_time(job):
-            self._finish_engine(job, "length", out.stats)
+            if self._looks_ahead(job):
+                self._answer(job, "length", out.stats)
+                job.ahead = True
+            else:
+                self._finish_engine(job, "length", out.stats)
 
     def _over_time(self, job: Job) -> bool:
         """llama.cpp's t_max_predict_ms: stop once over time and a newline was generated."""
         t = job.req.t_max_predict_ms
         return bool(t) and job.first_token > 0 and "\n" in job.text_so_far and (
             time.perf_counter() - job.first_token) * 1000 > t
+
+    # -- looking ahead for an editor's follow-up
+    def _looks_ahead(self, job: Job) -> bool:
+        """Whether a job cut by t_max_predict_ms decodes on after its answer. An editor shows
+        the cut answer and asks next for the text after it (llama.vim's speculative
+        follow-up, and again each time the user accepts one): decoded while the editor reads,
+        it is in the scope's store, and the follow-up's suffix source proposes it whole."""
+        r = job.req
+        return (self.follow_ahead and r.use_suffix and r.suffix_scope is not None
+                and not job.plain and len(job.row.context) + 1 < job.row.end)
+
+    def _look_ahead_step(self, job: Job, produced: dict) -> None:
+        out = self._guarded(job, lambda j: j.row.output(produced))
+        if out is None:  # (a failure after the answer: `_fail` sent a second event, unread)
+            return
+        self.metrics.looked_ahead(len(out.tokens))
+        if out.finish_reason:
+            self._close_engine_job(job)
+
+    def _end_look_ahead(self) -> None:
+        """Close the rows decoding ahead: their text goes into the store, their caches back
+        to the prompt cache store."""
+        for job in [j for j in self.jobs if j.ahead]:
+            self._close_engine_job(job)
 
     def _bind_suffix(self, job: Job) -> None:
         """The store of the request's scope for its suffix source (none: opted out)."""
@@ -391,12 +435,18 @@ class Worker(threading.Thread):
     def _finish_engine(self, job: Job, finish: str, stats: Stats | None,
                        drop_output: bool = False, stop_string: str = "") -> None:
         self._close_engine_job(job)
+        self._answer(job, finish, stats, drop_output, stop_string)
+
+    def _answer(self, job: Job, finish: str, stats: Stats | None, drop_output: bool = False,
+                stop_string: str = "") -> None:
+        """The request's last event (its row may decode on: `_looks_ahead`)."""
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = Usage.from_stats(stats)
         usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
         usage.batched_speculative = job.shared and not job.plain
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
+                                and job not in self.jobs
                                 else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
         if drop_output:
             usage.completion_tokens = 0
