@@ -49,6 +49,7 @@ from mlx_lm.generate import generate_step
 from mlxspec import backend
 from mlxspec.engine import Engine, PromptCache
 from mlxspec.loading import load
+from mlxspec.prefill import cache_kind, prefill
 from mlxspec.quant.memory import format_memory_table, hybrid_memory_table, kv_memory_for_model
 from mlxspec.quant.report import quality_report, step_bytes
 from mlxspec.recipe.heldout import heldout_eval_texts
@@ -203,7 +204,7 @@ def decode_steps_table(model, caches: dict, lengths: list[int], steps: int, chun
                        prompts) -> None:
     """`caches`: label -> a function of a proposer (None) that makes a fresh cache (an
     engine's `new_cache`). Decode steps of the caches interleaved token by token (one step of each in turn, each
-    greedy on its own logits, after a prefill in chunks as `Engine.prefill` does): median ms
+    greedy on its own logits, after a prefill in chunks as `prefill.prefill` does): median ms
     per step, wall and CPU, ratios against the first cache. Interleaving single steps keeps
     whatever else runs on the machine out of the comparison."""
     print("| prompt tokens | cache | ms / step | CPU ms / step | tok/s vs plain (wall / CPU) |")
@@ -271,7 +272,7 @@ def copied(pc: PromptCache, engine, proposer) -> PromptCache:
     variant use the same cache (the proposer binds it), so one prefill serves them all."""
     out = PromptCache()
     out.cache, out.tokens = copy.deepcopy(pc.cache), list(pc.tokens)
-    out.kind = engine.cache_kind(proposer)
+    out.kind = cache_kind(engine, proposer)
     return out
 
 
@@ -306,7 +307,7 @@ def acceptance(args) -> None:
         stats: dict = {}
         for n, prompt in enumerate(context_prompts(base, length, args.prompts), 1):
             prefilled = PromptCache()
-            ref.prefill(prompt, prefilled, None)
+            prefill(ref, prompt, prefilled, None)
             want = ref.generate(prompt, max_tokens=args.max_tokens,
                                 prompt_cache=copied(prefilled, ref, None))
             for label, eng in variants.items():

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import caches
 from .caches.prompt import PromptCache
-from .caches.ragged import RaggedKVCache, plain_attention
+from .caches.ragged import plain_attention
 from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
 from .policy import (
@@ -31,9 +31,11 @@ from .policy import (
     forward_group,
     plan_rows,
 )
+from .prefill import GROUP_PREFILL_MAX, prefill, prefill_group, reuse, start_proposer
 from .proposal import Proposal
 from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, DraftRows, draft_proposer
+from .request import prepare
 from .sampling import SamplingParams
 from .stats import Stats
 from .step import StartedStep, decode_step, draw_next, finish_step, start_step
@@ -43,11 +45,6 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
-# A joiner with at most this many prompt tokens left prefills with its round's other joiners
-# (`_open_pending`); longer ones by themselves: the model's head runs over every position of that forward.
-GROUP_PREFILL_MAX = 64
-# ... and one with more cached than this on its own cache (the group would copy its prefix)
-GROUP_CACHED_MAX = 256
 
 
 @dataclass
@@ -240,12 +237,12 @@ class BatchSpeculator:
 
     def open(self, engine: Engine, prompt, *, progress=None, prefill_chunk: int | None = None,
              **request) -> BatchRow:
-        """A request checked (`Engine.prepare`) joining the batch: each `step()` commits its
+        """A request checked (`request.prepare`) joining the batch: each `step()` commits its
         tokens, and returns them as text; close the row to leave. A short rest of the
         prompt prefills at the next step with the round's other joiners; a longer one here
         (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still.
-        `request`: as `Engine.prepare`."""
-        req = engine.prepare(prompt, **request)
+        `request`: as `request.prepare`."""
+        req = prepare(engine, prompt, **request)
         pc, proposer, tokens = req.pc, req.proposer, req.tokens
         if engine.model is not self.model:
             raise MlxspecError("a row of another model cannot join this batch")
@@ -259,7 +256,7 @@ class BatchSpeculator:
         if any(r.pc is pc for r in members):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
         start = time.perf_counter()
-        keep = engine.reuse(tokens, pc, proposer, req.cache_reuse)
+        keep = reuse(engine, tokens, pc, proposer, req.cache_reuse)
         row.opening = (req, keep, time.perf_counter() - start)
         if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
             row.chunk = prefill_chunk
@@ -284,7 +281,7 @@ class BatchSpeculator:
             try:
                 rest = len(req.tokens) - 1 - len(row.pc.tokens)
                 if rest > row.chunk:
-                    row.engine.prefill(req.tokens, row.pc, req.proposer, limit=row.chunk)
+                    prefill(row.engine, req.tokens, row.pc, req.proposer, limit=row.chunk)
                     row.opening = (req, keep, seconds + time.perf_counter() - start)
                     continue
                 self.prefilling.remove(row)
@@ -296,7 +293,7 @@ class BatchSpeculator:
         """Prefill the rest of a row's prompt on its own cache, then start it."""
         req = row.opening[0]
         start = time.perf_counter()
-        row.engine.prefill(req.tokens, row.pc, req.proposer, progress=progress)
+        prefill(row.engine, req.tokens, row.pc, req.proposer, progress=progress)
         self._start(row, time.perf_counter() - start)
 
     def _start(self, row: BatchRow, spent: float, first: int | None = None) -> None:
@@ -305,7 +302,7 @@ class BatchSpeculator:
         req, keep, seconds = row.opening
         row.opening = None
         row.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
-        row.engine.start_proposer(req, seconds + spent)
+        start_proposer(row.engine, req, seconds + spent)
         if first is not None:
             row.pc.tokens = list(row.context)
             row.commit([first], observe=False)
@@ -324,7 +321,7 @@ class BatchSpeculator:
             if len(group) == 1 and self._keeps_own_cache(group[0]):
                 self._prefill_and_join(group[0])  # on its own cache
                 return
-            firsts = self._prefill_group(group)
+            firsts = prefill_group(self.model, group)
         except Exception as e:  # the state of every row's cache is unknown
             for r in group:
                 self._fail_open(r, e)
@@ -350,40 +347,6 @@ class BatchSpeculator:
             self.rows.append(row)
         self._leave(row)  # (out of the waiting lists too)
         row.pc.drop()
-
-    def _prefill_group(self, group: list[BatchRow]) -> list[int]:
-        """The group's uncached prompt tokens through the target, right-padded in one forward
-        (a row with more than GROUP_CACHED_MAX cached: by itself, on its own cache); returns the
-        rows' first tokens, read back with one wait."""
-        drawn: dict[int, mx.array] = {}
-        rows = []
-        for r in group:
-            if len(r.pc.tokens) <= GROUP_CACHED_MAX:
-                rows.append(r)
-                continue
-            todo = r.context[len(r.pc.tokens) :]
-            logits = self.model(mx.array(todo, mx.uint32)[None], cache=r.pc.cache)
-            drawn[id(r)] = r.first_draw(logits[0, -1])
-        if rows:
-            todo = [r.context[len(r.pc.tokens) :] for r in rows]  # never empty: the last token
-            width = max(len(t) for t in todo)
-            layers = [RaggedKVCache() for _ in rows[0].pc.cache]
-            for c in layers:
-                c.add_empty_rows(len(rows))
-            # the longest cached prefix first: its buffers then fit every row (one allocation)
-            for i in sorted(range(len(rows)), key=lambda i: -len(rows[i].pc.tokens)):
-                for ragged, c in zip(layers, rows[i].pc.cache):
-                    ragged.put_row(i, c)
-            # padding after a row's own tokens: nothing real attends to it; trimmed at once
-            inputs = mx.array([t + t[-1:] * (width - len(t)) for t in todo], mx.uint32)
-            logits = self.model(inputs, cache=layers)
-            last = logits[mx.arange(len(rows)), mx.array([len(t) - 1 for t in todo])]
-            for c in layers:
-                c.trim_rows([width - len(t) for t in todo])
-            for j, r in enumerate(rows):
-                drawn[id(r)] = r.first_draw(last[j])
-                r.pc.cache = [c.row_view(j) for c in layers]
-        return mx.concatenate([drawn[id(r)] for r in group]).tolist()  # the group's one wait
 
     # -- membership
     def _keeps_own_cache(self, row: BatchRow) -> bool:

@@ -5,19 +5,16 @@ of one on its own cache (`Engine.open`)."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
 from . import backend, caches
 from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
-from .caches.shift import check_shiftable
 from .errors import MlxspecError
 from .policy import (
     AUTO_MAX_K,
@@ -32,8 +29,6 @@ from .policy import (
 from .policy.adaptive import draft_policy, read_states, write_states
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
-from .proposers.draft import draft_proposer
-from .sampling import SamplingParams
 from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
 
@@ -54,24 +49,6 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
                 "stats": self.stats.to_dict()}
-
-
-@dataclass
-class Request:
-    """A checked request, resolved against the engine (`Engine.prepare`)."""
-
-    tokens: list[int]
-    sampling: SamplingParams
-    max_tokens: int  # already cut to what the context leaves
-    stops: list[str]
-    proposer: Proposer | None
-    policy: Policy
-    pc: PromptCache
-    stats: Stats
-    key: mx.array
-    num_draft: int | None
-    seeded: bool  # a seed was given: its draws are its own whatever else runs
-    cache_reuse: int = 0  # reuse cached chunks of at least this many tokens at shifted places
 
 
 class Engine:
@@ -250,7 +227,7 @@ class Engine:
 
     def stream_steps(self, prompt: str | list[int], **kwargs) -> Iterator[StepOutput | None]:
         """Generate, yielding after every target forward (None after a step that only
-        prefilled a chunk). Keyword arguments as `prepare`, and `progress(done, total)`
+        prefilled a chunk). Keyword arguments as `request.prepare`, and `progress(done, total)`
         during prefill and `prefill_chunk` (a longer prompt prefilled that many tokens a step)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
@@ -277,130 +254,3 @@ class Engine:
         return BatchSpeculator(self.model, BatchPolicy(self.cost), row_plans=True,
                                sync=self.sync).open(self, prompt, **kwargs)
 
-    def prepare(self, prompt: str | list[int], *, max_tokens: int = 128,
-                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
-                prediction: str | list[int] | None = None, num_draft: int | None = None,
-                prompt_cache: PromptCache | None = None, mode: str | None = None,
-                policy: Policy | None = None, cache_reuse: int = 0) -> Request:
-        """Check a request (clear errors before any work) and resolve its mode, proposer,
-        policy, prompt cache and key. `prediction` (text or ids): a predicted output the
-        n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
-        prompt shares a prefix with it; `mode`, `num_draft` (a cap on k), `policy`: for this
-        request; `seed` None: MLX's global generator; `cache_reuse` N > 0: past the common
-        prefix, runs of at least N cached tokens are reused where they moved (llama.cpp's
-        `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`)."""
-        sampling = SamplingParams(temperature, top_p, top_k, min_p)
-        try:
-            sampling.validate()
-        except ValueError as e:
-            raise MlxspecError(str(e)) from None
-        if max_tokens < 1:
-            raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
-        if num_draft is not None:
-            check_num_draft(num_draft)
-        tokens = self.encode(prompt)
-        if not tokens:
-            raise MlxspecError("the prompt is empty")
-        if self.max_context and len(tokens) >= self.max_context:
-            raise MlxspecError(
-                f"the prompt has {len(tokens)} tokens but the model's context is "
-                f"{self.max_context} tokens")
-        if self.max_context:
-            max_tokens = min(max_tokens, self.max_context - len(tokens))
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        mode = mode or self.mode
-        proposer = self.proposer_of(mode)
-        if proposer is not None:
-            if proposer.uses_trees:  # refused before anything runs where it cannot be exact
-                caches.check_tree_support(self.model, caches.make_cache(self.model), mode)
-            if isinstance(prediction, str):
-                prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
-            proposer.set_prediction(prediction)
-        if cache_reuse < 0:
-            raise MlxspecError(f"cache_reuse must be >= 0, got {cache_reuse}")
-        if cache_reuse:
-            check_shiftable(self.model, self.new_cache(proposer))
-        return Request(
-            tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
-            proposer=proposer,
-            policy=policy or self.policy_for(proposer, self.workload_signal(tokens, prediction)),
-            pc=prompt_cache if prompt_cache is not None else self.prompt_cache,
-            stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
-            seeded=seed is not None, cache_reuse=cache_reuse,
-            key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
-
-    def start_proposer(self, req: Request, prefill_seconds: float) -> None:
-        """Start the request's proposer on its cached prompt (a draft's prefill counts too).
-        `auto`'s draft reads the prompt here too where its policy expects the draft to repay
-        that over the request (else at its first proposal, if any): with the target's prefill,
-        not as a step's cost, as the `draft` mode's does."""
-        start = time.perf_counter()
-        if req.proposer is not None:
-            req.proposer.reset(req.tokens, req.sampling)
-            draft = draft_proposer(req.proposer)
-            if (draft is not None and isinstance(req.policy, AdaptiveK)
-                    and req.policy.catch_up_at_start(len(req.tokens) - 1 - len(draft.cached),
-                                                     req.max_tokens,
-                                                     self.prefill_seconds_per_token)):
-                draft.catch_up(req.tokens)
-        req.stats.prefill_seconds = prefill_seconds + time.perf_counter() - start
-
-    def cache_kind(self, proposer: Proposer | None) -> str:
-        if proposer is not None and proposer.cache_kind != "kv":
-            return proposer.cache_kind
-        if self.kv == "hierarchical":
-            return f"hierarchical-ref:{self.kv_group_size}:{self.kv_buffer_size}"
-        return "kv"
-
-    def new_cache(self, proposer: Proposer | None) -> list:
-        made = proposer.make_target_cache(self.model) if proposer is not None else None
-        if made is not None:
-            return made
-        if self.kv == "hierarchical":
-            from .quant.hierarchical_cache import make_reference_cache
-
-            return make_reference_cache(self.model, self.kv_group_size, self.kv_buffer_size)
-        return caches.make_cache(self.model)
-
-    def reuse(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
-              cache_reuse: int = 0) -> int:
-        """Bring `pc` back to its longest reusable prefix of tokens[:-1] (a fresh cache when
-        none), extended by chunks reused at shifted positions where `cache_reuse` > 0; how many
-        tokens it keeps."""
-        kind = self.cache_kind(proposer)
-        keep = pc.reuse_prefix(tokens[:-1], kind, self.model if cache_reuse else None,
-                               cache_reuse)
-        if keep == 0:
-            pc.cache, pc.kind, pc.checkpoint = self.new_cache(proposer), kind, None
-        pc.tokens = tokens[:keep]
-        return keep
-
-    def prefill(self, tokens: list[int], pc: PromptCache, proposer: Proposer | None,
-                limit: int | None = None,
-                progress: Callable[[int, int], None] | None = None) -> int:
-        """Bring `pc` to hold tokens[:-1], reusing the longest prefix it can, at most `limit`
-        new tokens in this call; returns how many tokens were reused."""
-        keep = self.reuse(tokens, pc, proposer)
-        target = tokens[:-1]
-        todo = target[keep:] if limit is None else target[keep : keep + limit]
-        done, start = 0, time.perf_counter()
-        try:
-            while done < len(todo):
-                chunk = todo[done : done + self.prefill_step_size]
-                self.model(mx.array(chunk, mx.uint32)[None], cache=pc.cache)
-                done += len(chunk)
-                mx.eval([c.state for c in caches.leaves(pc.cache)])
-                pc.tokens = target[: keep + done]
-                if progress is not None:
-                    progress(done, len(todo))
-        except BaseException:
-            pc.drop()  # state unknown mid-chunk
-            raise
-        if done >= 16:  # what a draft's catch-up costs is judged from it (`BatchRow.available`)
-            self.prefill_seconds_per_token = (time.perf_counter() - start) / done
-        if len(pc.tokens) == len(target):
-            pc.remember()
-            if proposer is not None:  # a proposer that drafts on the target's own cache
-                proposer.bind_cache(pc.cache)
-        return keep

@@ -18,6 +18,7 @@ from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.errors import MlxspecError
 from mlxspec.policy import BatchPolicy, RowOffer, StepCost, choose_ks, survival
+from mlxspec.prefill import prefill
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
 from mlxspec.step import decode_step
@@ -43,7 +44,7 @@ def greedy_path(model, prompt: list[int], n: int) -> list[int]:
 def prefilled(engine, tokens: list[int]) -> list:
     """A single-request cache holding tokens[:-1]."""
     pc = PromptCache()
-    engine.prefill(tokens, pc, None)
+    prefill(engine, tokens, pc, None)
     return pc.cache
 
 
@@ -364,7 +365,7 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
     whole prompt, read without a batched step, and its cache then holds the whole prompt. A
     prompt with more than GROUP_PREFILL_MAX tokens left prefills alone, at `open`. Outputs
     equal each request alone."""
-    from mlxspec.batch_step import GROUP_CACHED_MAX, GROUP_PREFILL_MAX
+    from mlxspec.prefill import GROUP_CACHED_MAX, GROUP_PREFILL_MAX
 
     target, _ = pair
     counted = Counting(target)
@@ -376,8 +377,8 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
             (much_cached, "none", 6, {}), (long_prompt, "none", 5, {})]
     want = alone(base, reqs)
     cached = [PromptCache(), PromptCache()]  # 30 tokens of the fourth prompt; all but 4 of
-    base.clone().prefill(reqs[3][0][:31], cached[0], None)  # the fifth
-    base.clone().prefill(much_cached[:-3], cached[1], None)
+    prefill(base.clone(), reqs[3][0][:31], cached[0], None)  # the fifth
+    prefill(base.clone(), much_cached[:-3], cached[1], None)
     batch = BatchSpeculator(counted)
     counted.calls.clear()
     rows = [batch.open(base.clone(), p, max_tokens=n,
@@ -416,7 +417,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     reqs = [([7, 1, 9], "none", 12, {}), (long_prompt, "none", 6, {})]
     want = alone(base, reqs)
     pc = PromptCache()
-    base.clone().prefill(long_prompt[:20], pc, None)  # 19 tokens cached
+    prefill(base.clone(), long_prompt[:20], pc, None)  # 19 tokens cached
     batch = BatchSpeculator(counted)
     rows, outs = [batch.open(base.clone(), reqs[0][0], max_tokens=12)], [[], []]
 
@@ -488,7 +489,7 @@ def test_a_joiner_whose_queued_step_lost_every_row_still_decodes(pair):
     assert outs[2] == want[2]
 
 
-def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair):
+def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair, monkeypatch):
     """Of the rows opened in one round, one closes before the prefill (its prompt cache then
     holds what it reused) and one fails after it (its read raises the error, its cache is not
     kept); the others decode as alone, and the batch holds only them."""
@@ -499,13 +500,18 @@ def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair)
     want = alone(base, reqs)
     batch = BatchSpeculator(target)
     pcs = [PromptCache() for _ in reqs]
-    base.clone().prefill(reqs[1][0][:10], pcs[1], None)
+    prefill(base.clone(), reqs[1][0][:10], pcs[1], None)
     failing = base.clone()
+    from mlxspec import batch_step
 
-    def broken(req, seconds):
-        raise MemoryError("no memory for the draft")
+    start_proposer = batch_step.start_proposer
 
-    failing.start_proposer = broken
+    def broken(engine, req, seconds):
+        if engine is failing:
+            raise MemoryError("no memory for the draft")
+        start_proposer(engine, req, seconds)
+
+    monkeypatch.setattr(batch_step, "start_proposer", broken)
     engines = [base.clone(), base.clone(), failing, base.clone()]
     rows = [batch.open(e, p, max_tokens=n, prompt_cache=pc)
             for e, (p, _, n, _), pc in zip(engines, reqs, pcs)]

@@ -12,6 +12,7 @@ from conftest import ByteTokenizer, make_engine
 from server_helpers import post, start, stop
 
 from mlxspec.engine import Engine
+from mlxspec.policy import StepCost
 
 N_PREDICT = 48
 
@@ -29,13 +30,21 @@ class SwappedNewline(ByteTokenizer):
         return super().decode([swap.get(int(i), int(i)) for i in ids])
 
 
+class FrozenCost(StepCost):
+    """The prior's step costs, never learnt: `auto` decides from acceptance, not timing."""
+
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+
 def cut_engine(model, mode: str) -> tuple[Engine, list[int], list[int]]:
-    """An engine whose greedy answer to the prompt has a newline at its third token, the
-    prompt, and that answer."""
+    """An engine (its costs frozen) whose greedy answer to the prompt has a newline at its
+    third token, the prompt, and that answer."""
     prompt = [40 + i % 5 for i in range(12)]
     answer = make_engine(model).generate(prompt, max_tokens=N_PREDICT, mode="none").tokens
     assert len(answer) == N_PREDICT and answer[2] not in answer[:2]
     engine = Engine(model, SwappedNewline(answer[2]), mode=mode, num_draft=8)
+    engine.cost = FrozenCost()
     return engine, prompt, answer
 
 

@@ -230,18 +230,18 @@ def test_batched_plain_path(server, client, ref, monkeypatch):
 def test_long_prompt_prefilled_in_chunks(server, client, ref, monkeypatch):
     """A long prompt is prefilled a chunk per worker round (other streams go on meanwhile);
     the answer is unchanged and the chunks are not reported as cached."""
-    from mlxspec.engine import Engine
+    from mlxspec import batch_step
 
     monkeypatch.setattr(server.worker, "prefill_chunk", 8)
-    prefill = Engine.prefill
+    prefill = batch_step.prefill
     chunks = []
 
-    def counting(self, tokens, pc, proposer, limit=None, progress=None):
+    def counting(engine, tokens, pc, proposer, limit=None, progress=None):
         if tokens == ref["chunked_ids"]:
             chunks.append(limit)
-        return prefill(self, tokens, pc, proposer, limit=limit, progress=progress)
+        return prefill(engine, tokens, pc, proposer, limit=limit, progress=progress)
 
-    monkeypatch.setattr(Engine, "prefill", counting)
+    monkeypatch.setattr(batch_step, "prefill", counting)
     assert len(ref["chunked_ids"]) > 3 * 8
     r = client.completions.create(model="mlxspec", prompt=CHUNKED, max_tokens=16, temperature=0)
     assert r.choices[0].text == ref["chunked"].text

@@ -119,7 +119,7 @@ def parse_size(text: str) -> int:
                    "RoPE models only.")
 @click.option("--follow-ahead/--no-follow-ahead", default=True, show_default=True,
               help="When an answer is cut by a request's t_max_predict_ms (an editor showing a "
-                   "suggestion), decode on while no request waits and keep the text for the "
+                   "suggestion), decode on while no other request runs and keep the text for the "
                    "editor's follow-up request to propose from (exact either way; needs the "
                    "suffix source: modes auto, suffix).")
 @distributed_option

@@ -8,6 +8,8 @@ import threading
 import time
 
 from ..errors import MlxspecError
+from ..prefill import cache_kind
+from ..request import prepare
 from .group import Coordinator, DistributedFailure, fail, lost
 from .synced import SyncedPolicy, SyncedProposer
 
@@ -83,7 +85,7 @@ def _engine_class():
                 pc = kwargs["prompt_cache"] = self.prompt_cache
             tokens = self.encode(prompt)
             if tokens:  # an empty prompt is refused by the engine, the cache left as it is
-                self.agree_prefix(pc, tokens, self.cache_kind(proposer))
+                self.agree_prefix(pc, tokens, cache_kind(self, proposer))
             return Engine.open(self, prompt, **kwargs)
 
         def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
@@ -92,7 +94,7 @@ def _engine_class():
             collectives) everywhere: rank 0's cache is the server's, the followers' their own
             mirror of it, and a follower may hold less (a cache it never saw, another eviction).
             Returns the agreed length: the engine's prefill then reuses exactly that."""
-            target = tokens[:-1]  # what the prefill brings the cache to (Engine.prefill)
+            target = tokens[:-1]  # what the prefill brings the cache to (`prefill.prefill`)
             limit = len(target)
             while True:
                 keep = pc.reuse_prefix(target[:limit], kind) if limit else 0
@@ -129,8 +131,8 @@ def _request(engine, prompt, kwargs) -> dict:
     kw = dict(kwargs)
     kw.pop("progress", None)
     # a misspelt keyword is refused here (TypeError), before any rank hears of the request
-    inspect.signature(engine.prepare).bind(prompt, **{k: v for k, v in kw.items()
-                                                      if k != "prefill_chunk"})
+    inspect.signature(prepare).bind(engine, prompt, **{k: v for k, v in kw.items()
+                                                       if k != "prefill_chunk"})
     policy = kw.pop("policy", None)
     kw.pop("prompt_cache", None)
     if kw.get("seed", 0) is None:  # one seed for every rank

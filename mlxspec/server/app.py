@@ -24,6 +24,7 @@ from .. import __version__
 from ..caches.shift import check_shiftable
 from ..engine import Engine
 from ..errors import MlxspecError
+from ..prefill import new_cache
 from ..proposers import MODES
 from ..suffix_store import (
     DEFAULT_BUDGET,
@@ -185,7 +186,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         if cache_reuse < 0:
             raise MlxspecError(f"--cache-reuse must be >= 0, got {cache_reuse}")
         if cache_reuse:  # a model that cannot shift its cache says so before listening
-            check_shiftable(engine.model, engine.new_cache(engine.proposer_of(None)))
+            check_shiftable(engine.model, new_cache(engine, engine.proposer_of(None)))
         if suffix_cache:
             load_suffix(self.suffix, suffix_cache)  # a bad file: one error line, before listening
         host = address[0]

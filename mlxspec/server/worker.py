@@ -72,7 +72,7 @@ class Job:
     first_token: float = 0.0
     indent: IndentStop | None = None
     deadline: float | None = None  # perf_counter time after which it ends ("timeout")
-    # answered (cut by t_max_predict_ms): its row decodes on while the worker is idle, and
+    # answered (cut by t_max_predict_ms): its row decodes on while no other job runs, and
     # what it adds goes into the scope's store for the follow-up's proposals (`_look_ahead`)
     ahead: bool = False
 
@@ -330,6 +330,8 @@ class Worker(threading.Thread):
     def _step_all(self) -> None:
         """One step of every batch (the shared one: one target forward for all its rows),
         then each job's new text to its request."""
+        if any(not job.ahead for job in self.jobs):  # requests running: they go first
+            self._end_look_ahead()
         live = [job for job in list(self.jobs) if job.opened and self._live(job)]
         produced = {}
         for batch in {id(job.row.batch): job.row.batch for job in live}.values():
@@ -386,16 +388,22 @@ class Worker(threading.Thread):
                 and not job.plain and len(job.row.context) + 1 < job.row.end)
 
     def _look_ahead_step(self, job: Job, produced: dict) -> None:
-        out = self._guarded(job, lambda j: j.row.output(produced))
-        if out is None:  # (a failure after the answer: `_fail` sent a second event, unread)
+        try:
+            out = job.row.output(produced)
+        except Exception:  # answered already: nothing to tell, its cache not kept
+            log.warning("looking ahead failed:\n%s", traceback.format_exc())
+            job.cache = None
+            self._close_engine_job(job)
+            return
+        if out is None:
             return
         self.metrics.looked_ahead(len(out.tokens))
         if out.finish_reason:
             self._close_engine_job(job)
 
     def _end_look_ahead(self) -> None:
-        """Close the rows decoding ahead: their text goes into the store, their caches back
-        to the prompt cache store."""
+        """Close the rows decoding ahead (a request waits or runs): their text goes into the
+        store, their caches back to the prompt cache store."""
         for job in [j for j in self.jobs if j.ahead]:
             self._close_engine_job(job)
 

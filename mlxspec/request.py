@@ -1,0 +1,95 @@
+"""A request checked before any work (`prepare`): clear errors for bad input, and its mode,
+proposer, policy, prompt cache and key resolved against the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from . import caches
+from .caches.prompt import PromptCache
+from .caches.shift import check_shiftable
+from .errors import MlxspecError
+from .policy import Policy, check_num_draft
+from .prefill import new_cache
+from .proposers.base import Proposer
+from .sampling import SamplingParams
+from .stats import Stats
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclass
+class Request:
+    """A checked request, resolved against the engine (`prepare`)."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # already cut to what the context leaves
+    stops: list[str]
+    proposer: Proposer | None
+    policy: Policy
+    pc: PromptCache
+    stats: Stats
+    key: mx.array
+    num_draft: int | None
+    seeded: bool  # a seed was given: its draws are its own whatever else runs
+    cache_reuse: int = 0  # reuse cached chunks of at least this many tokens at shifted places
+
+
+def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
+            temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+            min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
+            prediction: str | list[int] | None = None, num_draft: int | None = None,
+            prompt_cache: PromptCache | None = None, mode: str | None = None,
+            policy: Policy | None = None, cache_reuse: int = 0) -> Request:
+    """Check a request (clear errors before any work) and resolve its mode, proposer,
+    policy, prompt cache and key. `prediction` (text or ids): a predicted output the
+    n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
+    prompt shares a prefix with it; `mode`, `num_draft` (a cap on k), `policy`: for this
+    request; `seed` None: MLX's global generator; `cache_reuse` N > 0: past the common
+    prefix, runs of at least N cached tokens are reused where they moved (llama.cpp's
+    `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`)."""
+    sampling = SamplingParams(temperature, top_p, top_k, min_p)
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise MlxspecError(str(e)) from None
+    if max_tokens < 1:
+        raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
+    if num_draft is not None:
+        check_num_draft(num_draft)
+    tokens = engine.encode(prompt)
+    if not tokens:
+        raise MlxspecError("the prompt is empty")
+    if engine.max_context and len(tokens) >= engine.max_context:
+        raise MlxspecError(
+            f"the prompt has {len(tokens)} tokens but the model's context is "
+            f"{engine.max_context} tokens")
+    if engine.max_context:
+        max_tokens = min(max_tokens, engine.max_context - len(tokens))
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    mode = mode or engine.mode
+    proposer = engine.proposer_of(mode)
+    if proposer is not None:
+        if proposer.uses_trees:  # refused before anything runs where it cannot be exact
+            caches.check_tree_support(engine.model, caches.make_cache(engine.model), mode)
+        if isinstance(prediction, str):
+            prediction = engine.tokenizer.encode(prediction, add_special_tokens=False)
+        proposer.set_prediction(prediction)
+    if cache_reuse < 0:
+        raise MlxspecError(f"cache_reuse must be >= 0, got {cache_reuse}")
+    if cache_reuse:
+        check_shiftable(engine.model, new_cache(engine, proposer))
+    return Request(
+        tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
+        proposer=proposer,
+        policy=policy or engine.policy_for(proposer, engine.workload_signal(tokens, prediction)),
+        pc=prompt_cache if prompt_cache is not None else engine.prompt_cache,
+        stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
+        seeded=seed is not None, cache_reuse=cache_reuse,
+        key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
