@@ -16,6 +16,7 @@ from . import backend, caches
 from .batch_step import BatchRow, BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
+from .fim import detect_fim
 from .policy import (
     AUTO_MAX_K,
     DEFAULT_NUM_DRAFT,
@@ -85,6 +86,7 @@ class Engine:
         # what a step costs on this model and machine: one model for every request and batch
         self.cost = StepCost()
         self._signal_ids: dict[int, str] | None = None  # special token id -> signal
+        self._fim_markers: tuple[int | None, int | None] | None = None  # (`fim_markers`)
         # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
@@ -103,6 +105,7 @@ class Engine:
             kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source,
             load_draft=self.load_draft, **extra)
         other.cost = self.cost  # the same weights on the same machine
+        other._signal_ids, other._fim_markers = self._signal_ids, self._fim_markers
         other.set_mode(self.mode, **self.mode_options)
         return other
 
@@ -134,6 +137,8 @@ class Engine:
                 raise
             except (TypeError, ValueError) as e:  # a bad option of this mode
                 raise MlxspecError(f"mode {mode!r}: {e}") from None
+            if hasattr(proposer, "set_fim"):  # FIM requests read as the document they edit
+                proposer.set_fim(*self.fim_markers())
             self._proposers[key] = proposer
         return self._proposers[key]
 
@@ -159,6 +164,13 @@ class Engine:
             self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
             self._resume_policies()
         return self._policies[key][1]
+
+    def fim_markers(self) -> tuple[int | None, int | None]:
+        """The model's FIM suffix and middle token ids ((None, None): it has none)."""
+        if self._fim_markers is None:
+            fim = detect_fim(getattr(self.tokenizer, "get_vocab", dict)())
+            self._fim_markers = (fim.suffix, fim.middle) if fim else (None, None)
+        return self._fim_markers
 
     def workload_signal(self, tokens: list[int], prediction) -> str:
         """The kind of request, for its policy: "edit" (a predicted output), "fim" (a

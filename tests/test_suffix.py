@@ -227,6 +227,43 @@ def test_finish_keeps_the_request_in_its_store():
     assert b.documents() == [[1, 2, 3, 4, 5]]
 
 
+
+def test_a_fim_request_is_kept_and_matched_as_the_document_it_edits():
+    """With the model's FIM tokens (`set_fim`), a FIM request goes into the store as its
+    prefix then its answer (the text after the cursor left out) and is matched the same way:
+    the editor's follow-up, whose prefix now ends with the first answer, is proposed what
+    followed that answer, where the raw layout proposes the first answer again."""
+    PRE, SUF, MID = 900, 901, 902
+    prefix, after = list(range(10, 40)), list(range(60, 80))
+    answer = list(range(100, 130))  # shown: the first 6 tokens; the rest decoded ahead
+    first = [PRE] + prefix + [SUF] + after + [MID]
+    follow = [PRE] + prefix + answer[:6] + [SUF] + after + [MID]
+    proposed = {}
+    for fim in (False, True):
+        store = SuffixIndex()
+        p = SuffixProposer(store=store, local=False)
+        p.set_fim(SUF, MID) if fim else p.set_fim(None, None)
+        p.reset(first, SamplingParams())
+        p.update(first + answer, 0)
+        p.finish()
+        assert store.documents() == [[PRE] + prefix + answer if fim else first + answer]
+        p.reset(follow, SamplingParams())
+        proposed[fim] = p.propose(follow, 8, None).tokens.tolist()
+    assert proposed == {True: answer[6:14], False: answer[:8]}
+    # with them, a prompt without the markers is kept as it is
+    p.reset(prefix, SamplingParams())
+    p.update(prefix + answer, 0)
+    p.finish()
+    assert store.documents()[-1] == prefix + answer
+
+
+def test_the_engine_gives_its_proposers_the_models_fim_tokens(model_dirs):
+    engine = mlxspec.load(str(model_dirs["qwen2"]), mode="auto")
+    vocab = engine.tokenizer.get_vocab()
+    assert engine.proposer.suffix.fim == (vocab["<|fim_suffix|>"], vocab["<|fim_middle|>"])
+    assert engine.clone().proposer.suffix.fim == engine.proposer.suffix.fim
+    assert make_engine(build_model("llama", seed=1)[0], "suffix").proposer.fim is None
+
 @pytest.fixture(scope="module")
 def tiny():
     model, _ = build_model("llama", seed=1, scale=4.0)

@@ -45,6 +45,10 @@ class AutoProposer(Proposer):
         if self.suffix is not None:
             self.suffix.set_store(store)
 
+    def set_fim(self, suffix: int | None, middle: int | None) -> None:
+        if self.suffix is not None:
+            self.suffix.set_fim(suffix, middle)
+
     def finish(self) -> None:
         if self.suffix is not None:
             self.suffix.finish()

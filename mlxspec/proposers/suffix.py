@@ -15,7 +15,11 @@ prompt and answer are a second index and the longer match wins; `auto` leaves th
 prompt lookup and uses the store alone.
 
 The request's prompt and committed answer go into the store when the next generation starts or
-`finish()` is called (the server, `chat` and `edit` call it when an answer ends).
+`finish()` is called (the server, `chat` and `edit` call it when an answer ends). A
+fill-in-the-middle request (`set_fim`) goes in, and is matched, as the document it edits: the
+prefix, then the answer, the text after the cursor left out. An editor's follow-up, whose
+prefix now ends with the answer it took as accepted, is then proposed what followed that
+answer (what the server decoded ahead, `docs/SERVER.md`), not the answer again.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections import Counter
 import mlx.core as mx
 
 from ..sampling import SamplingParams
-from ..suffix_store import SuffixIndex
+from ..suffix_store import MAX_MATCH, SuffixIndex
 from .base import Proposal, Proposer
 
 ARMS = (32, 16, 8, 4)
@@ -115,12 +119,19 @@ class SuffixProposer(Proposer):
         self._pending: tuple[SuffixIndex | None, list[int]] | None = None
         self._context: list[int] | None = None
         self._found = None  # (len(context), limit, arm, chain, conts, index, positions)
+        self.fim: tuple[int, int] | None = None  # the FIM suffix and middle tokens (`set_fim`)
+        self._cut: tuple[int, int] | None = None  # prompt[start:end], left out of the document
 
     # -- the store
     def set_store(self, store: SuffixIndex | None) -> None:
         """Use `store` (None: no store) from the next generation on: the server's scope, or
         the one store a chat or edit process shares across modes."""
         self.store = store
+
+    def set_fim(self, suffix: int | None, middle: int | None) -> None:
+        """The model's FIM suffix and middle tokens (None: it has none), from the next
+        generation on: a FIM request is kept and matched as the document it edits."""
+        self.fim = (suffix, middle) if suffix is not None and middle is not None else None
 
     def finish(self) -> None:
         """Put the generation's prompt and committed answer into its store (once)."""
@@ -129,13 +140,36 @@ class SuffixProposer(Proposer):
         store, prompt = self._pending
         self._pending = None
         if store is not None:
-            store.add(self._context if self._context is not None else prompt)
+            context = self._context if self._context is not None else prompt
+            if self._cut is not None:
+                start, end = self._cut
+                context = context[:start] + context[end:]
+            store.add(context)
+
+    def _fim_cut(self, prompt: list[int]) -> tuple[int, int] | None:
+        """(start, end) of `<SUF> suffix <MID>` in a FIM prompt (its last middle token, the
+        last suffix token before it), or None."""
+        if self.fim is None:
+            return None
+        suffix, middle = self.fim
+        end = next((i for i in range(len(prompt) - 1, -1, -1) if prompt[i] == middle), None)
+        if end is None:
+            return None
+        start = next((i for i in range(end - 1, -1, -1) if prompt[i] == suffix), None)
+        return None if start is None else (start, end + 1)
+
+    def _document_tail(self, context: list[int]) -> list[int]:
+        """The last tokens of the document a FIM request edits: its prefix, then its answer."""
+        start, end = self._cut
+        answer = context[end:][-MAX_MATCH - 1 :]
+        return context[max(0, start - (MAX_MATCH + 1 - len(answer))) : start] + answer
 
     # -- the protocol
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.finish()
         self._pending = (self.store, list(prompt))
         self._context, self._found = None, None
+        self._cut = self._fim_cut(prompt)
         if self.local_enabled:
             self.local = SuffixIndex(budget=1 << 30)
             self.local.open(list(prompt))
@@ -156,7 +190,9 @@ class SuffixProposer(Proposer):
         for index in (self.local, self.store):
             if index is None or not index.docs:
                 continue
-            length, positions = index.match(context)
+            tail = self._document_tail(context) if (
+                index is self.store and self._cut is not None) else context
+            length, positions = index.match(tail)
             if length and (best is None or length > best[0]):
                 best = (length, index, positions)
         if best is None:
