@@ -601,7 +601,7 @@ class BatchSpeculator:
         plan on its own cache (by the same cost model and rule, `policy/cost.py`).
         `commit=False`: only asking (a forced probe is not counted as taken)."""
         if self.row_plans or not self.cache.shared:
-            return [r.planner.plan(r.available()) for r in rows]
+            return [r.planner.plan(r.available(), r.context) for r in rows]
         return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
                          self._can_pipeline(rows))
 

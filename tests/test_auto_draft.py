@@ -166,3 +166,36 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     caught.clear()
     engine.generate(prompts[2], max_tokens=12)
     assert not caught
+
+
+def test_a_free_source_is_measured_while_the_draft_runs():
+    """Where `auto` runs its draft, what the free source that offered most would have proposed
+    is compared with what the row commits (`RowPolicy.plan`): prompt lookup, as right as the
+    draft and free, takes over; without it the draft's same-family prior alone kept the draft
+    on (the coder pair on a prompt its answer copies: 0.40x the commit before, 4 draft
+    forwards a step for what lookup proposes for nothing)."""
+    from mlxspec.policy import RowPolicy
+
+    target, _ = build_model("llama", seed=1, hidden=64, layers=8)
+    same, _ = build_model("llama", seed=2, hidden=64, layers=2)
+    text = list(range(10, 90))
+
+    class Lookup:  # prompt lookup, right every time: the text's continuation
+        def peek(self, context, k, source):
+            return text[len(context) : len(context) + k]
+
+    chosen = {}
+    for watching in (True, False):
+        policy = draft_policy(target, DraftModelProposer(same), max_k=4, dither=False)
+        observe_plain(policy, 4, 4 * 0.1)
+        planner = RowPolicy(policy, Lookup(), batched=False, cost=policy.cost)
+        context = text[:10]
+        sources = []
+        while len(context) < 60:
+            source, k = planner.plan({"draft": 4, "ngram:4": 4}, context if watching else None)
+            sources.append(source)
+            context = text[: len(context) + k + 1]  # every proposal accepted
+            planner.observe(source, k, k, None, context)
+        chosen[watching] = sources
+    assert chosen[True][0] == "draft" and set(chosen[False]) == {"draft"}
+    assert chosen[True][-1] == "ngram:4" and chosen[True].count("draft") <= 3

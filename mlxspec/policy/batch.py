@@ -75,10 +75,24 @@ class RowPolicy:
         # (source, k) the last plan kept plain: watched after each watch ends, till the next plan
         self.watch_for: tuple[str, int] | None = None
 
-    def plan(self, available: dict[str, int] | None) -> tuple[str, int]:
+    def plan(self, available: dict[str, int] | None,
+             context: list[int] | None = None) -> tuple[str, int]:
         """The row's own plan, as if alone (asked even when nothing is offered, so that a
-        sharded rank's policy agrees with rank 0's)."""
-        return ("", 0) if available is None else self.policy.plan(available)
+        sharded rank's policy agrees with rank 0's). Where it runs a draft model, the free
+        source that offered most is watched (`watch`, given the row's `context`): a free
+        source never taken keeps its prior for good, and a same-family draft's higher prior
+        would keep paying draft forwards for what prompt lookup proposes for nothing."""
+        if available is None:
+            return "", 0
+        source, k = self.policy.plan(available)
+        if context is not None and isinstance(self.policy, AdaptiveK):
+            free = {s: n for s, n in available.items() if n > 0 and not forward_group(s)}
+            if k and forward_group(source) and free:
+                best = max(free, key=free.get)
+                self.watch(best, min(free[best], self.policy.max_k), context)
+            elif k:  # measured by the step itself
+                self.watching = self.watch_for = None
+        return source, k
 
     def offer(self, available: dict[str, int], pinned: bool) -> tuple[str, RowOffer]:
         """The source the row proposes from (its policy's choice) and what it offers the batch.
