@@ -128,7 +128,7 @@ class BatchRow:
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
-        return self.planner.offer(self.available() or {}, self.pinned)
+        return self.planner.offer(self.available() or {}, self.pinned, self.context)
 
     def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
         """The keys of its next step (proposing, verifying), split from its own when seeded

@@ -5,6 +5,7 @@ estimates, in memory and in the policy file."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import build_model, make_engine, observe_plain, observe_step
 
 from mlxspec.policy.adaptive import (
@@ -168,12 +169,14 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     assert not caught
 
 
-def test_a_free_source_is_measured_while_the_draft_runs():
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_free_source_is_measured_while_the_draft_runs(batched):
     """Where `auto` runs its draft, what the free source that offered most would have proposed
     is compared with what the row commits (`RowPolicy.plan`): prompt lookup, as right as the
     draft and free, takes over; without it the draft's same-family prior alone kept the draft
     on (the coder pair on a prompt its answer copies: 0.40x the commit before, 4 draft
-    forwards a step for what lookup proposes for nothing)."""
+    forwards a step for what lookup proposes for nothing). `batched`: a row of a batch, which
+    offers its source (`RowPolicy.offer`) and proposes what it offered."""
     from mlxspec.policy import RowPolicy
 
     target, _ = build_model("llama", seed=1, hidden=64, layers=8)
@@ -192,7 +195,12 @@ def test_a_free_source_is_measured_while_the_draft_runs():
         context = text[:10]
         sources = []
         while len(context) < 60:
-            source, k = planner.plan({"draft": 4, "ngram:4": 4}, context if watching else None)
+            available, seen = {"draft": 4, "ngram:4": 4}, context if watching else None
+            if batched:
+                source, offer = planner.offer(available, False, seen)
+                k = offer.cap
+            else:
+                source, k = planner.plan(available, seen)
             sources.append(source)
             context = text[: len(context) + k + 1]  # every proposal accepted
             planner.observe(source, k, k, None, context)

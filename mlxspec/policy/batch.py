@@ -85,19 +85,29 @@ class RowPolicy:
         if available is None:
             return "", 0
         source, k = self.policy.plan(available)
-        if context is not None and isinstance(self.policy, AdaptiveK):
-            free = {s: n for s, n in available.items() if n > 0 and not forward_group(s)}
-            if k and forward_group(source) and free:
-                best = max(free, key=free.get)
-                self.watch(best, min(free[best], self.policy.max_k), context)
-            elif k:  # measured by the step itself
-                self.watching = self.watch_for = None
+        if k and context is not None:
+            self._watch_free(available, source, context)
         return source, k
 
-    def offer(self, available: dict[str, int], pinned: bool) -> tuple[str, RowOffer]:
+    def _watch_free(self, available: dict[str, int], source: str, context: list[int]) -> None:
+        """The row proposes from `source`: where that runs a model, watch the free source that
+        offered most; where it is free, its own step measures it."""
+        if not isinstance(self.policy, AdaptiveK):
+            return
+        free = {s: n for s, n in available.items() if n > 0 and not forward_group(s)}
+        if forward_group(source) and free:
+            best = max(free, key=free.get)
+            self.watch(best, min(free[best], self.policy.max_k), context)
+        else:
+            self.watching = self.watch_for = None
+
+    def offer(self, available: dict[str, int], pinned: bool,
+              context: list[int] | None = None) -> tuple[str, RowOffer]:
         """The source the row proposes from (its policy's choice) and what it offers the batch.
         A probe is forced (it keeps its own schedule); a `pinned` (seeded, temperature > 0)
-        FixedK row keeps its k: its draws depend on k, and must not depend on the batch."""
+        FixedK row keeps its k: its draws depend on k, and must not depend on the batch. An
+        adaptive row offering a draft watches a free source meanwhile (`plan`), given its
+        `context`."""
         policy, shadow = self.policy, self.shadow
         if not available:
             return "", RowOffer([])
@@ -119,6 +129,8 @@ class RowPolicy:
                 return "", RowOffer([])
             source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
         n = min(available[source], policy.max_k)
+        if context is not None and policy is self.policy and forward_group(source):
+            self._watch_free(available, source, context)  # (a free one: the batch's to watch)
         return source, RowOffer(survival(policy.accept_probs(source), n), forward_group(source))
 
     def at(self, span: int) -> None:
@@ -178,7 +190,9 @@ def plan_rows(policy: BatchPolicy, rows: list, step: int, commit: bool, slots: i
     ks = policy.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
     for r, (source, offer), k in zip(rows, offers, ks):
         planner = r.planner
-        if k:
+        if k and offer.group:
+            pass  # a draft runs: the watch of a free source its offer started goes on
+        elif k:
             planner.watching = planner.watch_for = None  # measured by the step itself
         elif not offer.group:
             planner.watch(source, offer.cap, r.context)
