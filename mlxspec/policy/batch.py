@@ -94,12 +94,13 @@ class RowPolicy:
         offered most; where it is free, its own step measures it."""
         if not isinstance(self.policy, AdaptiveK):
             return
-        free = {s: n for s, n in available.items() if n > 0 and not forward_group(s)}
-        if forward_group(source) and free:
-            best = max(free, key=free.get)
-            self.watch(best, min(free[best], self.policy.max_k), context)
-        else:
+        free = {s: n for s, n in available.items() if n > 0 and not forward_group(s)} if (
+            forward_group(source)) else None
+        if not free:
             self.watching = self.watch_for = None
+            return
+        best = max(free, key=free.get)
+        self.watch(best, min(free[best], self.policy.max_k), context)
 
     def offer(self, available: dict[str, int], pinned: bool,
               context: list[int] | None = None) -> tuple[str, RowOffer]:

@@ -161,7 +161,7 @@ class SuffixProposer(Proposer):
     def _document_tail(self, context: list[int]) -> list[int]:
         """The last tokens of the document a FIM request edits: its prefix, then its answer."""
         start, end = self._cut
-        answer = context[end:][-MAX_MATCH - 1 :]
+        answer = context[max(end, len(context) - MAX_MATCH - 1) :]
         return context[max(0, start - (MAX_MATCH + 1 - len(answer))) : start] + answer
 
     # -- the protocol
