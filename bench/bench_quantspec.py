@@ -18,7 +18,8 @@ Prints Markdown tables.
         [--cost-contexts 1024,2048,4096] [--cost-reps 3] [--cost-tokens 32] [--cost-steps 64]
 
     python bench/bench_quantspec.py --acceptance --model qwen2.5-coder-0.5b \\
-        --contexts 1024,4096 [--ks 2,4,8] [--weight-bits 4,8] [--prompts 4] [--max-tokens 32]
+        --contexts 1024,4096 [--ks 2,4,8] [--weight-bits 4,8] [--prompts 4] [--max-tokens 32] \\
+        [--skip-prompts N]
 
 `--acceptance` only measures QuantSpec's acceptance (by position, tokens per target forward)
 at each k, for the draft as shipped and with 8-bit weights (the 4-bit KV view's own share),
@@ -305,7 +306,8 @@ def acceptance(args) -> None:
     print("|---:|---|---:|---:|---|---:|---|")
     for length in lengths:
         stats: dict = {}
-        for n, prompt in enumerate(context_prompts(base, length, args.prompts), 1):
+        prompts = context_prompts(base, length, args.prompts)
+        for n, prompt in enumerate(prompts[args.skip_prompts:], args.skip_prompts + 1):
             prefilled = PromptCache()
             prefill(ref, prompt, prefilled, None)
             want = ref.generate(prompt, max_tokens=args.max_tokens,
@@ -348,6 +350,9 @@ def main() -> None:
                     help="longer prompt lengths (step times and memory only)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--long-prompts", type=int, default=2)
+    ap.add_argument("--skip-prompts", type=int, default=0,
+                    help="--acceptance: run only the prompts after the first N of --prompts "
+                         "(to finish a long run another session started)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=64)

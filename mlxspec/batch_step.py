@@ -17,29 +17,16 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from . import caches
-from .caches.prompt import PromptCache
-from .caches.ragged import plain_attention
+from .admission import Admission
 from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
-from .policy import (
-    MAX_NUM_DRAFT,
-    AdaptiveK,
-    BatchPolicy,
-    Policy,
-    RowOffer,
-    RowPolicy,
-    forward_group,
-    plan_rows,
-)
-from .prefill import GROUP_PREFILL_MAX, prefill, prefill_group, reuse, start_proposer
+from .policy import BatchPolicy, forward_group, plan_rows
 from .proposal import Proposal
-from .proposers.base import Proposer
-from .proposers.draft import DRAFT_ARMS, TREE, DraftRows, draft_proposer
-from .request import prepare
+from .proposers.draft import DraftRows
+from .row import BatchRow
 from .sampling import SamplingParams
-from .stats import Stats
-from .step import StartedStep, decode_step, draw_next, finish_step, start_step
-from .stopstrings import Detokenizer, StepOutput
+from .step import StartedStep, decode_step, finish_step, start_step
+from .stopstrings import StepOutput
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -58,122 +45,6 @@ class QueuedPlainStep:
     @property
     def tokens(self) -> mx.array:
         return self.step.out
-
-
-class BatchRow:
-    """One request in a `BatchSpeculator`: `step()` commits its tokens and returns them."""
-
-    def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
-                 context: list[int], proposer: Proposer | None, policy: Policy,
-                 sampling: SamplingParams, key: mx.array, stats: Stats, end: int,
-                 num_draft: int, stops: list[str], seeded: bool = False):
-        self.batch, self.engine, self.pc = batch, engine, pc
-        # A seeded sampled row draws what it would by itself: its fixed k stays fixed (`pinned`),
-        # and its plain steps draw with its own key.
-        self.seeded = seeded
-        self.pinned = seeded and not sampling.greedy
-        self.context, self.proposer = context, proposer
-        self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans,
-                                 cost=batch.policy.cost)
-        self.sampling, self.key, self.stats = sampling, key, stats
-        self.end, self.num_draft = end, num_draft
-        self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows
-        # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
-        self.opening: tuple | None = None
-        self.chunk: int | None = None
-        # What this step produced: detokenized as committed (a row stops at its end at once)
-        self.outputs: list[StepOutput] = []
-        self.shares = False  # may share a batch with other rows (`shareable`, set at `open`)
-        self.error: BaseException | None = None
-        self.closed = False
-        self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
-
-    @property
-    def ended(self) -> bool:
-        """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
-        return self.detok is not None and self.detok.done
-
-    @property
-    def exhausted(self) -> bool:
-        return len(self.context) >= self.end
-
-    @property
-    def wants(self) -> bool:
-        """It has not ended, left or failed."""
-        return not (self.closed or self.ended or self.exhausted or self.error is not None)
-
-    @property
-    def wants_two(self) -> bool:
-        """It wants a token after the next one (a queued step may feed it)."""
-        return self.wants and len(self.context) + 2 <= self.end
-
-    def available(self) -> dict[str, int] | None:
-        """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be); a
-        draft tree only where the row's cache can verify one."""
-        cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
-        if self.proposer is None or cap <= 0:
-            return None
-        self.planner.at(len(self.context) - 1)  # (its cache holds all but the last token)
-        offered = self.proposer.available(self.context, cap)
-        if TREE in offered and not self.proposer.uses_trees and not self.batch.verifies_trees():
-            offered = {s: n for s, n in offered.items() if s != TREE}
-        policy, draft = self.planner.policy, draft_proposer(self.proposer)
-        if "draft" in offered and isinstance(policy, AdaptiveK) and draft is not None:
-            # (at the target's prefill time per token, as the engine last measured it)
-            per_token = getattr(self.engine, "prefill_seconds_per_token", 0.0)
-            if not policy.catch_up_pays(len(self.context) - len(draft.cached),
-                                        self.end - len(self.context), per_token):
-                offered = {s: n for s, n in offered.items() if s not in DRAFT_ARMS}
-        return offered
-
-    def offer(self) -> tuple[str, RowOffer]:
-        """The source this row would propose from and what it offers the batch's policy."""
-        return self.planner.offer(self.available() or {}, self.pinned, self.context)
-
-    def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
-        """The keys of its next step (proposing, verifying), split from its own when seeded
-        and sampled; None otherwise (MLX's global generator)."""
-        if not self.seeded or self.sampling.greedy:
-            return None, None
-        self.key, propose_key, verify_key = mx.random.split(self.key, 3)
-        return propose_key, verify_key
-
-    def first_draw(self, logits: mx.array) -> mx.array:
-        """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
-        return draw_next(logits[None], [self.sampling], [self.step_keys()[1]])
-
-    def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
-               accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
-        """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's); its
-        draft, proposer, policies (not for its prefill's token) and stats are told."""
-        self.context.extend(tokens)
-        if self.draft is not None and source == "draft":
-            self.batch.drafts[id(self.draft.model)].update(self.draft, self.context, accepted)
-        if self.proposer is not None:
-            self.proposer.update(self.context, accepted)
-        if observe:
-            self.planner.observe(arm, drafted, accepted, seconds, self.context)
-        self.stats.record_step(source, drafted, accepted, len(tokens))
-        if self.detok is None:  # a raw row (tests, tools): tokens only
-            self.outputs.append(StepOutput("", list(tokens), self.stats))
-        elif not self.detok.done:
-            self.outputs.append(self.detok.feed(tokens, last=self.exhausted))
-
-    def output(self, produced: dict[BatchRow, StepOutput]) -> StepOutput | None:
-        """Its output in what a `step()` produced (None: none this step); raises the error of
-        a step or a prefill that failed."""
-        if self.error is not None:
-            raise self.error
-        return produced.get(self)
-
-    def close(self) -> None:
-        """Leave; the prompt cache gets the row's cache (every committed token but the last)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.batch._leave(self)
-        if self.proposer is not None:
-            self.proposer.finish()  # the answer is in the suffix store for the next request
 
 
 class BatchSpeculator:
@@ -206,19 +77,9 @@ class BatchSpeculator:
         # MLX's CPU backend `async_eval` returns near the forward's end, so nothing hides it.
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
-        self.opening: list[BatchRow] = []  # opened, to prefill together (`_open_pending`)
-        self.prefilling: list[BatchRow] = []  # opened, prefilled a chunk per step
+        self.admission = Admission(self)  # the rows opened, not decoding yet
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
         self._trees: bool | None = None  # the model can verify token trees (`verifies_trees`)
-
-    @staticmethod
-    def accepts(engine: Engine, mode: str | None = None) -> bool:
-        """Whether a request in `mode` can share a batch with others (`shareable`)."""
-        try:
-            proposer = engine.proposer_of(mode)
-        except MlxspecError:
-            return False  # the engine path reports it
-        return shareable(engine, proposer)
 
     def verifies_trees(self) -> bool:
         """Whether a token tree can be verified now: a row on its own cache, of a model whose
@@ -240,187 +101,21 @@ class BatchSpeculator:
         """A request checked (`request.prepare`) joining the batch: each `step()` commits its
         tokens, and returns them as text; close the row to leave. A short rest of the
         prompt prefills at the next step with the round's other joiners; a longer one here
-        (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still.
-        `request`: as `request.prepare`."""
-        req = prepare(engine, prompt, **request)
-        pc, proposer, tokens = req.pc, req.proposer, req.tokens
-        if engine.model is not self.model:
-            raise MlxspecError("a row of another model cannot join this batch")
-        members = self.opening + self.prefilling + self.rows
-        row = BatchRow(self, engine, pc, list(tokens), proposer, req.policy, req.sampling,
-                       req.key, req.stats, len(tokens) + req.max_tokens,
-                       req.num_draft or MAX_NUM_DRAFT, req.stops, seeded=req.seeded)
-        row.shares = shareable(engine, proposer)
-        if members and not (row.shares and all(r.shares for r in members)):
-            raise MlxspecError("this request cannot run in the batched step")
-        if any(r.pc is pc for r in members):
-            raise MlxspecError("two requests in a batch cannot share a prompt cache")
-        start = time.perf_counter()
-        keep = reuse(engine, tokens, pc, proposer, req.cache_reuse)
-        row.opening = (req, keep, time.perf_counter() - start)
-        if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
-            row.chunk = prefill_chunk
-            self.prefilling.append(row)
-        else:
-            self._prefill(row, progress)
-        return row
+        (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still
+        (`admission.py`). `request`: as `request.prepare`."""
+        return self.admission.open(engine, prompt, progress=progress,
+                                   prefill_chunk=prefill_chunk, **request)
 
-    def _prefill(self, row: BatchRow, progress=None) -> None:
-        """A short rest of the prompt waits for the round's joiners, a longer one is prefilled
-        now (`row_plans`: every step planned by the row, the first one too)."""
-        if not self.row_plans and len(row.context) - len(row.pc.tokens) <= GROUP_PREFILL_MAX:
-            self.opening.append(row)
-        else:
-            self._prefill_and_join(row, progress)
-
-    def _prefill_chunks(self) -> None:
-        """A chunk of every long prompt; one whose rest fits a chunk is prefilled and joins."""
-        for row in list(self.prefilling):
-            req, keep, seconds = row.opening
-            start = time.perf_counter()
-            try:
-                rest = len(req.tokens) - 1 - len(row.pc.tokens)
-                if rest > row.chunk:
-                    prefill(row.engine, req.tokens, row.pc, req.proposer, limit=row.chunk)
-                    row.opening = (req, keep, seconds + time.perf_counter() - start)
-                    continue
-                self.prefilling.remove(row)
-                self._prefill(row)
-            except Exception as e:
-                self._fail_open(row, e)
-
-    def _prefill_and_join(self, row: BatchRow, progress=None) -> None:
-        """Prefill the rest of a row's prompt on its own cache, then start it."""
-        req = row.opening[0]
-        start = time.perf_counter()
-        prefill(row.engine, req.tokens, row.pc, req.proposer, progress=progress)
-        self._start(row, time.perf_counter() - start)
-
-    def _start(self, row: BatchRow, spent: float, first: int | None = None) -> None:
-        """A prefilled row starts its proposer and joins; with its `first` token where a
-        group's forward drew it (its cache then holds its whole prompt)."""
-        req, keep, seconds = row.opening
-        row.opening = None
-        row.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
-        start_proposer(row.engine, req, seconds + spent)
-        if first is not None:
-            row.pc.tokens = list(row.context)
-            row.commit([first], observe=False)
-        self._join(row, may_keep_own=first is None)
-
-    def _open_pending(self) -> None:
-        """The rows opened since the last step prefill together (the last prompt token too)
-        and join, each with its first token: one forward and one wait for a round's joiners,
-        not one each (each wait stalls the whole batch)."""
-        group = [r for r in self.opening if not r.closed]
-        self.opening = []
-        if not group:
-            return
-        start = time.perf_counter()
-        try:
-            if len(group) == 1 and self._keeps_own_cache(group[0]):
-                self._prefill_and_join(group[0])  # on its own cache
-                return
-            firsts = prefill_group(self.model, group)
-        except Exception as e:  # the state of every row's cache is unknown
-            for r in group:
-                self._fail_open(r, e)
-            return
-        spent = time.perf_counter() - start
-        self._share()  # a row on its own cache moves into ragged rows first
-        need = len(group) - self.slots.count(None)
-        if need > 0:  # room for the whole group at once: growing copies every buffer
-            if self.cache is None:
-                self.cache = RaggedRows(len(group[0].pc.cache))
-            self.cache.add_empty_rows(need)
-            self.slots.extend([None] * need)
-        for r, token in zip(group, firsts):
-            try:  # a failure here is this row's only
-                self._start(r, spent, token)
-            except Exception as e:
-                self._fail_open(r, e)
-
-    def _fail_open(self, row: BatchRow, e: BaseException) -> None:
-        """A row whose prefill or join failed has `error` (its `output` raises it); its cache goes."""
-        row.opening, row.error = None, e
-        if row in self.slots and row not in self.rows:  # written in, not yet a member
-            self.rows.append(row)
-        self._leave(row)  # (out of the waiting lists too)
-        row.pc.drop()
-
-    # -- membership
-    def _keeps_own_cache(self, row: BatchRow) -> bool:
-        """A first row decodes on its own cache (any kind, no copy): the fastest for one
-        request (on ragged rows one ran at 0.93x, bench/bench_batch_of_one.py at 6fce6c1),
-        until another joins. Not a pinned row of a shared batch (seeded, fixed k, T > 0): its
-        draws must not depend on whether another row comes."""
-        return not self.rows and (self.row_plans or not row.shares or not row.pinned
-                                  or isinstance(row.planner.policy, AdaptiveK))
-
-    def _join(self, row: BatchRow, may_keep_own: bool = True) -> None:
-        if row.detok is not None:
-            row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
-        if may_keep_own and self._keeps_own_cache(row):
-            self.cache, self.slots = RowCache(self.model, row.pc.cache), [row]
-            row.pc.cache = None  # the batch holds it now; given back on leaving
-            self.rows.append(row)
-            return
-        if not row.shares or any(not r.shares for r in self.rows):
-            raise MlxspecError("this request cannot run in the batched step")
-        self._share()
-        self._admit(row)
-        self.rows.append(row)
-
-    def _share(self) -> None:
-        """A row on its own cache moves into ragged rows (a step queued for it undone first)."""
-        if self.cache is None or self.cache.shared:
-            return
-        self._drop_queued()
-        (row,) = self.slots
-        layers = self.cache.take_row(0)
-        self.cache, self.slots = None, []
-        row.pc.cache = layers
-        self._admit(row)
-
-    def _drop_queued(self) -> None:
+    # -- leaving
+    def drop_queued(self) -> None:
         """Undo a queued step: its rows' caches without the tokens it fed them."""
         q, self.queued = self.queued, None
         if q is not None and any(r is not None for r in q.rows):
             self.cache.trim_rows([1 if r is not None and r in q.rows else 0 for r in self.slots],
                                  ckpt=q.step.ckpt)
 
-    def _admit(self, row: BatchRow) -> None:
-        """Move a row's single-request cache (and its draft's) into the ragged rows."""
-        layers = row.pc.cache
-        if self.cache is None:
-            self.cache = RaggedRows(len(layers))
-        else:
-            # Evaluated (no wait: every caller has just waited), the buffers are written in
-            # place; otherwise MLX copies them whole, ~7 ms a join at 8 rows on the server.
-            mx.eval(self.cache.evaluate())
-        if len(layers) != len(self.cache.layers):
-            raise MlxspecError("a row of another model cannot join this batch")
-        b = self.slots.index(None) if None in self.slots else len(self.slots)
-        self.cache.put_row(b, layers)
-        if b == len(self.slots):
-            self.slots.append(row)
-        else:
-            self.slots[b] = row
-        # Started, not waited for: a queued step may still be running; the copy joins it.
-        mx.async_eval(self.cache.evaluate())
-        row.pc.cache = None  # the batch holds it now; given back on leaving
-        draft = draft_proposer(row.proposer)
-        if draft is not None and DraftRows.joins(draft) and not any(
-                r.draft is draft for r in self.rows):
-            batch = self.drafts.setdefault(id(draft.model), DraftRows(draft.model))
-            batch.join(draft)
-            row.draft = draft
-
     def _leave(self, row: BatchRow) -> None:
-        for waiting in (self.opening, self.prefilling):
-            if row in waiting:  # closed before it joined: its cache holds what it prefilled
-                waiting.remove(row)
-                row.opening = None
+        self.admission.drop(row)
         if row not in self.rows:
             return
         self.rows.remove(row)
@@ -467,16 +162,14 @@ class BatchSpeculator:
         """Admit the rows opened (`admit`), then one batched step for every row that wants
         tokens (the others sit it out: fed padding, trimmed at once); returns what each row
         produced (a row whose step failed has its `error`: `BatchRow.output` raises it)."""
-        self._prefill_chunks()
-        self._open_pending()
+        self.admission.run()
         self._decode()
         return self._produced()
 
     def admit(self) -> dict[BatchRow, StepOutput]:
         """Prefill a chunk of every long prompt, and the rows opened since the last step
         together; returns their first tokens. No row decodes."""
-        self._prefill_chunks()
-        self._open_pending()
+        self.admission.run()
         return self._produced()
 
     def _produced(self) -> dict[BatchRow, StepOutput]:
@@ -656,17 +349,6 @@ class BatchSpeculator:
         if widest:
             forwards["draft"] = forwards.get("draft", 0) + widest
         return proposals, forwards
-
-
-def shareable(engine: Engine, proposer: Proposer | None) -> bool:
-    """Whether a request can share a batch with other requests (decided here only): a plain
-    attention cache (a window or a recurrent state has no ragged rows yet), a chain proposer
-    on the target's plain cache, an unsharded target. Others decode on their own cache."""
-    if engine.kv != "fp" or engine.sync is not None:
-        return False
-    if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
-        return False
-    return plain_attention(caches.make_cache(engine.model))  # (a CacheList layer: no rows)
 
 
 def _spread(fed: list, values, empty=None) -> list:

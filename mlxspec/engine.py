@@ -4,7 +4,6 @@ of one on its own cache (`Engine.open`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
-from . import backend, caches
-from .batch_step import BatchRow, BatchSpeculator
+from . import backend, caches, policy_store
+from .batch_step import BatchSpeculator
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .fim import detect_fim
@@ -27,17 +26,12 @@ from .policy import (
     StepCost,
     check_num_draft,
 )
-from .policy.adaptive import draft_policy, read_states, write_states
+from .policy.adaptive import draft_policy
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
+from .row import BatchRow
 from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
-
-log = logging.getLogger("mlxspec")
-# Special tokens that tell a request's kind (`Engine.workload_signal`).
-COST_KEY = "step-cost"  # the cost model's entry in the policy file (no mode has this name)
-SIGNAL_TOKENS = {"fim": ("<|fim_middle|>", "<fim_middle>", "<|fim▁hole|>"),
-                 "chat": ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")}
 
 
 @dataclass
@@ -87,7 +81,7 @@ class Engine:
         self.cost = StepCost()
         self._signal_ids: dict[int, str] | None = None  # special token id -> signal
         self._fim_markers: tuple[int | None, int | None] | None = None  # (`fim_markers`)
-        # where adaptive policies are kept between processes (`keep_policies`); None: priors
+        # where adaptive policies are kept between processes (`policy_store.keep`); None: priors
         self.policy_file: Path | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
         self.num_draft_set = num_draft is not None
@@ -147,7 +141,7 @@ class Engine:
         return self.proposer if mode in (None, self.mode) else self.proposer_for(mode)
 
     def policy_for(self, proposer: Proposer | None, signal: str = "") -> Policy:
-        """The proposer's policy for one kind of request (`signal`, see `workload_signal`),
+        """The proposer's policy for one kind of request (`signal`, see `request.workload_signal`),
         kept so that it keeps learning: `AdaptiveK` for auto (k capped by num_draft when set)
         or with adaptive=True, else `FixedK(num_draft)`. Each kind learns apart: what a chat
         measured does not decide a completion's sources."""
@@ -162,7 +156,7 @@ class Engine:
                 policy = FixedK(self.num_draft)
             mode = getattr(proposer, "name", "none")
             self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
-            self._resume_policies()
+            policy_store.resume(self)
         return self._policies[key][1]
 
     def fim_markers(self) -> tuple[int | None, int | None]:
@@ -171,49 +165,6 @@ class Engine:
             fim = detect_fim(getattr(self.tokenizer, "get_vocab", dict)())
             self._fim_markers = (fim.suffix, fim.middle) if fim else (None, None)
         return self._fim_markers
-
-    def workload_signal(self, tokens: list[int], prediction) -> str:
-        """The kind of request, for its policy: "edit" (a predicted output), "fim" (a
-        fill-in-the-middle token in the prompt), "chat" (a chat template's turn marker), or ""
-        (plain text)."""
-        if prediction:
-            return "edit"
-        if self._signal_ids is None:
-            vocab = getattr(self.tokenizer, "get_vocab", dict)()
-            self._signal_ids = {vocab[t]: signal for signal, names in SIGNAL_TOKENS.items()
-                                for t in names if t in vocab}
-        if not self._signal_ids:
-            return ""
-        found = {self._signal_ids[t] for t in set(tokens) if t in self._signal_ids}
-        return "fim" if "fim" in found else "chat" if "chat" in found else ""
-
-    def _resume_policies(self) -> None:
-        """Adaptive policies and the cost model that have measured nothing yet start from
-        their states'."""
-        states = read_states(self.policy_file) if self.policy_file is not None else {}
-        if not self.cost.seconds and states.get(COST_KEY):
-            self.cost.resume(states[COST_KEY])
-        for key, policy in self._policies.values():
-            if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
-                policy.resume(states[key])
-
-    def keep_policies(self, path: Path | None) -> None:
-        """Start the adaptive policies from what earlier processes kept at `path`, and keep
-        this one's there (`save_policies`)."""
-        self.policy_file = path
-        self._resume_policies()
-
-    def save_policies(self) -> None:
-        """Keep what the adaptive policies measured at `policy_file` for the next process."""
-        states = {key: policy.snapshot() for key, policy in self._policies.values()
-                  if isinstance(policy, AdaptiveK) and policy.sources}
-        if states and self.cost.seconds:
-            states[COST_KEY] = self.cost.snapshot()
-        if states and self.policy_file is not None:
-            try:
-                write_states(self.policy_file, states)
-            except OSError as e:  # measurements only: never fail a command over them
-                log.warning("could not keep the policy at %s (%s)", self.policy_file, e)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .request import Request
 
 # A joiner with at most this many prompt tokens left prefills with its round's other joiners
-# (`BatchSpeculator._open_pending`); longer ones by themselves: the model's head runs over
+# (`Admission._open_pending`); longer ones by themselves: the model's head runs over
 # every position of that forward.
 GROUP_PREFILL_MAX = 64
 # ... and one with more cached than this on its own cache (the group would copy its prefix)

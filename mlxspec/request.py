@@ -22,6 +22,10 @@ from .stats import Stats
 if TYPE_CHECKING:
     from .engine import Engine
 
+# Special tokens that tell a request's kind (`workload_signal`).
+SIGNAL_TOKENS = {"fim": ("<|fim_middle|>", "<fim_middle>", "<|fim▁hole|>"),
+                 "chat": ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>")}
+
 
 @dataclass
 class Request:
@@ -88,8 +92,24 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
     return Request(
         tokens=tokens, sampling=sampling, max_tokens=max_tokens, stops=stops,
         proposer=proposer,
-        policy=policy or engine.policy_for(proposer, engine.workload_signal(tokens, prediction)),
+        policy=policy or engine.policy_for(proposer, workload_signal(engine, tokens, prediction)),
         pc=prompt_cache if prompt_cache is not None else engine.prompt_cache,
         stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
         seeded=seed is not None, cache_reuse=cache_reuse,
         key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
+
+
+def workload_signal(engine: Engine, tokens: list[int], prediction) -> str:
+    """The kind of request, for its policy: "edit" (a predicted output), "fim" (a
+    fill-in-the-middle token in the prompt), "chat" (a chat template's turn marker), or ""
+    (plain text)."""
+    if prediction:
+        return "edit"
+    if engine._signal_ids is None:
+        vocab = getattr(engine.tokenizer, "get_vocab", dict)()
+        engine._signal_ids = {vocab[t]: signal for signal, names in SIGNAL_TOKENS.items()
+                              for t in names if t in vocab}
+    if not engine._signal_ids:
+        return ""
+    found = {engine._signal_ids[t] for t in set(tokens) if t in engine._signal_ids}
+    return "fim" if "fim" in found else "chat" if "chat" in found else ""

@@ -18,7 +18,7 @@ from .caches import Checkpoint
 from .caches.rows import as_rows
 from .proposal import Proposal
 from .sampling import SamplingParams, probs_from_logits, sample
-from .verify import verify_greedy, verify_sampled
+from .verify import greedy_accepted, verify_sampled
 
 
 @dataclass
@@ -47,10 +47,8 @@ class StartedStep:
 
 def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
                  sampling: SamplingParams, key: mx.array | None) -> tuple[mx.array, mx.array]:
-    """The exact rule for a chain: logits (k + 1, vocab) over [last token] + draft (k,), q the
-    draft's probabilities or None. Lazy (num_accepted, next_token)."""
-    if sampling.greedy:
-        return verify_greedy(logits, draft)
+    """The exact rule for a sampled chain: logits (k + 1, vocab) over [last token] + draft
+    (k,), q the draft's probabilities or None. Lazy (num_accepted, next_token)."""
     return verify_sampled(probs_from_logits(logits, sampling), draft, q, key)
 
 
@@ -148,7 +146,7 @@ def finish_step(step: StartedStep) -> list[StepResult | None]:
         elif greedy:
             target, drafted = flat[at : at + k + 1], flat[at + k + 1 : at + 2 * k + 1]
             at += 2 * k + 1
-            n = next((i for i, (t, d) in enumerate(zip(target, drafted)) if t != d), k)
+            n = greedy_accepted(target, drafted)
             nxt = target[n]
         else:
             n, nxt, drafted = flat[at], flat[at + 1], flat[at + 2 : at + 2 + k]

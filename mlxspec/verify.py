@@ -1,7 +1,9 @@
 """Exact acceptance rules, shared by every mode.
 
-All functions take the target's logits or probabilities over [last committed token] + proposal
-and return (num_accepted, next_token) as lazy mx scalars, so the engine syncs once per step.
+`verify_sampled` takes the target's probabilities over [last committed token] + proposal and
+returns (num_accepted, next_token) as lazy mx scalars, so the step syncs once; at temperature 0
+the step compares the target's argmax with the draft on the host after that sync
+(`greedy_accepted`).
 The next token is the target's correction at the first rejection, or the bonus token after the
 last proposal when all were accepted; every step therefore emits at least one token.
 """
@@ -20,14 +22,11 @@ def _leading_true(flags: mx.array) -> mx.array:
     return mx.cumprod(flags.astype(mx.int32)).sum()
 
 
-def verify_greedy(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
-    """Temperature 0: accept while the proposal equals the target's argmax.
-
-    logits: (k + 1, vocab); draft: (k,) token ids.
-    """
-    target = mx.argmax(logits, axis=-1)
-    num_accepted = _leading_true(target[:-1] == draft)
-    return num_accepted, target[num_accepted]
+def greedy_accepted(target: list[int], draft: list[int]) -> int:
+    """Temperature 0: the draft tokens accepted, while each equals the target's argmax
+    (`target`: the argmax over [last token] + draft, read back; the next token is
+    target[accepted])."""
+    return next((i for i, (t, d) in enumerate(zip(target, draft)) if t != d), len(draft))
 
 
 def verify_sampled(

@@ -91,7 +91,8 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     """One request on a raw cache holding `context` but its last token, through the batch's
     one scheduler: yields the tokens each step commits; `context` grows in place. When it
     ends the cache holds every committed token but the last again."""
-    from mlxspec.batch_step import BatchRow, BatchSpeculator
+    from mlxspec.batch_step import BatchSpeculator
+    from mlxspec.row import BatchRow
     from mlxspec.engine import PromptCache
     from mlxspec.policy import BatchPolicy, StepCost
 
@@ -100,7 +101,7 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     batch = BatchSpeculator(model, BatchPolicy(cost), row_plans=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)
-    batch._join(row)
+    batch.admission._join(row)
     try:
         while row.wants:
             out = row.output(batch.step())

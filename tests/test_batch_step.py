@@ -13,6 +13,7 @@ import pytest
 from conftest import build_model, make_engine, next_output, observe_plain, observe_step
 
 from mlxspec import caches
+from mlxspec.admission import accepts
 from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
@@ -298,7 +299,7 @@ def test_two_rows_cannot_share_a_prompt_cache_even_while_one_prefills_in_chunks(
     want = alone(base, [(prompt, "none", 6, {})])
     batch, pc = BatchSpeculator(target), PromptCache()
     row = batch.open(base.clone(), prompt, max_tokens=6, prompt_cache=pc, prefill_chunk=8)
-    assert batch.prefilling == [row]
+    assert batch.admission.prefilling == [row]
     with pytest.raises(MlxspecError, match="cannot share a prompt cache"):
         batch.open(base.clone(), [5, 6, 7], max_tokens=4, prompt_cache=pc)
     outs = [[]]
@@ -432,7 +433,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     counted.calls.clear()
     rows.append(batch.open(base.clone(), long_prompt, max_tokens=6, prompt_cache=pc,
                            prefill_chunk=32))
-    assert counted.calls == [] and rows[1] in batch.prefilling  # nothing prefilled at open
+    assert counted.calls == [] and rows[1] in batch.admission.prefilling  # nothing prefilled at open
     fed = len(outs[0])
     one_round()
     one_round()
@@ -455,7 +456,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     batch.step()
     row.close()  # mid-prefill: the cache keeps the chunk
     assert pc.tokens == long_prompt[:32] and caches.offset(pc.cache) == 32
-    assert not batch.prefilling and not batch.rows
+    assert not batch.admission.prefilling and not batch.rows
 
     steps = list(base.clone().stream_steps(long_prompt, max_tokens=6, prefill_chunk=32))
     assert steps[:3] == [None] * 3 and None not in steps[3:]  # 3 chunks of 32, then the rest
@@ -502,16 +503,16 @@ def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair,
     pcs = [PromptCache() for _ in reqs]
     prefill(base.clone(), reqs[1][0][:10], pcs[1], None)
     failing = base.clone()
-    from mlxspec import batch_step
+    from mlxspec import admission
 
-    start_proposer = batch_step.start_proposer
+    start_proposer = admission.start_proposer
 
     def broken(engine, req, seconds):
         if engine is failing:
             raise MemoryError("no memory for the draft")
         start_proposer(engine, req, seconds)
 
-    monkeypatch.setattr(batch_step, "start_proposer", broken)
+    monkeypatch.setattr(admission, "start_proposer", broken)
     engines = [base.clone(), base.clone(), failing, base.clone()]
     rows = [batch.open(e, p, max_tokens=n, prompt_cache=pc)
             for e, (p, _, n, _), pc in zip(engines, reqs, pcs)]
@@ -591,10 +592,10 @@ def test_refuses_what_it_cannot_batch():
     from mlxspec.errors import MlxspecError
 
     gemma = build("gemma3_text", seed=0, sliding_window=4)
-    assert not BatchSpeculator.accepts(make_engine(gemma, mode="ngram"))
+    assert not accepts(make_engine(gemma, mode="ngram"))
     llama, _ = build_model("llama", seed=3)
-    assert BatchSpeculator.accepts(make_engine(llama, mode="ngram"))
-    assert not BatchSpeculator.accepts(make_engine(llama, mode="lookahead"))
+    assert accepts(make_engine(llama, mode="ngram"))
+    assert not accepts(make_engine(llama, mode="lookahead"))
     # by itself a request of any kind decodes in a batch (on its own cache); company is refused
     batch = BatchSpeculator(gemma)
     batch.open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7], max_tokens=4)

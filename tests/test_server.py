@@ -230,10 +230,10 @@ def test_batched_plain_path(server, client, ref, monkeypatch):
 def test_long_prompt_prefilled_in_chunks(server, client, ref, monkeypatch):
     """A long prompt is prefilled a chunk per worker round (other streams go on meanwhile);
     the answer is unchanged and the chunks are not reported as cached."""
-    from mlxspec import batch_step
+    from mlxspec import admission
 
     monkeypatch.setattr(server.worker, "prefill_chunk", 8)
-    prefill = batch_step.prefill
+    prefill = admission.prefill
     chunks = []
 
     def counting(engine, tokens, pc, proposer, limit=None, progress=None):
@@ -241,7 +241,7 @@ def test_long_prompt_prefilled_in_chunks(server, client, ref, monkeypatch):
             chunks.append(limit)
         return prefill(engine, tokens, pc, proposer, limit=limit, progress=progress)
 
-    monkeypatch.setattr(batch_step, "prefill", counting)
+    monkeypatch.setattr(admission, "prefill", counting)
     assert len(ref["chunked_ids"]) > 3 * 8
     r = client.completions.create(model="mlxspec", prompt=CHUNKED, max_tokens=16, temperature=0)
     assert r.choices[0].text == ref["chunked"].text
@@ -560,7 +560,7 @@ def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_afte
     sampled one of a batch of its own (it draws what it would alone), even when opened first
     in its round with more requests waiting to open after it; the worker steps every batch
     once a round and each answer equals `generate`'s."""
-    from mlxspec.batch_step import BatchRow
+    from mlxspec.row import BatchRow
     from mlxspec.server.worker import Done
 
     engine, worker, prompts, seeded, greedy = _opened_worker(model_dirs, 3)

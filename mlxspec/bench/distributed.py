@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from .. import batch_step
+from .. import admission
 from ..engine import PromptCache
 from .run import Progress, summarize, weight_bytes
 from .runners import Run
@@ -29,7 +29,7 @@ class MeteredRunner:
     def run(self, tokens, max_tokens, temperature, seed, prediction=None) -> Run:
         engine, meter = self.engine, self.meter
         marks = {}
-        inner = batch_step.prefill  # (what the batch calls: the module's name)
+        inner = admission.prefill  # (what the batch calls: the module's name)
 
         def prefill(*args, **kwargs):  # rank 0's prefill; the followers' mirrors it
             try:
@@ -37,13 +37,13 @@ class MeteredRunner:
             finally:
                 marks["count"], marks["waited"] = meter.count, meter.waited
 
-        batch_step.prefill = prefill
+        admission.prefill = prefill
         try:
             result = engine.generate(tokens, max_tokens=max_tokens, temperature=temperature,
                                      seed=seed, mode=self.mode, prediction=prediction,
                                      num_draft=self.num_draft, prompt_cache=PromptCache())
         finally:
-            batch_step.prefill = inner
+            admission.prefill = inner
         s = result.stats
         stats = s.to_dict()
         stats["collectives"] = meter.count - marks.get("count", meter.count)

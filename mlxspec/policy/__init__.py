@@ -13,12 +13,10 @@ from .adaptive import (
     FixedK,
     Policy,
     check_num_draft,
-    read_states,
-    write_states,
 )
 from .batch import BatchPolicy, RowPolicy, plan_rows
 from .cost import RowOffer, StepCost, choose_ks, forward_group, survival
 
 __all__ = ["AUTO_MAX_K", "DEFAULT_NUM_DRAFT", "MAX_NUM_DRAFT", "AdaptiveK", "BatchPolicy",
            "FixedK", "Policy", "RowOffer", "RowPolicy", "StepCost", "check_num_draft",
-           "choose_ks", "forward_group", "plan_rows", "read_states", "survival", "write_states"]
+           "choose_ks", "forward_group", "plan_rows", "survival"]

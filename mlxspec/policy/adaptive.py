@@ -6,11 +6,7 @@ under "Proposers").
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from ..errors import MlxspecError
@@ -381,29 +377,3 @@ def draft_policy(target, draft_proposer, cost: StepCost | None = None, **kwargs)
     priors = draft_priors(target, draft_proposer)
     cost.forward_prior.update(priors.pop("forward_prior", {}))
     return AdaptiveK(cost=cost, **priors, **kwargs)
-
-
-def read_states(path: Path) -> dict[str, dict]:
-    """The policies' snapshots at `path`, by mode; {} if none (a damaged file is only warned
-    about: it holds nothing but measurements)."""
-    try:
-        data = json.loads(Path(path).read_text())
-        states = data["policies"]
-        if not isinstance(states, dict):
-            raise TypeError("policies is not an object")
-        return states
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logging.getLogger("mlxspec").warning("ignoring the policy file %s (%s)", path, e)
-        return {}
-
-
-def write_states(path: Path, states: dict[str, dict]) -> None:
-    """Merge `states` into `path` (written whole, then renamed: never seen half written)."""
-    path = Path(path)
-    merged = {**read_states(path), **states}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"policies": merged}))
-    os.replace(tmp, path)

@@ -57,7 +57,7 @@ class Proposer:
         """The tokens `propose` would return from `source` now, on the host, where that costs
         nothing (a lookup); None otherwise (a model's draft). The batched step compares them
         with what the row then commits, to keep measuring a source it does not propose from
-        (`BatchRow.watch`)."""
+        (`RowPolicy.watch`)."""
         return None
 
     def update(self, context: list[int], num_accepted: int) -> None:

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from ..batch_step import BatchRow, BatchSpeculator, shareable
+from ..admission import accepts, shareable
+from ..batch_step import BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
 from ..policy import BatchPolicy
+from ..row import BatchRow
 from ..stats import Stats
 from ..suffix_store import SuffixStores
 from .metrics import Metrics
@@ -285,7 +287,7 @@ class Worker(threading.Thread):
         loops = sum(1 for j in self.jobs if j.opened and not j.shared)
         seeded = r.seed is not None and r.temperature > 0 and loops < 2
         if ((self.batch_spec or job.plain) and not r.warmup and not seeded
-                and BatchSpeculator.accepts(job.slot, kwargs["mode"])):
+                and accepts(job.slot, kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
             job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)

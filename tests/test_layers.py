@@ -1,0 +1,45 @@
+"""Who imports whom in the decode loop (docs/HOW_IT_WORKS.md, "Architecture"): no import circle
+among the loop's modules, and no arrow from the engine to loading. Imports for type hints only
+(`if TYPE_CHECKING:`) do not count; imports inside functions do."""
+
+import ast
+from pathlib import Path
+
+import mlxspec
+
+PACKAGE = Path(mlxspec.__file__).parent
+LOOP = ["engine", "batch_step", "admission", "row", "request", "prefill", "step", "verify",
+        "policy_store", "loading"]
+
+
+def imports(module: str) -> set[str]:
+    """The mlxspec modules `module` imports at run time (first name under the package)."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            return  # (type hints only)
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(a.name for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_the_loop_has_no_import_circle_and_the_engine_does_not_import_loading():
+    graph = {m: imports(m) & set(LOOP) for m in LOOP}
+    assert "loading" not in graph["engine"]
+    assert "engine" in graph["loading"] and "batch_step" in graph["engine"]  # (the check sees)
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n}))
+                   for n in graph[start])
+
+    circles = [m for m in LOOP if reaches(m, m, {m})]
+    assert not circles, {m: sorted(graph[m]) for m in circles}
