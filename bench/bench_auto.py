@@ -1,7 +1,8 @@
-"""#40 (is `auto` >= 0.97x the best single mode?): `auto` against every single mode, paired and
-interleaved, on workloads at chosen temperatures, as the median of per-prompt ratios to `none`
-and to the best other mode (`mlxspec bench` gives the first only, and always runs `free` at
-temperature 1; this also runs it greedy).
+"""#40 (is `auto` >= 0.97x the best single mode? resolved; a change to the policy must keep
+it so): `auto` against every single mode, paired and interleaved, on workloads at chosen
+temperatures, as the median of per-prompt ratios to `none` and to the best other mode
+(`mlxspec bench` gives the first only, and always runs `free` at temperature 1; this also
+runs it greedy).
 
     python bench/bench_auto.py --modes none,ngram,auto --workloads completion@0,free@0,free@1 \
         --prompts 8 --rounds 3
