@@ -1,7 +1,8 @@
 """Admission, apart from decoding (as mlx-lm keeps prompt processing apart from generation): a
 request checked (`request.prepare`) becomes a row of a batch; its prompt is prefilled at once,
 in chunks between steps, or with the round's other joiners in one forward; its proposer starts
-and it joins the batch's decoding rows (`BatchSpeculator._join`). "Can this request share a
+and it joins the batch's decoding rows (`join`): a first row on its own cache (any kind, no
+copy), plain-attention rows in `RaggedRows` once a second joins, its draft in the draft's rows. "Can this request share a
 batch?" is decided here only (`shareable`).
 """
 
@@ -119,7 +120,7 @@ class Admission:
         if first is not None:
             row.pc.tokens = list(row.context)
             row.commit([first], observe=False)
-        self._join(row, may_keep_own=first is None)
+        self.join(row, may_keep_own=first is None)
 
     def _open_pending(self) -> None:
         """The rows opened since the last step prefill together (the last prompt token too)
@@ -155,7 +156,7 @@ class Admission:
         row.opening, row.error = None, e
         if row in batch.slots and row not in batch.rows:  # written in, not yet a member
             batch.rows.append(row)
-        batch._leave(row)  # (out of the waiting lists too)
+        batch.leave(row)  # (out of the waiting lists too)
         row.pc.drop()
 
     # -- joining the decoding rows
@@ -168,7 +169,8 @@ class Admission:
             self.batch.row_plans or not row.shares or not row.pinned
             or isinstance(row.planner.policy, AdaptiveK))
 
-    def _join(self, row: BatchRow, may_keep_own: bool = True) -> None:
+    def join(self, row: BatchRow, may_keep_own: bool = True) -> None:
+        """A prefilled row starts decoding: on its own cache, or in the shared rows."""
         batch = self.batch
         if row.detok is not None:
             row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)

@@ -96,15 +96,13 @@ class BatchSpeculator:
                 self._trees = False
         return self._trees
 
-    def open(self, engine: Engine, prompt, *, progress=None, prefill_chunk: int | None = None,
-             **request) -> BatchRow:
+    def open(self, engine: Engine, prompt, **request) -> BatchRow:
         """A request checked (`request.prepare`) joining the batch: each `step()` commits its
         tokens, and returns them as text; close the row to leave. A short rest of the
         prompt prefills at the next step with the round's other joiners; a longer one here
         (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still
         (`admission.py`). `request`: as `request.prepare`."""
-        return self.admission.open(engine, prompt, progress=progress,
-                                   prefill_chunk=prefill_chunk, **request)
+        return self.admission.open(engine, prompt, **request)
 
     # -- leaving
     def drop_queued(self) -> None:
@@ -114,7 +112,8 @@ class BatchSpeculator:
             self.cache.trim_rows([1 if r is not None and r in q.rows else 0 for r in self.slots],
                                  ckpt=q.step.ckpt)
 
-    def _leave(self, row: BatchRow) -> None:
+    def leave(self, row: BatchRow) -> None:
+        """A row leaves (`BatchRow.close`); its cache goes back to its prompt cache."""
         self.admission.drop(row)
         if row not in self.rows:
             return

@@ -75,11 +75,12 @@ class Engine:
         self.prompt_cache = PromptCache()
         self.prefill_seconds_per_token = 0.0  # the last prefill of 16+ tokens (`prefill`)
         self._proposers: dict = {}
-        # (id(proposer), workload signal) -> (the key its state is kept under, policy)
-        self._policies: dict[tuple[int, str], tuple[str, Policy]] = {}
+        # (id(proposer), workload signal) -> (the key its state is kept under, policy): kept
+        # between processes by `policy_store`
+        self.policies: dict[tuple[int, str], tuple[str, Policy]] = {}
         # what a step costs on this model and machine: one model for every request and batch
         self.cost = StepCost()
-        self._signal_ids: dict[int, str] | None = None  # special token id -> signal
+        self.signal_ids: dict[int, str] | None = None  # token id -> signal (`request.workload_signal`)
         self._fim_markers: tuple[int | None, int | None] | None = None  # (`fim_markers`)
         # where adaptive policies are kept between processes (`policy_store.keep`); None: priors
         self.policy_file: Path | None = None
@@ -99,7 +100,7 @@ class Engine:
             kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source,
             load_draft=self.load_draft, **extra)
         other.cost = self.cost  # the same weights on the same machine
-        other._signal_ids, other._fim_markers = self._signal_ids, self._fim_markers
+        other.signal_ids, other._fim_markers = self.signal_ids, self._fim_markers
         other.set_mode(self.mode, **self.mode_options)
         return other
 
@@ -110,7 +111,7 @@ class Engine:
         if num_draft is not None:
             check_num_draft(num_draft)
             self.num_draft, self.num_draft_set = num_draft, True
-            self._policies.clear()
+            self.policies.clear()
         self.proposer = self.proposer_for(mode, **mode_options)
         self.mode, self.mode_options = mode, mode_options
         self.policy = self.policy_for(self.proposer)
@@ -146,7 +147,7 @@ class Engine:
         or with adaptive=True, else `FixedK(num_draft)`. Each kind learns apart: what a chat
         measured does not decide a completion's sources."""
         key = (id(proposer), signal)
-        if key not in self._policies:
+        if key not in self.policies:
             if getattr(proposer, "adaptive", False):
                 policy = draft_policy(self.model, getattr(proposer, "draft", None), self.cost,
                                       max_k=self.num_draft if self.num_draft_set else AUTO_MAX_K)
@@ -155,9 +156,9 @@ class Engine:
             else:
                 policy = FixedK(self.num_draft)
             mode = getattr(proposer, "name", "none")
-            self._policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
+            self.policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
             policy_store.resume(self)
-        return self._policies[key][1]
+        return self.policies[key][1]
 
     def fim_markers(self) -> tuple[int | None, int | None]:
         """The model's FIM suffix and middle token ids ((None, None): it has none)."""

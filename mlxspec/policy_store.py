@@ -34,14 +34,14 @@ def resume(engine: Engine) -> None:
     states = read_states(engine.policy_file) if engine.policy_file is not None else {}
     if not engine.cost.seconds and states.get(COST_KEY):
         engine.cost.resume(states[COST_KEY])
-    for key, policy in engine._policies.values():
+    for key, policy in engine.policies.values():
         if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
             policy.resume(states[key])
 
 
 def save(engine: Engine) -> None:
     """Keep what the engine's adaptive policies measured at its `policy_file`."""
-    states = {key: policy.snapshot() for key, policy in engine._policies.values()
+    states = {key: policy.snapshot() for key, policy in engine.policies.values()
               if isinstance(policy, AdaptiveK) and policy.sources}
     if states and engine.cost.seconds:
         states[COST_KEY] = engine.cost.snapshot()

@@ -105,11 +105,11 @@ def workload_signal(engine: Engine, tokens: list[int], prediction) -> str:
     (plain text)."""
     if prediction:
         return "edit"
-    if engine._signal_ids is None:
+    if engine.signal_ids is None:
         vocab = getattr(engine.tokenizer, "get_vocab", dict)()
-        engine._signal_ids = {vocab[t]: signal for signal, names in SIGNAL_TOKENS.items()
+        engine.signal_ids = {vocab[t]: signal for signal, names in SIGNAL_TOKENS.items()
                               for t in names if t in vocab}
-    if not engine._signal_ids:
+    if not engine.signal_ids:
         return ""
-    found = {engine._signal_ids[t] for t in set(tokens) if t in engine._signal_ids}
+    found = {engine.signal_ids[t] for t in set(tokens) if t in engine.signal_ids}
     return "fim" if "fim" in found else "chat" if "chat" in found else ""

@@ -135,6 +135,6 @@ class BatchRow:
         if self.closed:
             return
         self.closed = True
-        self.batch._leave(self)
+        self.batch.leave(self)
         if self.proposer is not None:
             self.proposer.finish()  # the answer is in the suffix store for the next request

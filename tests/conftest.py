@@ -101,13 +101,13 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     batch = BatchSpeculator(model, BatchPolicy(cost), row_plans=True, sync=sync)
     row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
                    stats, len(context) + max_tokens, num_draft, [], seeded=True)
-    batch.admission._join(row)
+    batch.admission.join(row)
     try:
         while row.wants:
             out = row.output(batch.step())
             yield [] if out is None else out.tokens
     finally:
-        batch._leave(row)
+        batch.leave(row)
 
 
 _unclaimed: dict = {}  # id(batch) -> {row: outputs a step produced, not yet asked for}

@@ -59,7 +59,7 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     # (ByteTokenizer has no special tokens: text, or an edit with a predicted output)
     assert workload_signal(engine, [1, 2, 3], None) == ""
     assert workload_signal(engine, [1, 2, 3], [1, 2]) == "edit"
-    engine._signal_ids = {100: "fim", 101: "chat"}
+    engine.signal_ids = {100: "fim", 101: "chat"}
     assert workload_signal(engine, [5, 101, 6], None) == "chat"
     assert workload_signal(engine, [5, 101, 100], None) == "fim"
     plain = engine.policy_for(engine.proposer)
