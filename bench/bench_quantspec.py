@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -50,7 +51,7 @@ from mlx_lm.generate import generate_step
 from mlxspec import backend
 from mlxspec.engine import Engine, PromptCache
 from mlxspec.loading import load
-from mlxspec.prefill import cache_kind, prefill
+from mlxspec.prefill import cache_kind, new_cache, prefill
 from mlxspec.quant.memory import format_memory_table, hybrid_memory_table, kv_memory_for_model
 from mlxspec.quant.report import quality_report, step_bytes
 from mlxspec.recipe.heldout import heldout_eval_texts
@@ -204,7 +205,7 @@ def cache_cost_table(engines: dict, lengths: list[int], reps: int, max_tokens: i
 def decode_steps_table(model, caches: dict, lengths: list[int], steps: int, chunk: int,
                        prompts) -> None:
     """`caches`: label -> a function of a proposer (None) that makes a fresh cache (an
-    engine's `new_cache`). Decode steps of the caches interleaved token by token (one step of each in turn, each
+    engine's `prefill.new_cache`). Decode steps of the caches interleaved token by token (one step of each in turn, each
     greedy on its own logits, after a prefill in chunks as `prefill.prefill` does): median ms
     per step, wall and CPU, ratios against the first cache. Interleaving single steps keeps
     whatever else runs on the machine out of the comparison."""
@@ -264,7 +265,8 @@ def cache_cost(args, engines: dict | None = None) -> None:
     if args.cost_steps:
         print(f"\nDecode steps interleaved token by token ({args.cost_steps} steps each, "
               "medians):\n")
-        decode_steps_table(plain.model, {k: e.new_cache for k, e in engines.items()},
+        decode_steps_table(plain.model,
+                           {k: functools.partial(new_cache, e) for k, e in engines.items()},
                            lengths, args.cost_steps, plain.prefill_step_size, prompts)
 
 

@@ -506,3 +506,22 @@ def test_float_product_matches_packed_kernels(two, k, n, g):
     assert mx.allclose(floats, packed, rtol=1e-4, atol=1e-3 * k**0.5).item()
     assert not mx.allclose(floats, x @ w, atol=0.05).item()  # the codes were read, not w
     assert hc._route(mx.float32) == "floats" and hc._route(mx.bfloat16) == "eight"
+
+
+def test_softmax_exponential_matches_mx_exp():
+    """The CPU's compiled exp(a - b) of the attention's softmax: within 2e-7 relative of
+    `mx.exp` over the range a softmax reaches, broadcasting like a subtraction, exactly 1 at
+    the row maximum and exactly 0 for masked scores (so the masked columns of a verify row add
+    nothing, as a single step's absent columns)."""
+    from mlxspec.quant import hierarchical_cache as hc
+
+    xs = mx.linspace(-87.0, 0.0, 100_001)
+    got, want = hc._exp_difference(xs, mx.array(0.0)), mx.exp(xs)
+    assert (mx.abs(got - want) / want).max().item() < 2e-7
+    s = mx.array([[1.0, 3.0, hc._NEG], [-200.0, 0.5, 0.25]])
+    m = s.max(axis=-1, keepdims=True)
+    out = hc._exp_difference(s, m).tolist()
+    assert out[0][1] == 1.0 and out[0][2] == 0.0 and out[1][0] == 0.0 and out[1][1] == 1.0
+    assert abs(out[1][2] - mx.exp(mx.array(-0.25)).item()) < 1e-7
+    with mx.stream(mx.cpu):
+        assert hc._exp_difference(mx.array([float("-inf")]), mx.array([0.0])).item() == 0.0
