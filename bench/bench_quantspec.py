@@ -21,6 +21,9 @@ Prints Markdown tables.
         --contexts 1024,4096 [--ks 2,4,8] [--weight-bits 4,8] [--prompts 4] [--max-tokens 32] \\
         [--skip-prompts N]
 
+    python bench/bench_quantspec.py --verify-audit --model qwen2.5-coder-0.5b \\
+        --contexts 4096,16384 [--ks 4,8] [--dtypes float16,bfloat16,float32]
+
 `--acceptance` only measures QuantSpec's acceptance (by position, tokens per target forward)
 at each k, for the draft as shipped and with 8-bit weights (the 4-bit KV view's own share),
 every run asserted token-identical to `none` on the hierarchical cache.
@@ -290,6 +293,8 @@ def acceptance(args) -> None:
     lengths = [int(c) for c in args.contexts.split(",") if c]
     longest = max(lengths) + args.max_tokens + 1
     base = load(args.model, mode="none", no_draft=True, max_context=longest)
+    if args.dtype:  # before the drafts are built: their weights and scales in that dtype
+        base.model.set_dtype(getattr(mx, args.dtype))
     common = dict(config=base.config, name=base.name, max_context=longest)
     buffer = args.buffer_size  # None: 2 G
     ref = Engine(base.model, base.tokenizer, mode="none", kv="hierarchical", kv_group_size=G,
@@ -326,6 +331,72 @@ def acceptance(args) -> None:
             print(f"after {n} prompt(s) of {length} tokens (this one went on {went_on!r}):",
                   *_acceptance_rows(length, stats), sep="\n", file=sys.stderr, flush=True)
         print(*_acceptance_rows(length, stats), sep="\n", flush=True)
+
+
+def verify_audit(args) -> None:
+    """Exactness of the hierarchical cache's attention at length, in each dtype: a verify of
+    k + 1 rows against k + 1 single-token steps at the same positions, over a cache of the
+    model's attention shape filled to each context (random keys and values: the property is
+    one of summation order, not of the numbers). Positions cover a whole group period, so
+    verifies that straddle a flush (rows reading different quantized prefixes) are among them,
+    and from 4,096 tokens up the codes span several tiles. Half precision must be bit for
+    bit; float32 to its rounding (OpenBLAS rounds a product of few rows and of many
+    differently, as for mlx-lm's own cache)."""
+    from mlxspec.quant.hierarchical_cache import HierarchicalKVCache, hierarchical_attention
+
+    cfg = load(args.model, mode="none", no_draft=True).config
+    heads, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    G, ks = args.group_size, [int(k) for k in args.ks.split(",") if k]
+    print(f"{args.model}: attention of {heads} query heads over {n_kv} KV heads x {d}, G = {G}; "
+          f"verifies of k + 1 rows against single steps, k in {ks}\n")
+    print("| context | dtype | verifies checked | straddling a flush | identical | max abs diff |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for length in [int(c) for c in args.contexts.split(",") if c]:
+        for name in args.dtypes.split(","):
+            dtype = getattr(mx, name)
+            mx.random.seed(length)
+            extra = max(ks) + 1 + G + 8
+            k = (mx.random.normal((1, n_kv, length + extra, d)) * 2).astype(dtype)
+            v = mx.random.normal((1, n_kv, length + extra, d)).astype(dtype)
+            q = mx.random.normal((1, heads, length + extra, d)).astype(dtype)
+            base = HierarchicalKVCache(G, auto_commit=True)
+            for i in range(0, length, 2048):
+                base.update_and_fetch(k[..., i : min(i + 2048, length), :],
+                                      v[..., i : min(i + 2048, length), :])
+                mx.eval(base.state)
+            checked = straddled = same = 0
+            worst = 0.0
+            # the next position whose quantized prefix grows: verifies ending past it straddle
+            flush = next(p for p in range(length + 1, length + G + 1)
+                         if base.quantized_before(p) > base.quantized_before(p - 1))
+            for kk in ks:
+                shifts = sorted({*range(0, G + 1, max(1, G // 8)),
+                                 *(flush - length - j for j in range(1, kk + 1) if flush - length >= j)})
+                for shift in shifts:
+                    start, outs, split = length + shift, [], False
+                    for rows in ((kk + 1,), (1,) * (kk + 1)):
+                        c = copy.deepcopy(base)
+                        if start > length:
+                            c.update_and_fetch(k[..., length:start, :], v[..., length:start, :])
+                        out, done, before = [], start, c.split_forwards
+                        for n in rows:
+                            kv, _ = c.update_and_fetch(k[..., done : done + n, :],
+                                                       v[..., done : done + n, :])
+                            out.append(hierarchical_attention(
+                                q[:, :, done : done + n], kv, d**-0.5, "causal" if n > 1 else None))
+                            done += n
+                        outs.append(mx.concatenate(out, axis=2))
+                        split = split or (len(rows) == 1 and c.split_forwards > before)
+                    checked += 1
+                    straddled += split
+                    same += mx.array_equal(outs[0], outs[1]).item()
+                    worst = max(worst, mx.abs(outs[0].astype(mx.float32)
+                                              - outs[1].astype(mx.float32)).max().item())
+            print(f"| {length} | {name} | {checked} | {straddled} | {same}/{checked} | "
+                  f"{worst:.2g} |", flush=True)
+            if dtype != mx.float32 and same != checked:
+                raise SystemExit(f"{name} at {length}: a verify differs from its single steps")
 
 
 def _acceptance_rows(length: int, stats: dict) -> list[str]:
@@ -374,6 +445,12 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--weight-bits", default="4,8",
                     help="draft weight bits compared by --acceptance (8: the KV view alone)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                    help="--acceptance: the model's dtype (default: as loaded, float32 on the CPU)")
+    ap.add_argument("--verify-audit", action="store_true",
+                    help="only the attention's exactness at --contexts: verifies of k + 1 rows "
+                         "(k of --ks) against single steps, in each of --dtypes")
+    ap.add_argument("--dtypes", default="float16,bfloat16,float32")
     ap.add_argument("--memory", action="store_true",
                     help="only the KV memory table at --memory-contexts")
     ap.add_argument("--memory-contexts", default="4096,8192,16384")
@@ -389,6 +466,9 @@ def main() -> None:
         return
     if args.acceptance:
         acceptance(args)
+        return
+    if args.verify_audit:
+        verify_audit(args)
         return
     if args.memory:
         model = load(args.model, mode="none", no_draft=True).model
