@@ -17,7 +17,7 @@ from . import caches
 from .caches.ragged import plain_attention
 from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
-from .policy import MAX_NUM_DRAFT, AdaptiveK
+from .policy import MAX_NUM_DRAFT
 from .prefill import GROUP_PREFILL_MAX, prefill, prefill_group, reuse, start_proposer
 from .proposers.base import Proposer
 from .proposers.draft import DraftRows, draft_proposer
@@ -49,8 +49,8 @@ class Admission:
             raise MlxspecError("a row of another model cannot join this batch")
         members = self.opening + self.prefilling + batch.rows
         row = BatchRow(batch, engine, pc, list(tokens), proposer, req.policy, req.sampling,
-                       req.key, req.stats, len(tokens) + req.max_tokens,
-                       req.num_draft or MAX_NUM_DRAFT, req.stops, seeded=req.seeded)
+                       req.seed, req.stats, len(tokens) + req.max_tokens,
+                       req.num_draft or MAX_NUM_DRAFT, req.stops)
         row.shares = shareable(engine, proposer)
         if members and not (row.shares and all(r.shares for r in members)):
             raise MlxspecError("this request cannot run in the batched step")
@@ -162,12 +162,9 @@ class Admission:
     # -- joining the decoding rows
     def _keeps_own_cache(self, row: BatchRow) -> bool:
         """A first row decodes on its own cache (any kind, no copy): the fastest for one
-        request (on ragged rows one ran at 0.93x, bench/bench_batch_of_one.py at 6fce6c1),
-        until another joins. Not a pinned row of a shared batch (seeded, fixed k, T > 0): its
-        draws must not depend on whether another row comes."""
-        return not self.batch.rows and (
-            self.batch.row_plans or not row.shares or not row.pinned
-            or isinstance(row.planner.policy, AdaptiveK))
+        request (on ragged rows one ran at 0.93x, bench/bench_batch_of_one.py), until another
+        joins."""
+        return not self.batch.rows
 
     def join(self, row: BatchRow, may_keep_own: bool = True) -> None:
         """A prefilled row starts decoding: on its own cache, or in the shared rows."""

@@ -190,18 +190,18 @@ class BatchSpeculator:
         start = time.perf_counter()
         span = self._span()
         try:
-            propose_keys, verify_keys = zip(*(r.step_keys() for r in rows))
             plans = self._plans(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
-                self._queue_next(fed, _spread(fed, verify_keys))
+                self._queue_next(fed)
                 self._deliver_queued(started=start)
                 return
-            proposals, forwards = self._propose(rows, plans, propose_keys)
+            proposals, forwards = self._propose(rows, plans)
             results = decode_step(
                 self.model, self.cache, _spread(fed, [r.context[-1] for r in rows]),
                 _spread(fed, proposals), [GREEDY if r is None else r.sampling for r in fed],
-                _spread(fed, verify_keys), _spread(fed, [k for _, k in plans], 0), self.sync)
+                [None if r is None else r.seed_at() for r in fed],
+                _spread(fed, [k for _, k in plans], 0), self.sync)
             results = [res for res in results if res is not None]
         except Exception as e:
             self.fail(e)
@@ -221,22 +221,20 @@ class BatchSpeculator:
 
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
-        """A plain step may queue the next: a row wants a token after this one's, and no row
-        is pinned (whether its next step is plain would depend on the other rows)."""
-        return (self.pipeline and any(r.wants_two for r in rows)
-                and not any(r.planner.shadow is not None and r.proposer is not None
-                            and r.pinned for r in self.rows))
+        """A plain step may queue the next: a row wants a token after this one's."""
+        return self.pipeline and any(r.wants_two for r in rows)
 
-    def _queue_next(self, fed: list[BatchRow | None], keys=None,
-                    inputs: mx.array | None = None) -> None:
+    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array | None = None,
+                    ahead: set[int] = frozenset()) -> None:
         """A plain step feeding fed[b] its last token (or inputs[b], unread), started
         (`mx.async_eval`; a sharded target's ranks then run the forwards' collectives in the
-        same order), not read back."""
-        if keys is None:  # the same keys the step would take when it runs
-            keys = [r.step_keys()[1] if r is not None else None for r in fed]
+        same order), not read back. A keyed row fed an unread token (its id in `ahead`) draws
+        at the position after that token's."""
         lasts = [None if r is None else r.context[-1] for r in fed]
+        seeds = [None if r is None or r.seed is None
+                 else (r.seed, len(r.context) + (id(r) in ahead)) for r in fed]
         started = start_step(self.model, self.cache, lasts, [None] * len(fed),
-                             [GREEDY if r is None else r.sampling for r in fed], keys,
+                             [GREEDY if r is None else r.sampling for r in fed], seeds,
                              sync=self.sync, inputs=inputs)
         mx.async_eval(started.out)
         self.queued = QueuedPlainStep(fed, started)
@@ -269,7 +267,7 @@ class BatchSpeculator:
                     inputs = mx.stack([
                         mx.array(0, mx.uint32) if r is None else q.tokens[at[id(r)]]
                         if id(r) in at else mx.array(r.context[-1], mx.uint32) for r in fed])
-                self._queue_next(fed, inputs=inputs)
+                self._queue_next(fed, inputs=inputs, ahead=set(at))
             host = finish_step(q.step)
         except Exception as e:
             self.fail(e)
@@ -321,26 +319,26 @@ class BatchSpeculator:
             r.error = e
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
-                 keys: list[mx.array]) -> tuple[list[Proposal | None], dict[str, int]]:
+                 ) -> tuple[list[Proposal | None], dict[str, int]]:
         """Every row's proposal (draft-model rows draft together, `proposers/draft.py`),
         and the sequential forwards this took per source group (`forward_group`)."""
         proposals: list[Proposal | None] = [None] * len(rows)
         by_draft: dict[int, list[int]] = {}
         forwards: dict[str, int] = {}
-        for i, (r, (source, k), key) in enumerate(zip(rows, plans, keys)):
+        for i, (r, (source, k)) in enumerate(zip(rows, plans)):
             if not k:
                 continue
             if source == "draft" and r.draft is not None:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
-            proposals[i] = r.proposer.propose(r.context, k, key, source=source)
+            proposals[i] = r.proposer.propose(r.context, k, r.seed, source=source)
             group = forward_group(source)
             if group:  # a draft (or QuantSpec's pass) on its own: k forwards
                 forwards[group] = forwards.get(group, 0) + k
         widest = 0
         for model_id, members in by_draft.items():
             made = self.drafts[model_id].propose(
-                [(rows[i].draft, rows[i].context, plans[i][1], keys[i]) for i in members])
+                [(rows[i].draft, rows[i].context, plans[i][1], rows[i].seed) for i in members])
             for i, prop in zip(members, made):
                 proposals[i] = prop
             self.batched_drafts += len(members)

@@ -117,7 +117,7 @@ class ChatSession:
 
     def __init__(self, engine, *, system: str | None = None, max_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = 0, suffix_store=None):
+                 seed: int | None = None, suffix_store=None):
         from .suffix_store import SuffixIndex
 
         self.engine = engine

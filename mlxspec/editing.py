@@ -428,7 +428,7 @@ class EditResult:
 
 def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
               max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-              top_k: int = 0, seed: int | None = 0, mode: str | None = None,
+              top_k: int = 0, seed: int | None = None, mode: str | None = None,
               canonical: bool = True, on_step: Callable | None = None,
               suffix_store=None, language: str | None = None,
               format: str | None = None) -> EditResult:

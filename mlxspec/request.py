@@ -3,11 +3,8 @@ proposer, policy, prompt cache and key resolved against the engine."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import mlx.core as mx
 
 from . import caches
 from .caches.prompt import PromptCache
@@ -39,15 +36,14 @@ class Request:
     policy: Policy
     pc: PromptCache
     stats: Stats
-    key: mx.array
+    seed: int | None  # a sampled request draws by (seed, position) in every mode; None: not
     num_draft: int | None
-    seeded: bool  # a seed was given: its draws are its own whatever else runs
     cache_reuse: int = 0  # reuse cached chunks of at least this many tokens at shifted places
 
 
 def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-            min_p: float = 0.0, seed: int | None = 0, stop: list[str] | str | None = None,
+            min_p: float = 0.0, seed: int | None = None, stop: list[str] | str | None = None,
             prediction: str | list[int] | None = None, num_draft: int | None = None,
             prompt_cache: PromptCache | None = None, mode: str | None = None,
             policy: Policy | None = None, cache_reuse: int = 0) -> Request:
@@ -55,7 +51,9 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
     policy, prompt cache and key. `prediction` (text or ids): a predicted output the
     n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
     prompt shares a prefix with it; `mode`, `num_draft` (a cap on k), `policy`: for this
-    request; `seed` None: MLX's global generator; `cache_reuse` N > 0: past the common
+    request; `seed`: at T > 0 each token is drawn from noise keyed by (seed, its position), so
+    every mode, batch and k draws the same tokens (None: MLX's global generator, exact in
+    distribution only); `cache_reuse` N > 0: past the common
     prefix, runs of at least N cached tokens are reused where they moved (llama.cpp's
     `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`)."""
     sampling = SamplingParams(temperature, top_p, top_k, min_p)
@@ -95,8 +93,7 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
         policy=policy or engine.policy_for(proposer, workload_signal(engine, tokens, prediction)),
         pc=prompt_cache if prompt_cache is not None else engine.prompt_cache,
         stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
-        seeded=seed is not None, cache_reuse=cache_reuse,
-        key=mx.random.key(seed if seed is not None else time.time_ns() % 2**31))
+        seed=seed, cache_reuse=cache_reuse)
 
 
 def workload_signal(engine: Engine, tokens: list[int], prediction) -> str:

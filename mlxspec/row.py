@@ -1,6 +1,6 @@
 """One request in the decode loop: a row of a `BatchSpeculator`. It holds what the request
 committed (`context`), its proposer and its side of the planning (`RowPolicy`), its sampling
-and keys, and the text its steps produced (detokenized as committed). The batch steps it and
+and seed, and the text its steps produced (detokenized as committed). The batch steps it and
 hands it back its tokens (`commit`); closing it gives its cache back to the prompt cache.
 """
 
@@ -29,17 +29,16 @@ class BatchRow:
 
     def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
                  context: list[int], proposer: Proposer | None, policy: Policy,
-                 sampling: SamplingParams, key: mx.array, stats: Stats, end: int,
-                 num_draft: int, stops: list[str], seeded: bool = False):
+                 sampling: SamplingParams, seed: int | None, stats: Stats, end: int,
+                 num_draft: int, stops: list[str]):
         self.batch, self.engine, self.pc = batch, engine, pc
-        # A seeded sampled row draws what it would by itself: its fixed k stays fixed (`pinned`),
-        # and its plain steps draw with its own key.
-        self.seeded = seeded
-        self.pinned = seeded and not sampling.greedy
         self.context, self.proposer = context, proposer
         self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans,
                                  cost=batch.policy.cost)
-        self.sampling, self.key, self.stats = sampling, key, stats
+        # A sampled row with a seed draws by position (`sampling.keyed_draw`): the same tokens
+        # whatever is proposed, accepted or batched with it. Without one: MLX's generator.
+        self.seed = None if sampling.greedy else seed
+        self.sampling, self.stats = sampling, stats
         self.end, self.num_draft = end, num_draft
         self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows
         # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
@@ -92,19 +91,15 @@ class BatchRow:
 
     def offer(self) -> tuple[str, RowOffer]:
         """The source this row would propose from and what it offers the batch's policy."""
-        return self.planner.offer(self.available() or {}, self.pinned, self.context)
+        return self.planner.offer(self.available() or {}, self.context)
 
-    def step_keys(self) -> tuple[mx.array | None, mx.array | None]:
-        """The keys of its next step (proposing, verifying), split from its own when seeded
-        and sampled; None otherwise (MLX's global generator)."""
-        if not self.seeded or self.sampling.greedy:
-            return None, None
-        self.key, propose_key, verify_key = mx.random.split(self.key, 3)
-        return propose_key, verify_key
+    def seed_at(self) -> tuple[int, int] | None:
+        """(seed, position of its next token) for a keyed row, else None (`step.SeedAt`)."""
+        return None if self.seed is None else (self.seed, len(self.context))
 
     def first_draw(self, logits: mx.array) -> mx.array:
         """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
-        return draw_next(logits[None], [self.sampling], [self.step_keys()[1]])
+        return draw_next(logits[None], [self.sampling], [self.seed_at()])
 
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:

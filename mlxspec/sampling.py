@@ -6,6 +6,8 @@ The target's p and a draft's q go through the same transforms, so the rejection 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -71,3 +73,78 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     cdf = mx.cumsum(probs.astype(mx.float32), axis=-1)
     u = mx.random.uniform(shape=probs.shape[:-1] + (1,), key=key) * cdf[..., -1:]
     return (cdf <= u).sum(axis=-1).astype(mx.uint32)
+
+
+# -- Position-keyed draws: a seeded request's randomness depends on its seed and the absolute
+# position of the token drawn, nothing else, so that every mode draws what `none` draws.
+
+_M64 = 2**64 - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def position_salts(seed: int, positions: Sequence[int]) -> list[tuple[int, int]]:
+    """The 64-bit salt of each position under `seed`, as two 32-bit halves (the device hashes
+    them with the vocabulary index)."""
+    base = _mix64(seed & _M64)
+    out = []
+    for pos in positions:
+        z = _mix64((base + pos * 0x9E3779B97F4A7C15) & _M64)
+        out.append((z & 0xFFFFFFFF, z >> 32))
+    return out
+
+
+def _hash32(x: mx.array) -> mx.array:
+    """A bijective 32-bit integer hash with low bias (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def position_gumbel(salts: mx.array, vocab: int) -> mx.array:
+    """Gumbel(0, 1) noise (..., vocab) for salts (..., 2) uint32: a counter-based generator
+    (the vocabulary index hashed with the position's salt), so noise at a position is the same
+    whichever step, batch or k it is computed in. 24 bits of uniform per entry."""
+    index = mx.arange(vocab, dtype=mx.uint32)
+    x = _hash32(index ^ salts[..., :1])
+    x = _hash32(x ^ salts[..., 1:])
+    u = ((x >> 8).astype(mx.float32) + 0.5) * (2.0**-24)  # in (0, 1), never 0 or 1
+    return -mx.log(-mx.log(u))
+
+
+def keyed_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """log p up to a constant per row (float32): argmax(keyed_logits + Gumbel) is an exact draw
+    from `probs_from_logits(logits, params)`. Without top-p no softmax runs (MLX's CPU `exp`
+    is ~5x its `log`)."""
+    if params.top_p < 1.0:
+        return mx.log(probs_from_logits(logits, params))  # filtered tokens: -inf
+    x = logits.astype(mx.float32) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = mx.sort(x, axis=-1)[..., vocab - params.top_k][..., None]
+        x = mx.where(x < kth, -mx.inf, x)
+    if params.min_p > 0.0:  # p >= min_p * max p, in logits
+        floor = x.max(axis=-1, keepdims=True) + math.log(params.min_p)
+        x = mx.where(x >= floor, x, -mx.inf)
+    return x
+
+
+def keyed_draw(logits: mx.array, params: SamplingParams, seed: int,
+               positions: int | Sequence[int]) -> mx.array:
+    """The tokens (T,) uint32 that a request with `seed` draws from logits (T, vocab) at
+    `positions` (T absolute positions; an int: T consecutive ones from it): Gumbel-max with
+    noise keyed by (seed, position), an exact draw from p. Greedy params: the argmax."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    if isinstance(positions, int):
+        positions = range(positions, positions + logits.shape[-2])
+    salts = mx.array(position_salts(seed, positions), mx.uint32)
+    scores = keyed_logits(logits, params) + position_gumbel(salts, logits.shape[-1])
+    return mx.argmax(scores, axis=-1).astype(mx.uint32)

@@ -17,8 +17,13 @@ import mlx.nn as nn
 from .caches import Checkpoint
 from .caches.rows import as_rows
 from .proposal import Proposal
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 from .verify import greedy_accepted, verify_sampled
+
+# A keyed row's (seed, absolute position of its next token): its draws are functions of these
+# (`sampling.keyed_draw`), so it draws the same tokens in every mode and batch. None: a greedy
+# row, or a sampled one drawing from MLX's global generator (exact in distribution only).
+SeedAt = tuple[int, int] | None
 
 
 @dataclass
@@ -36,45 +41,53 @@ class StartedStep:
     rows: object  # the cache's rows
     fed: list[int | None]  # each row's last token (None: sat out, its padding trimmed)
     sizes: list[int]  # draft tokens verified per row
-    greedy: list[bool]
+    matched: list[bool]  # greedy or keyed: a draft token is accepted where it equals the draw
     sources: list[str]
     width: int
-    # A plain step (width 1): (B,) every slot's next token. Else, flat per fed row: greedy
-    # argmax[:k+1] + draft; sampled n, next, draft (k = 0: next).
+    # A plain step (width 1): (B,) every slot's next token. Else, flat per fed row: matched
+    # rows their draws[:k+1] + draft; other sampled rows n, next, draft (k = 0: next).
     out: mx.array
     ckpt: Checkpoint | None
 
 
 def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
-                 sampling: SamplingParams, key: mx.array | None) -> tuple[mx.array, mx.array]:
-    """The exact rule for a sampled chain: logits (k + 1, vocab) over [last token] + draft
-    (k,), q the draft's probabilities or None. Lazy (num_accepted, next_token)."""
-    return verify_sampled(probs_from_logits(logits, sampling), draft, q, key)
+                 sampling: SamplingParams) -> tuple[mx.array, mx.array]:
+    """The rejection rule for a sampled chain without a seed: logits (k + 1, vocab) over [last
+    token] + draft (k,), q the draft's probabilities or None. Lazy (num_accepted, next)."""
+    return verify_sampled(probs_from_logits(logits, sampling), draft, q, None)
+
+
+def draws(logits: mx.array, sampling: SamplingParams, seed_at: SeedAt) -> mx.array:
+    """A greedy or keyed row's tokens (T,) at its T positions from logits (T, vocab): what
+    it draws there whatever was proposed (lazy)."""
+    if seed_at is None:
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    return keyed_draw(logits, sampling, *seed_at)
 
 
 def draw_next(logits: mx.array, samplings: list[SamplingParams],
-              keys: list[mx.array | None]) -> mx.array:
-    """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax;
-    a row with a key draws as `verify_chain` does with it; sampled rows without one draw
-    together per sampling setting, from MLX's global generator (exact in distribution)."""
+              seeds: list[SeedAt]) -> mx.array:
+    """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax,
+    keyed rows their keyed draw, other sampled rows together per sampling setting from MLX's
+    global generator."""
     tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-    groups: dict[SamplingParams | int, list[int]] = {}
-    for b, (s, key) in enumerate(zip(samplings, keys)):
-        if not s.greedy:
-            groups.setdefault(b if key is not None else s, []).append(b)
-    for group, members in groups.items():
-        if isinstance(group, int):
-            drawn = verify_chain(logits[group : group + 1], mx.array([], mx.uint32), None,
-                                 samplings[group], keys[group])[1].reshape(1)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, (s, seed_at) in enumerate(zip(samplings, seeds)):
+        if s.greedy:
+            continue
+        if seed_at is not None:
+            tokens[b : b + 1] = keyed_draw(logits[b : b + 1], s, *seed_at)
         else:
-            drawn = sample(probs_from_logits(logits[mx.array(members, mx.int32)], group), None)
-        tokens[mx.array(members, mx.int32)] = drawn.astype(mx.uint32)
+            groups.setdefault(s, []).append(b)
+    for group, members in groups.items():
+        rows = mx.array(members, mx.int32)
+        tokens[rows] = sample(probs_from_logits(logits[rows], group), None).astype(mx.uint32)
     return tokens
 
 
 def start_step(model: nn.Module, cache, last_tokens: list[int | None],
                proposals: list[Proposal | None], samplings: list[SamplingParams],
-               keys: list[mx.array | None], max_accepts: list[int | None] | None = None,
+               seeds: list[SeedAt], max_accepts: list[int | None] | None = None,
                sync=None, inputs: mx.array | None = None) -> StartedStep:
     """Row b verifies proposals[b] (None or empty: plain) after last_tokens[b] (None: sits
     out), accepting at most max_accepts[b] draft tokens. `inputs`: a plain step's (B,) last
@@ -103,9 +116,10 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     if None in last_tokens:  # a row sitting out: everything it was fed goes at once
         rows.trim_rows([width if last is None else 0 for last in last_tokens])
     if width == 1:  # plain: every slot's next token, read back by slot
-        out = draw_next(logits[:, 0], samplings, keys)
+        out = draw_next(logits[:, 0], samplings, seeds)
     else:
-        # greedy rows: one argmax over the batch, compared with the draft on the host
+        # greedy rows: one argmax over the batch; greedy and keyed rows' draws are compared
+        # with the draft on the host
         argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
                   if any(s.greedy for s in samplings) else None)
         outs = []
@@ -114,17 +128,20 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
                 continue
             if samplings[b].greedy:
                 outs.append(mx.concatenate([argmax[b, : k + 1], draft]))
+            elif seeds[b] is not None:
+                outs.append(mx.concatenate([draws(logits[b, : k + 1], samplings[b], seeds[b]),
+                                            draft]))
             elif not k:
-                outs.append(draw_next(logits[b : b + 1, 0], samplings[b : b + 1], keys[b : b + 1]))
+                outs.append(draw_next(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
             else:
-                n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b], keys[b])
+                n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
                 outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
         out = mx.concatenate(outs)
     if sync is not None:
         out = sync(out)
     sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
-    return StartedStep(rows, list(last_tokens), sizes, [s.greedy for s in samplings],
-                       sources, width, out, ckpt)
+    matched = [s.greedy or seed_at is not None for s, seed_at in zip(samplings, seeds)]
+    return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt)
 
 
 def finish_step(step: StartedStep) -> list[StepResult | None]:
@@ -134,16 +151,16 @@ def finish_step(step: StartedStep) -> list[StepResult | None]:
         return [None if last is None else StepResult([t], 0, 0, "")
                 for last, t in zip(step.fed, flat)]
     results, drop, fed_rows, at = [], [], [], 0
-    for last, k, greedy, source in zip(step.fed, step.sizes, step.greedy, step.sources):
+    for last, k, matched, source in zip(step.fed, step.sizes, step.matched, step.sources):
         if last is None:
             results.append(None)
             drop.append(0)  # (trimmed when the step started)
             fed_rows.append([])
             continue
-        if not k and not greedy:
+        if not k and not matched:
             n, nxt, drafted = 0, flat[at], []
             at += 1
-        elif greedy:
+        elif matched:
             target, drafted = flat[at : at + k + 1], flat[at + k + 1 : at + 2 * k + 1]
             at += 2 * k + 1
             n = greedy_accepted(target, drafted)
@@ -161,7 +178,7 @@ def finish_step(step: StartedStep) -> list[StepResult | None]:
 
 def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
                 proposals: list[Proposal | None], samplings: list[SamplingParams],
-                keys: list[mx.array | None], max_accepts: list[int | None],
+                seeds: list[SeedAt], max_accepts: list[int | None],
                 sync=None) -> list[StepResult | None]:
     """One whole step (`start_step` then `finish_step`); a token tree on one row's own cache
     runs the tree step (`tree.py`)."""
@@ -172,8 +189,8 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
         rows = as_rows(model, cache)
         if rows.shared:
             raise ValueError("token trees run one row at a time, on its own cache")
-        tokens, n = tree_step(model, rows.layers, last_tokens[0], first, samplings[0], keys[0],
+        tokens, n = tree_step(model, rows.layers, last_tokens[0], first, samplings[0], seeds[0],
                               max_accept=max_accepts[0], sync=sync)
         return [StepResult(tokens, n, first.depth(), first.source)]
-    return finish_step(start_step(model, cache, last_tokens, proposals, samplings, keys,
+    return finish_step(start_step(model, cache, last_tokens, proposals, samplings, seeds,
                                   max_accepts, sync))

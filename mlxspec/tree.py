@@ -36,7 +36,7 @@ import numpy as np
 from . import caches
 from .errors import MlxspecError
 from .proposal import Proposal
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams, keyed_draw, probs_from_logits
 from .tree_verify import (
     TreeSpec,
     device_sampled_deterministic,
@@ -248,7 +248,7 @@ def compact_cache(cache: list, start: int, keep: list[int], total: int) -> None:
 
 
 def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal,
-              sampling: SamplingParams, key: mx.array | None,
+              sampling: SamplingParams, seed_at: tuple[int, int] | None,
               max_accept: int | None = None, sync=None) -> tuple[list[int], int]:
     """One speculative step over a tree proposal: forward, exact verification (one host sync),
     cache compaction. Returns (new_tokens, num_accepted): the accepted path's tokens followed
@@ -257,7 +257,9 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     `max_accept` caps the accepted path (the engine's remaining-token budget). Capping is exact:
     the next token along the accepted path is distributed as the target's next token.
     On return the cache holds the committed tokens but the last, as before the step.
-    `sync`: as in `decode_step` (rank 0's verification outputs on every rank).
+    `sync`: as in `decode_step` (rank 0's verification outputs on every rank). `seed_at`: a
+    keyed row's (seed, position of its next token): each tree row draws at its depth's
+    position, and the walk is the greedy one over those draws.
     """
     sync = sync or (lambda x: x)
     tokens = proposal.tokens.tolist()
@@ -269,17 +271,24 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     logits = tree_forward(model, cache, last_token, tokens, parents)
     want = list(proposal.want_argmax)
     extra_out = []
-    if sampling.greedy:
-        amax = sync(mx.argmax(logits, axis=-1))
-        fetched = amax.tolist()  # the one host sync
+    if sampling.greedy or seed_at is not None:
+        if sampling.greedy:
+            amax = mx.argmax(logits, axis=-1)
+        else:
+            seed, first = seed_at
+            depths = [0]
+            for par in parents:
+                depths.append(depths[par + 1] + 1)
+            amax = keyed_draw(logits, sampling, seed, [first + d for d in depths])
+        fetched = sync(amax).tolist()  # the one host sync
         path, next_token = walk_greedy(spec, fetched)
         want_argmax = [fetched[i + 1] for i in want]
     else:
         p = probs_from_logits(logits, sampling)
         if proposal.draft_probs is None:
-            outs = device_sampled_deterministic(spec, p, key)
+            outs = device_sampled_deterministic(spec, p, None)
         else:
-            outs = device_sampled_q(spec, p, proposal.draft_probs, key)
+            outs = device_sampled_q(spec, p, proposal.draft_probs, None)
         if want:
             extra_out = [mx.argmax(logits[mx.array([i + 1 for i in want])], axis=-1)]
         outs, extra_out = [sync(o) for o in outs], [sync(o) for o in extra_out]

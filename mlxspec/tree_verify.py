@@ -86,17 +86,22 @@ def _rows_and_tokens(spec: TreeSpec) -> tuple[list[int], list[int], list[int]]:
     return rows, toks, nodes
 
 
-def _sample_rows(rows: mx.array, fallback: mx.array, key: mx.array) -> mx.array:
+def _sample_rows(rows: mx.array, fallback: mx.array, key: mx.array | None) -> mx.array:
     """One draw per row of an unnormalized distribution (`fallback` where it has no mass)."""
     mass = rows.sum(axis=-1, keepdims=True)
     rows = mx.where(mass > 0, rows / mx.maximum(mass, 1e-30), fallback)
     return sample(rows, key)
 
 
-def device_sampled_deterministic(spec: TreeSpec, p: mx.array, key: mx.array):
+def _split(key: mx.array | None) -> tuple[mx.array | None, mx.array | None]:
+    """Two keys from `key`; None: MLX's global generator for both."""
+    return (None, None) if key is None else tuple(mx.random.split(key))
+
+
+def device_sampled_deterministic(spec: TreeSpec, p: mx.array, key: mx.array | None):
     """Lazy (p of each node's token under its parent, uniforms, per-row residual draws)."""
     n = len(spec)
-    u_key, s_key = mx.random.split(key)
+    u_key, s_key = _split(key)
     rows, toks, nodes = _rows_and_tokens(spec)
     u = mx.random.uniform(shape=(max(n, 1),), key=u_key)
     if not nodes:
@@ -108,11 +113,11 @@ def device_sampled_deterministic(spec: TreeSpec, p: mx.array, key: mx.array):
     return pc, u, _sample_rows(residual, p, s_key)
 
 
-def device_sampled_q(spec: TreeSpec, p: mx.array, q: mx.array, key: mx.array):
+def device_sampled_q(spec: TreeSpec, p: mx.array, q: mx.array, key: mx.array | None):
     """Lazy (acceptance probability of each node, uniforms, per-row final residual draws) for
     the SpecInfer rule; q: (len(spec), vocab), row c = the distribution child c was drawn from."""
     n = len(spec)
-    u_key, s_key = mx.random.split(key)
+    u_key, s_key = _split(key)
     u = mx.random.uniform(shape=(max(n, 1),), key=u_key)
     acc = mx.zeros((max(n, 1),), mx.float32)
     residual = p * 1.0

@@ -87,7 +87,7 @@ def make_engine(model, mode="none", draft_model=None, vocab=256, **kw):
 
 
 def decode(model, cache: list, context: list[int], proposer, policy, sampling, max_tokens: int,
-           key: mx.array, stats, num_draft: int = 64, sync=None):
+           seed: int | None, stats, num_draft: int = 64, sync=None):
     """One request on a raw cache holding `context` but its last token, through the batch's
     one scheduler: yields the tokens each step commits; `context` grows in place. When it
     ends the cache holds every committed token but the last again."""
@@ -99,8 +99,8 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     # (the batch learns the cost model an adaptive policy plans with)
     cost = getattr(policy, "cost", None) or StepCost()
     batch = BatchSpeculator(model, BatchPolicy(cost), row_plans=True, sync=sync)
-    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, key,
-                   stats, len(context) + max_tokens, num_draft, [], seeded=True)
+    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, seed,
+                   stats, len(context) + max_tokens, num_draft, [])
     batch.admission.join(row)
     try:
         while row.wants:

@@ -72,8 +72,8 @@ def test_quick_bench_writes_table_json_and_audit(model_dirs, tmp_path):
         assert projected == {"none", "ngram", "draft"}
     assert "PROJECTION (not measured)" in (out / "bench.md").read_text()
     assert "| edit | 0 | ngram |" in result.output.split("PROJECTION")[1]
-    assert report["audit"]["prompts"] == 3
-    for m in ("ngram", "draft"):
+    assert report["audit"]["prompts"] == 3 and report["audit"]["temperatures"] == [0.0, 1.0]
+    for m in ("ngram", "draft"):  # greedy and seeded sampled runs alike: token-identical
         assert report["audit"]["modes"][m]["bugs"] == 0
     assert "| edit | 0 | ngram |" in (out / "bench.md").read_text()
     again = CliRunner().invoke(main, ["bench", "--from-json", str(out / "bench.json"),

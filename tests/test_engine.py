@@ -103,7 +103,7 @@ def test_rollback_leaves_cache_as_fresh_prefill(arch, seed):
     stats = Stats()
     steps = decode(target, cache, context, ScriptedProposer(reference, len(prompt), seed),
                                FixedK(random.Random(seed).randint(1, 6)), SamplingParams(), 30,
-                               mx.random.key(0), stats)
+                               0, stats)
     for _ in steps:
         # Invariant after every step: the cache holds every committed token but the last.
         assert cache[0].offset == len(context) - 1
@@ -263,7 +263,7 @@ def test_plain_stretch_is_pipelined_and_hands_back_at_once(llama_pair):
     proposer.cache = cache
     stats = Stats()
     for _ in decode(model, cache, context, proposer, FixedK(4), SamplingParams(), 30,
-                                mx.random.key(0), stats):
+                                0, stats):
         pass
     assert context[len(prompt):] == reference  # nothing lost, nothing duplicated
     # The stretch saw `start` tokens, asked, stopped, and read back the queued token.

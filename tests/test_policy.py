@@ -250,7 +250,7 @@ def run_forced(target, seed, totals=None):
     context = list(PROMPT)
     stats = Stats()
     for _ in decode(target, cache, context, OnZero(), FixedK(4),
-                                SamplingParams(**SAMPLING), N, mx.random.key(seed), stats):
+                                SamplingParams(**SAMPLING), N, seed, stats):
         pass
     if totals is not None:
         totals["drafted"] += stats.drafted
@@ -322,7 +322,7 @@ def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypa
     monkeypatch.setattr(StepCost, "add", spy)
     policy = Recorder(plain=6)
     steps = decode(target, cache, list(PROMPT), Always(), policy, SamplingParams(), 12,
-                   mx.random.key(0), Stats())
+                   0, Stats())
     tokens = 0
     for out in steps:
         tokens += len(out)

@@ -333,7 +333,7 @@ def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0,
     proposer.reset(prompt, sampling)
     out = []
     for new in decode(model, cache, list(prompt), proposer, FixedK(num_draft),
-                                  sampling, max_tokens, mx.random.key(seed),
+                                  sampling, max_tokens, seed,
                                   stats if stats is not None else Stats()):
         out += new
     return out

@@ -15,10 +15,12 @@ from mlx.utils import tree_flatten
 from .. import backend
 from ..engine import Engine, PromptCache
 from ..policy import AdaptiveK, FixedK
+from ..sampling import SamplingParams, keyed_logits, position_gumbel, position_salts
 from .runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner, Run
 from .workloads import build_workload
 
 PEERS = ("mlx_lm", "mlx_lm_spec")
+AUDIT_TEMPERATURES = (0.0, 1.0)  # the audit's: greedy, and sampled with a seed
 
 
 # `MODE:tree`: the mode proposing token trees
@@ -192,33 +194,50 @@ def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts
 
 
 def lossless_audit(engine: Engine, modes: list[str], n_prompts: int, max_tokens: int = 32,
-                   seed: int = 0, show_progress: bool = True) -> dict:
-    """Every speculative mode against `none`, token by token, at temperature 0. A divergence is
-    reported with the reference's top-2 logit gap at that step (> 1e-3 in float32: a bug)."""
+                   seed: int = 0, show_progress: bool = True,
+                   temperatures: tuple[float, ...] = AUDIT_TEMPERATURES) -> dict:
+    """Every speculative mode against `none`, token by token, at each temperature: greedy, and
+    sampled with a seed (every mode then draws `none`'s tokens). A divergence is reported with
+    the reference's top-2 gap at that step, in the logits (T = 0) or the keyed scores the draw
+    maximizes (T > 0): > 1e-3 in float32 is a bug."""
     items = build_workload("mixed", n_prompts, max_tokens, seed, engine.tokenizer)
     modes = [m for m in modes if m not in ("none",) + PEERS and ":" not in m]
     progress = Progress(len(items), show_progress)
-    report = {"prompts": len(items), "modes": {m: {"identical": 0, "divergences": []} for m in modes}}
+    report = {"prompts": len(items), "temperatures": list(temperatures),
+              "modes": {m: {"identical": 0, "divergences": []} for m in modes}}
     for i, item in enumerate(items):
         tokens = engine.encode(item.prompt)
-        ref = EngineRunner(engine, "none").run(tokens, item.max_tokens, 0.0, 0).tokens
-        for mode in modes:
-            got = EngineRunner(engine, mode).run(tokens, item.max_tokens, 0.0, 0,
-                                                 item.prediction).tokens
-            if got == ref:
-                report["modes"][mode]["identical"] += 1
-                continue
-            step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-            logits = engine.model(mx.array(tokens + ref[:step])[None])[0, -1]
-            top2 = mx.sort(logits.astype(mx.float32))[-2:].tolist()
-            report["modes"][mode]["divergences"].append(
-                {"prompt": i, "step": step, "top2_gap": top2[1] - top2[0]})
+        for temp in temperatures:
+            ref = EngineRunner(engine, "none").run(tokens, item.max_tokens, temp, seed + i).tokens
+            for mode in modes:
+                got = EngineRunner(engine, mode).run(tokens, item.max_tokens, temp, seed + i,
+                                                     item.prediction).tokens
+                if got == ref:
+                    report["modes"][mode]["identical"] += 1
+                    continue
+                step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b),
+                            min(len(got), len(ref)))
+                report["modes"][mode]["divergences"].append(
+                    {"prompt": i, "temperature": temp, "step": step,
+                     "top2_gap": _top2_gap(engine, tokens + ref[:step], temp, seed + i)})
         progress.step("audit")
     progress.close()
     for m in modes:
         divs = report["modes"][m]["divergences"]
         report["modes"][m]["bugs"] = sum(1 for d in divs if d["top2_gap"] > 1e-3)
     return report
+
+
+def _top2_gap(engine: Engine, context: list[int], temp: float, seed: int) -> float:
+    """The gap between the two best scores of the draw after `context`: the logits (T = 0), or
+    the keyed scores at that position (T > 0)."""
+    logits = engine.model(mx.array(context)[None])[0, -1:].astype(mx.float32)
+    if temp > 0:
+        salts = mx.array(position_salts(seed, [len(context)]), mx.uint32)
+        logits = keyed_logits(logits, SamplingParams(temp)) + position_gumbel(
+            salts, logits.shape[-1])
+    top2 = mx.sort(logits[0])[-2:].tolist()
+    return top2[1] - top2[0]
 
 
 def markdown_table(results: dict) -> str:
@@ -262,9 +281,12 @@ def write_outputs(out_dir: Path, report: dict) -> list[Path]:
     if projection_table(report):
         md += ["", projection_table(report)]
     if report.get("audit"):
-        md += ["", "Lossless audit (temperature 0, vs none):"]
-        for m, a in report["audit"]["modes"].items():
-            md.append(f"- {m}: {a['identical']}/{report['audit']['prompts']} identical, "
+        audit = report["audit"]
+        temps = audit.get("temperatures", [0.0])
+        md += ["", "Lossless audit (vs none, token by token, at "
+               + ", ".join(f"T = {t:g}" for t in temps) + "; sampled with a seed):"]
+        for m, a in audit["modes"].items():
+            md.append(f"- {m}: {a['identical']}/{audit['prompts'] * len(temps)} identical, "
                       f"{len(a['divergences'])} divergences, {a['bugs']} with top-2 gap > 1e-3")
     written[1].write_text("\n".join(md) + "\n")
     written += plot(out_dir, report)

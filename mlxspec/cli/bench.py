@@ -92,6 +92,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
 
     Below the measured table, a roofline's PROJECTION of our runs from this machine's
     measured rates (not a measurement). `mlxspec bench editor` replays an editor (llama.vim) typing through files instead."""
+    seed = 0 if seed is None else seed  # (benchmarks are reproducible: prompts and draws)
     if ctx.invoked_subcommand is not None:  # `bench editor`: its own options
         return
     from ..bench.workloads import DEFAULT_MAX_TOKENS
@@ -208,9 +209,12 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     if projection_table(report):
         click.echo("\n" + projection_table(report))
     if report.get("audit"):
-        for m, a in report["audit"]["modes"].items():
-            click.echo(f"audit {m}: {a['identical']}/{report['audit']['prompts']} identical, "
-                       f"{a['bugs']} divergences with top-2 gap > 1e-3")
+        audit = report["audit"]
+        temps = ", ".join(f"T={t:g}" for t in audit["temperatures"])
+        for m, a in audit["modes"].items():
+            click.echo(f"audit {m}: {a['identical']}/{audit['prompts'] * len(audit['temperatures'])}"
+                       f" identical to none ({temps}, seeded), {a['bugs']} divergences with "
+                       f"top-2 gap > 1e-3")
     report_written(written)
 
 
@@ -373,6 +377,7 @@ def editor(model, modes, no_suffix, no_draft, cache_reuse, no_follow_ahead, read
             raise MlxspecError(f"unknown mode {m!r} in --modes; choose from "
                                f"{', '.join(SERVER_MODES)}")
     package_list = [p.strip() for p in packages.split(",") if p.strip()]
+    seed = 0 if seed is None else seed
     engine = load_engine(model, None, "none", None)
     report = run_replays(engine, mode_list, no_suffix, no_draft, n_files, n_lines, n_open,
                          package_list, seed, cache_reuse=cache_reuse,

@@ -122,7 +122,10 @@ SHARED_OPTIONS = {
                                  help="Nucleus sampling, in (0, 1].")),
     "top-k": (("--top-k",), dict(type=int, default=0, show_default=True, callback=in_range(0),
                                  help="0 disables top-k.")),
-    "seed": (("--seed",), dict(type=int, default=0, show_default=True)),
+    "seed": (("--seed",), dict(
+        type=int, default=None,
+        help="At --temp > 0, the same seed gives the same answer, in every --mode (each token "
+             "drawn by its seed and position). Default: a fresh draw each run.")),
     "suffix-cache": (("--suffix-cache",), dict(
         default=None, metavar="FILE",
         help="Earlier requests and answers for the suffix source (modes auto, suffix): read "

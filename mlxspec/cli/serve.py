@@ -98,8 +98,12 @@ def parse_size(text: str) -> int:
 @click.option("--batch-spec/--no-batch-spec", default=True, show_default=True,
               help="Verify concurrent speculative requests (plain-attention models) in one "
                    "batched forward, each row choosing its own k; --no-batch-spec: one forward "
-                   "per request, round robin. Exact either way; a seeded sampled request may "
-                   "draw differently in the batch than alone.")
+                   "per request, round robin. Exact either way; a seeded request draws the "
+                   "same tokens in the batch as alone.")
+@click.option("--seed", "default_seed", type=int, default=-1, show_default=True,
+              help="The seed of a request that sends none (llama-server's --seed): at "
+                   "temperature > 0 a seeded request gives the same answer every time, in "
+                   "every mode, batched or not. -1: no seed (each request draws afresh).")
 @click.option("--suffix-scope", type=click.Choice(["request", "client", "global"]),
               default="client", show_default=True,
               help="Whose earlier requests and answers the suffix source (modes auto, suffix) "
@@ -130,7 +134,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
           write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
           suffix_cache=None, suffix_budget=1 << 20, cache_reuse=0, follow_ahead=True,
-          distributed=None):
+          default_seed=-1, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -154,6 +158,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             cache_entries=prompt_cache_entries, prefill_chunk=max(1, prefill_chunk),
             max_body_bytes=parse_size(max_body_bytes),
             default_max_tokens=max_tokens, default_temperature=temp,
+            default_seed=default_seed if default_seed >= 0 else None,
             cors_origins=tuple(o for o in cors_origins if o), model_name=model_name,
             model_aliases=tuple(model_aliases), accept_any_model=accept_any_model,
             allowed_hosts=tuple(h for h in allowed_hosts if h), api_key=api_key or None,

@@ -135,7 +135,7 @@ def _request(engine, prompt, kwargs) -> dict:
                                                        if k != "prefill_chunk"})
     policy = kw.pop("policy", None)
     kw.pop("prompt_cache", None)
-    if kw.get("seed", 0) is None:  # one seed for every rank
+    if kw.get("seed") is None:  # one seed for every rank (their draws keyed alike)
         kw["seed"] = time.time_ns() % 2**31
     prediction = kw.get("prediction")
     if prediction is not None and not isinstance(prediction, str):

@@ -87,15 +87,15 @@ class SyncedProposer(Proposer):
             return self.inner.available(context, cap)
         return {self.name: cap}  # unused: the plan comes from rank 0
 
-    def propose(self, context, num_draft, key, source=None):
+    def propose(self, context, num_draft, seed, source=None):
         if self.local:
-            p = self.inner.propose(context, num_draft, key, source=source)
+            p = self.inner.propose(context, num_draft, seed, source=source)
             if not self.coord.leader:
                 self._own = p.tokens.tolist() if p is not None and not p.is_tree else None
             return p
         p = None
         if self.coord.leader:
-            p = self.inner.propose(context, num_draft, key, source=source)
+            p = self.inner.propose(context, num_draft, seed, source=source)
             n = len(p) if p is not None else 0
             if n > MAX_NODES:
                 raise DistributedFailure(f"a proposal of {n} tokens exceeds the packet "

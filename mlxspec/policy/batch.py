@@ -102,12 +102,10 @@ class RowPolicy:
         best = max(free, key=free.get)
         self.watch(best, min(free[best], self.policy.max_k), context)
 
-    def offer(self, available: dict[str, int], pinned: bool,
+    def offer(self, available: dict[str, int],
               context: list[int] | None = None) -> tuple[str, RowOffer]:
         """The source the row proposes from (its policy's choice) and what it offers the batch.
-        A probe is forced (it keeps its own schedule); a `pinned` (seeded, temperature > 0)
-        FixedK row keeps its k: its draws depend on k, and must not depend on the batch. An
-        adaptive row offering a draft watches a free source meanwhile (`plan`), given its
+        A probe is forced (it keeps its own schedule). An adaptive row offering a draft watches a free source meanwhile (`plan`), given its
         `context`."""
         policy, shadow = self.policy, self.shadow
         if not available:
@@ -116,9 +114,6 @@ class RowPolicy:
             source, k = policy.plan(available)
             if not k:
                 return "", RowOffer([])
-            if pinned:
-                return source, RowOffer(survival(shadow.accept_probs(source), k),
-                                        forward_group(source), forced=k)
             policy, available = shadow, {source: k}
         source, k = policy.plan(available)
         if k and policy.choose(source, available[source]) == 0:  # a probe

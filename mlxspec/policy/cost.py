@@ -170,7 +170,7 @@ class RowOffer:
 
     survive: list[float]  # s_i = P(positions 1..i all accepted), i = 1..cap
     group: str = ""  # `forward_group` of its source: rows of one group share its forwards
-    forced: int = 0  # propose at least this many (a probe, a pinned k), capped by cap
+    forced: int = 0  # propose at least this many (a probe), capped by cap
     probe: bool = False  # forced because the row's own policy probes a switched-off arm
 
     @property

@@ -9,8 +9,6 @@ a plain step when none is expected to beat plain decoding.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
 from .draft import CONTINUED, DRAFT_ARMS, TREE, DraftModelProposer
@@ -92,18 +90,18 @@ class AutoProposer(Proposer):
             return {}
         return offer
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         if source in ("draft", TREE) and self.draft is not None:
-            return self.draft.propose(context, num_draft, key, source)
+            return self.draft.propose(context, num_draft, seed, source)
         if source == CONTINUED and self.draft is not None:
             chain = self.ngram.propose(context, num_draft - 1, None)
             if chain is None or not len(chain):
-                return self.draft.propose(context, num_draft, key)
-            return self.draft.propose_after(context, chain.tokens.tolist(), num_draft, key)
+                return self.draft.propose(context, num_draft, seed)
+            return self.draft.propose_after(context, chain.tokens.tolist(), num_draft, seed)
         if source and source.startswith("suffix") and self.suffix is not None:
-            return self.suffix.propose(context, num_draft, key, source)
-        return self.ngram.propose(context, num_draft, key)
+            return self.suffix.propose(context, num_draft, seed, source)
+        return self.ngram.propose(context, num_draft, seed)
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
         if source in DRAFT_ARMS:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..proposal import Proposal
 from ..sampling import SamplingParams
 
@@ -44,7 +42,7 @@ class Proposer:
         after every token of a plain stretch too: keep it cheap (host lookups)."""
         return {self.name: cap}
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         """Up to num_draft tokens to follow `context` (prompt + all committed tokens), from
         `source` (one of `available`'s keys; None: the proposer's own choice).

@@ -21,7 +21,7 @@ from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
 from ..caches.rows import RaggedRows, RowCache
 from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
-from ..sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 from .base import Proposal, Proposer
 
 # A draft behind by more tokens than this catches up in a forward of its own (timed apart).
@@ -82,12 +82,12 @@ class DraftModelProposer(Proposer):
     def available(self, context: list[int], cap: int) -> dict[str, int]:
         return {TREE if self.uses_trees else self.name: cap}
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         if num_draft < 1:
             return None
         width = (self.tree_width if self.uses_trees else TREE_WIDTH) if source == TREE else 1
-        return self._own().propose([(self, context, num_draft, key)], [width])[0]
+        return self._own().propose([(self, context, num_draft, seed)], [width])[0]
 
     def continues(self) -> bool:
         """Whether `propose_after` can run: a draft on its own cache that trims (a recurrent
@@ -95,12 +95,12 @@ class DraftModelProposer(Proposer):
         return self.cache is not None and not caches.has_recurrent(self.cache)
 
     def propose_after(self, context: list[int], chain: list[int], num_draft: int,
-                      key: mx.array | None) -> Proposal:
+                      seed: int | None) -> Proposal:
         """`chain` (another source's tokens, e.g. prompt lookup's) continued by the draft to
         num_draft tokens in all: the draft reads the chain as context in one forward and
         drafts the rest. One proposal, the chain's tokens deterministic (q one-hot)."""
         n = len(chain)
-        rest = self._own().propose([(self, context + chain, num_draft - n, key)])[0]
+        rest = self._own().propose([(self, context + chain, num_draft - n, seed)])[0]
         # the chain went in as context; it is as speculative as the draft's own tokens
         del self.cached[len(self.cached) - n :]
         self._fed_drafts += n
@@ -209,10 +209,12 @@ class DraftRows:
             p.cached += t
         return logits
 
-    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, mx.array | None]],
+    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, int | None]],
                 widths: list[int] | None = None) -> list[Proposal]:
-        """Per (member, context, k >= 1, key), k drafted tokens (and their probabilities when
-        sampled): each row draws its i-th with its own i-th key, as it would by itself.
+        """Per (member, context, k >= 1, seed), k drafted tokens: a keyed row (a seed, T > 0)
+        draws each with the target's keyed noise at its position, over the draft's q (a
+        deterministic proposal, `sampling.keyed_draw`); other sampled rows from MLX's global
+        generator, with q for the rejection rule.
         widths[j] > 1: a tree instead, k deep (`_tree`)."""
         widths = widths or [1] * len(requests)
         at = {id(p): i for i, p in enumerate(self.members)}
@@ -238,20 +240,18 @@ class DraftRows:
         for p, _, _, _ in requests:
             p._checkpoint = ckpt
         # 2. the drafted tokens, k_max - 1 more forwards
-        keys = [mx.random.split(key, k) if key is not None else [None] * k
-                for _, _, k, key in requests]
         tokens = [[] for _ in requests]
         probs = [[] for _ in requests]
         for i in range(max(k for _, _, k, _ in requests)):
             feed = [None] * len(self.members)
-            for j, ((p, _, k, _), b) in enumerate(zip(requests, rows)):
+            for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
                 if i >= k:
                     continue
                 if widths[j] > 1:  # the top tokens; the first one is continued
                     q = _top(logits[b], widths[j])
                     token = q[0]
                 else:
-                    token, q = _next(logits[b], p.sampling, keys[j][i])
+                    token, q = _next(logits[b], p.sampling, seed, len(context) + i)
                 tokens[j].append(token)
                 probs[j].append(q)
                 if i + 1 < k:
@@ -270,7 +270,7 @@ class DraftRows:
             if width > 1:
                 prop = _tree(qs, width)
             else:
-                q = None if p.sampling.greedy else mx.stack(qs)
+                q = None if qs[0] is None else mx.stack(qs)
                 prop = Proposal(tokens=mx.stack(toks), draft_probs=q, source="draft")
             prop.setup_seconds = setup
             proposals.append(prop)
@@ -314,9 +314,12 @@ def _tree(tops: list[mx.array], width: int) -> Proposal:
     return Proposal(tokens=mx.concatenate(tops), source=TREE, parents=parents)
 
 
-def _next(logits: mx.array, sampling: SamplingParams, key: mx.array | None):
-    """The next drafted token from `logits` (and its probabilities when sampled)."""
+def _next(logits: mx.array, sampling: SamplingParams, seed: int | None, position: int):
+    """The drafted token at `position` from `logits` (vocab,), and q where the rejection rule
+    needs it (sampled without a seed)."""
     if sampling.greedy:
         return mx.argmax(logits, axis=-1), None
+    if seed is not None:
+        return keyed_draw(logits[None], sampling, seed, position)[0], None
     q = probs_from_logits(logits, sampling)
-    return sample(q, key), q
+    return sample(q, None), q

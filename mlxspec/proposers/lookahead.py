@@ -33,8 +33,6 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-import mlx.core as mx
-
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
 from .base import Proposal, Proposer
@@ -162,7 +160,7 @@ class LookaheadProposer(Proposer):
         self._result = None
 
     # -- protocol
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         self.context = context
         depth = min(self.ngram - 1, max(num_draft, 0))

@@ -11,8 +11,6 @@ its n-grams are looked up first, since it is what the answer is expected to copy
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
 
@@ -95,7 +93,7 @@ class NgramProposer(Proposer):
         found = self._lookup(context, cap) if cap > 0 else None
         return {f"{found[0]}:{found[2]}": len(found[1])} if found else {}
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         if num_draft < 1:
             return None

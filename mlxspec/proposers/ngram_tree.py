@@ -10,8 +10,6 @@ budget lasts. Verification is `tree_verify`'s, through `mlxspec.tree.tree_step`.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
 from .base import Proposal, Proposer
@@ -92,7 +90,7 @@ class TreeNgramProposer(Proposer):
         found = any(next(iter(s.continuations(tail, 1)), None) for s in sources) if cap else False
         return {"ngram-tree": cap} if found else {}
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         self._catch_up(context)
         if num_draft < 1:

@@ -35,7 +35,7 @@ from ..quant.hierarchical_cache import (
     make_hierarchical_cache,
 )
 from ..quant.weights import make_draft_model
-from ..sampling import SamplingParams, probs_from_logits, sample
+from ..sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 from .base import Proposal, Proposer
 
 __all__ = ["QuantSpecProposer"]
@@ -95,7 +95,7 @@ class QuantSpecProposer(Proposer):
             raise RuntimeError("quantspec: the target must use make_target_cache(model)")
         self.sampling = sampling
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         cache = self.cache
         if num_draft <= 0:
@@ -105,7 +105,6 @@ class QuantSpecProposer(Proposer):
             raise RuntimeError(f"quantspec: the shared cache holds {offset} tokens, expected "
                                f"{len(context) - 1} (all committed tokens but the last)")
         greedy = self.sampling.greedy
-        keys = mx.random.split(key, num_draft) if (key is not None and not greedy) else None
         token = mx.array([[context[-1]]], mx.uint32)
         tokens, probs = [], []
         # Recurrent layers (hybrid models) cannot be trimmed: keep their states (references,
@@ -116,9 +115,11 @@ class QuantSpecProposer(Proposer):
                 logits = self.draft_model(token, cache=cache)[0, -1]
                 if greedy:
                     nxt = mx.argmax(logits, axis=-1)
+                elif seed is not None:  # the target's keyed noise at this position
+                    nxt = keyed_draw(logits[None], self.sampling, seed, len(context) + i)[0]
                 else:
                     q = probs_from_logits(logits, self.sampling)
-                    nxt = sample(q, keys[i] if keys is not None else None)
+                    nxt = sample(q, None)
                     probs.append(q)
                 tokens.append(nxt)
                 token = nxt.reshape(1, 1).astype(mx.uint32)

@@ -28,8 +28,6 @@ import heapq
 import math
 from collections import Counter
 
-import mlx.core as mx
-
 from ..sampling import SamplingParams
 from ..suffix_store import MAX_MATCH, SuffixIndex
 from .base import Proposal, Proposer
@@ -211,7 +209,7 @@ class SuffixProposer(Proposer):
         _, _, source, chain, *_ = self._lookup(context, cap)
         return {source: len(chain)} if chain else {}
 
-    def propose(self, context: list[int], num_draft: int, key: mx.array | None,
+    def propose(self, context: list[int], num_draft: int, seed: int | None,
                 source: str | None = None) -> Proposal | None:
         if num_draft < 1:
             return None

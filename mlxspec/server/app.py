@@ -165,6 +165,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  cache_entries: int = 8, prefill_chunk: int = 512,
                  max_body_bytes: int = 16 << 20,
                  default_max_tokens: int = 512, default_temperature: float = 0.0,
+                 default_seed: int | None = None,
                  cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = (),
                  model_name: str | None = None, model_aliases: tuple[str, ...] = (),
                  accept_any_model: bool = False, api_key: str | None = None,
@@ -216,6 +217,7 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.config = ServerConfig(
             model_name=name, model_aliases=aliases, max_context=engine.max_context,
             default_max_tokens=default_max_tokens, default_temperature=default_temperature,
+            default_seed=default_seed,
             modes=MODES, accept_any_model=accept_any_model,
             max_n_cmpl=max(1, min(16, max_queue)), cache_reuse=cache_reuse)
         self.total_slots = spec_max_concurrency + max_batch

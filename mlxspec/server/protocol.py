@@ -210,6 +210,7 @@ class ServerConfig:
     accept_any_model: bool = False  # --accept-any-model: OpenAI requests may name any model
     max_n_cmpl: int = 16
     cache_reuse: int = 0  # --cache-reuse: a request's default n_cache_reuse
+    default_seed: int | None = None  # --seed: the seed of a request that sends none
 
 
 class RequestParser:
@@ -293,6 +294,8 @@ class RequestParser:
             seed = _number(body, seed_key, None, int)
             if seed < 0:  # llama.cpp: -1 = random
                 seed = None
+        else:
+            seed = cfg.default_seed
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise bad("'stream' must be a boolean", "stream")

@@ -281,12 +281,8 @@ class Worker(threading.Thread):
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
                       cache_reuse=r.cache_reuse)
-        # A seeded sampled request keeps a batch of its own, drawing what it would alone
-        # (llama.cpp's n_cmpl: seeds seed, seed + 1, ...), while at most one other does;
-        # beyond that its draw is exact but not the one alone. (Unopened jobs are not counted.)
-        loops = sum(1 for j in self.jobs if j.opened and not j.shared)
-        seeded = r.seed is not None and r.temperature > 0 and loops < 2
-        if ((self.batch_spec or job.plain) and not r.warmup and not seeded
+        # (a seeded request draws the same tokens in the shared batch as alone: by position)
+        if ((self.batch_spec or job.plain) and not r.warmup
                 and accepts(job.slot, kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
