@@ -92,7 +92,8 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
         proposer=proposer,
         policy=policy or engine.policy_for(proposer, workload_signal(engine, tokens, prediction)),
         pc=prompt_cache if prompt_cache is not None else engine.prompt_cache,
-        stats=Stats(mode=mode, prompt_tokens=len(tokens)), num_draft=num_draft,
+        stats=Stats(mode=mode, prompt_tokens=len(tokens), sampling_rule="greedy" if sampling.greedy
+                    else "rejection" if seed is None else "keyed"), num_draft=num_draft,
         seed=seed, cache_reuse=cache_reuse)
 
 

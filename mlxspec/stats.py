@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass, field, fields
 @dataclass
 class Stats:
     mode: str = "none"
+    # how tokens were drawn: "greedy", "keyed" (a seed: every mode draws `none`'s tokens) or
+    # "rejection" (sampled without a seed: exact in distribution)
+    sampling_rule: str = "greedy"
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled again)
     generated_tokens: int = 0
@@ -56,7 +59,7 @@ class Stats:
         stays."""
         for f in fields(Stats):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "mode":
+            if f.name in ("mode", "sampling_rule"):
                 continue
             if f.name == "peak_memory_gb":
                 mine = max(mine, theirs)

@@ -318,7 +318,7 @@ def test_overlapping_stop_strings_cut_at_the_earliest_match():
 def test_a_lazy_draft_catches_up_at_its_first_proposal(arch):
     """`auto`'s draft is not prefilled per prompt (most requests never probe it): its first
     proposal feeds the whole context and drafts what an eagerly prefilled draft drafts, at
-    temperature 0 and, with the same key, at temperature 1."""
+    temperature 0 and, with the same seed, at temperature 1."""
     from mlxspec.proposers.draft import DraftModelProposer
 
     _, _, draft = arch
@@ -328,7 +328,7 @@ def test_a_lazy_draft_catches_up_at_its_first_proposal(arch):
         out = []
         for proposer in (eager, lazy):
             proposer.reset(prompt, sampling)
-            out.append((len(proposer.cached), proposer.propose(prompt, 4, mx.random.key(5))))
+            out.append((len(proposer.cached), proposer.propose(prompt, 4, 5)))
         (eager_held, a), (lazy_held, b) = out
         assert eager_held == len(prompt) - 1 and lazy_held == 0  # nothing fed at reset
         assert a.tokens.tolist() == b.tokens.tolist()

@@ -158,3 +158,36 @@ def test_sampling_is_exact_for_trees_and_auto(mode):
     counts = sample_counts(engine, RUNS, drafted, **kwargs)
     assert min_pvalue(counts, exact) > 1e-4
     assert sum(drafted) > 0  # speculation happened (auto decides per run, from timing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["draft-tree", "suffix", "quantspec"])
+def test_keyed_sampling_is_exact_for_the_other_sources(mode):
+    """The keyed rule (every run here has a seed) for the sources not tested above: a draft
+    tree, the suffix store (its proposals learnt from the runs before), QuantSpec's 4-bit
+    self-draft."""
+    target = build("llama", seed=7, scale=1.5, vocab_size=VOCAB)
+    draft = noisy_copy(target, "llama", noise=0.5, seed=8, vocab_size=VOCAB)
+    exact = exact_distribution(target, PROMPT)
+    name, options = {"draft-tree": ("draft", {"tree_width": 2}), "suffix": ("suffix", {}),
+                     "quantspec": ("quantspec", {"group_size": 32})}[mode]
+    engine = make_engine(target, name, draft_model=draft, vocab=VOCAB, num_draft=4, **options)
+    drafted: list[int] = []
+    assert min_pvalue(sample_counts(engine, RUNS, drafted), exact) > 1e-4
+    assert sum(drafted) > 0
+
+
+@pytest.mark.slow
+def test_the_same_test_rejects_noise_not_keyed_by_position(monkeypatch):
+    """Noise keyed by the seed alone (every position drawn with the same noise): each token is
+    still an exact draw, the sequence is not (its joint distribution fails)."""
+    import mlxspec.sampling as sampling
+
+    target = build("llama", seed=7, scale=1.5, vocab_size=VOCAB)
+    draft = noisy_copy(target, "llama", noise=0.5, seed=8, vocab_size=VOCAB)
+    exact = exact_distribution(target, PROMPT)
+    salts = sampling.position_salts
+    monkeypatch.setattr(sampling, "position_salts",
+                        lambda seed, positions: salts(seed, [0] * len(positions)))
+    engine = make_engine(target, "draft", draft_model=draft, vocab=VOCAB, num_draft=4)
+    assert min_pvalue(sample_counts(engine, RUNS), exact) < 1e-4

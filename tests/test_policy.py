@@ -11,7 +11,7 @@ from conftest import build_model, decode, make_engine, observe_plain, observe_st
 from mlx_lm.models.cache import make_prompt_cache
 from scipy import stats as scipy_stats
 
-import mlxspec.step as loop_module
+import mlxspec.sampling as sampling_module
 from mlxspec.policy import AdaptiveK, FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
@@ -260,16 +260,15 @@ def run_forced(target, seed, totals=None):
 
 def test_stretch_handoffs_are_exact_at_temperature(tiny, monkeypatch):
     """Stretches that end on a sampled token, the queued token read back, then a verified
-    proposal: the distribution of the output is exact; reusing one key breaks it."""
+    proposal: the distribution of the output is exact; noise not keyed by position breaks it."""
     target, _, exact = tiny
     totals = {"drafted": 0, "accepted": 0}  # PROMPT ends in 2: every run starts plain
     counts = sample_counts(lambda s: run_forced(target, s, totals), 800)
     assert min_pvalue(counts, exact) > 1e-4
     assert totals["drafted"] > 400 and 0 < totals["accepted"] < totals["drafted"]
-    verify = loop_module.verify_chain  # how a plain token is drawn: every one with one key
-    monkeypatch.setattr(loop_module, "verify_chain",
-                        lambda logits, draft, q, sampling, key: verify(logits, draft, q, sampling,
-                                                                       mx.random.key(0)))
+    salts = sampling_module.position_salts  # every position drawn with one position's noise
+    monkeypatch.setattr(sampling_module, "position_salts",
+                        lambda seed, positions: salts(seed, [0] * len(positions)))
     broken = sample_counts(lambda s: run_forced(target, s), 300)  # (far off: fewer runs)
     assert min_pvalue(broken, exact) < 1e-4
 

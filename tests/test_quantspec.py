@@ -223,10 +223,14 @@ def _chi_square_pvalue(stats, counts, probs):
     return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def _joint_counts(engine, prompt, runs):
+def _joint_counts(engine, prompt, runs, keyed=True):
+    """Counts of the first two tokens over `runs` runs: seeded (the keyed rule) or not (the
+    rejection rule, MLX's generator seeded per run)."""
     counts = np.zeros((engine.tokenizer.vocab,) * 2)
     for seed in range(runs):
-        t = engine.generate(prompt, max_tokens=2, temperature=1.0, seed=seed).tokens
+        mx.random.seed(seed)
+        t = engine.generate(prompt, max_tokens=2, temperature=1.0,
+                            seed=seed if keyed else None).tokens
         counts[t[0], t[1]] += 1
     return counts
 
@@ -253,22 +257,23 @@ def test_sampling_is_exact_chi_square():
     engine = make_engine(model, "quantspec", vocab=vocab, num_draft=1, group_size=G,
                          weight_bits=2, quantize="all")
     runs = 500
-    counts = _joint_counts(engine, prompt, runs)
-    drafted = engine.proposer.drafted
-    assert 0.05 < engine.proposer.accepted / drafted < 0.98  # both paths taken
-    pval = _chi_square_pvalue(stats, counts, exact)
-    assert pval > 1e-3, pval
+    for keyed in (True, False):
+        counts = _joint_counts(engine, prompt, runs, keyed)
+        drafted = engine.proposer.drafted
+        assert 0.05 < engine.proposer.accepted / drafted < 0.98  # both paths taken
+        pval = _chi_square_pvalue(stats, counts, exact)
+        assert pval > 1e-3, (keyed, pval)
 
-    # a deliberately wrong rule: report q as uniform instead of the draft's distribution
+    # a deliberately wrong rejection rule: q reported as uniform, not the draft's distribution
     real_propose = engine.proposer.propose
 
-    def wrong(context, k, key, source=None):
-        prop = real_propose(context, k, key)
+    def wrong(context, k, seed, source=None):
+        prop = real_propose(context, k, seed)
         prop.draft_probs = mx.ones_like(prop.draft_probs) / vocab
         return prop
 
     engine.proposer.propose = wrong
-    bad = _joint_counts(engine, prompt, runs)
+    bad = _joint_counts(engine, prompt, runs, keyed=False)
     pval_bad = _chi_square_pvalue(stats, bad, exact)
     assert pval_bad < 1e-3, pval_bad
 

@@ -483,8 +483,8 @@ def test_requests_over_the_batch_bound_wait_to_open(model_dirs, ref):
 def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, ref):
     """With the defaults, concurrent greedy requests share the batched speculative step
     (`usage.speculative.batched_speculative`) and answer what `generate` does; a sampled
-    request with a seed keeps the single-request loop and draws what it would alone; a
-    request alone runs in the batch (its engine loop there) and answers as `generate`."""
+    request with a seed shares the batch too and draws what it draws alone; a request alone
+    runs in the batch (its engine loop there) and answers as `generate`."""
     from server_helpers import post, start, stop
 
     engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
@@ -515,31 +515,31 @@ def test_default_server_verifies_concurrent_requests_in_one_batch(model_dirs, re
             t.join(timeout=60)
         for r, want in zip(out[:6], ref["concurrent"]):
             assert r["choices"][0]["text"] == want.text
-        flags = [r["usage"]["speculative"]["batched_speculative"] for r in out[:-1]]
+        flags = [r["usage"]["speculative"]["batched_speculative"] for r in out]
         assert sum(flags) >= 2
         assert out[-1]["choices"][0]["text"] == want_seeded["choices"][0]["text"], out[-1]["usage"]["speculative"]
-        assert not out[-1]["usage"]["speculative"]["batched_speculative"]
-        # /metrics counts the requests the batched step served (the first, alone, included)
+        # /metrics counts the requests the batched step served (the first two, alone, too)
         conn = http.client.HTTPConnection(*srv.url.removeprefix("http://").split(":"))
         conn.request("GET", "/metrics")
         metrics = conn.getresponse().read().decode()
         line = next(x for x in metrics.splitlines()
                     if x.startswith("mlxspec_batched_speculative_generations_total "))
-        assert int(line.split()[-1]) == 1 + sum(flags)
+        assert int(line.split()[-1]) == 2 + sum(flags)
     finally:
         stop(srv)
 
 
-def _opened_worker(model_dirs, greedy: int):
-    """A worker (its thread not started) with a seeded sampled request submitted first and
-    `greedy` greedy ones after it, all admitted and opened in one round."""
+def _opened_worker(model_dirs, greedy: int, mode: str | None = None):
+    """A worker (its thread not started) with a seeded sampled request (in `mode`) submitted
+    first and `greedy` greedy ones after it, all admitted and opened in one round."""
     from mlxspec.server.protocol import GenRequest
     from mlxspec.server.worker import Worker
 
     engine = mlxspec.load(str(model_dirs["qwen2"]), mode="ngram", num_draft=4)
     worker = Worker(engine)
     prompts = [engine.encode(p) for p in CONCURRENT[: 1 + greedy]]
-    seeded = worker.submit(GenRequest("completions", prompts[0], 8, temperature=1.0, seed=5))
+    seeded = worker.submit(GenRequest("completions", prompts[0], 8, temperature=1.0, seed=5,
+                                      mode=mode))
     others = [worker.submit(GenRequest("completions", p, 8)) for p in prompts[1:]]
     worker._admit(block=False)
     for job in worker.jobs:
@@ -554,19 +554,16 @@ def _events(job) -> list:
     return events
 
 
-def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_after_it(
-        model_dirs):
-    """The worker opens every request as a row: greedy ones of the shared batch, a seeded
-    sampled one of a batch of its own (it draws what it would alone), even when opened first
-    in its round with more requests waiting to open after it; the worker steps every batch
-    once a round and each answer equals `generate`'s."""
+def test_every_job_is_a_row_of_the_shared_batch_a_seeded_one_too(model_dirs):
+    """The worker opens every request as a row of the shared batch, a seeded sampled one
+    too (it draws by position: what it draws alone); the worker steps every batch once a
+    round and each answer equals `generate`'s."""
     from mlxspec.row import BatchRow
     from mlxspec.server.worker import Done
 
     engine, worker, prompts, seeded, greedy = _opened_worker(model_dirs, 3)
     assert all(isinstance(job.row, BatchRow) for job in worker.jobs)
-    assert not seeded.shared and seeded.row.batch is not worker.spec_batch
-    assert all(job.shared and job.row.batch is worker.spec_batch for job in greedy)
+    assert all(job.shared and job.row.batch is worker.spec_batch for job in worker.jobs)
     while worker.jobs:
         worker._step_all()
     texts = []
@@ -583,7 +580,9 @@ def test_every_job_is_a_row_and_a_seeded_one_keeps_its_batch_whatever_opens_afte
 def test_a_batch_whose_step_raises_fails_its_own_rows_only(model_dirs, monkeypatch):
     from mlxspec.server.worker import Done, Failed
 
-    engine, worker, prompts, seeded, (greedy,) = _opened_worker(model_dirs, 1)
+    # (a tree source decodes on a batch of its own)
+    engine, worker, prompts, seeded, (greedy,) = _opened_worker(model_dirs, 1, "lookahead")
+    assert seeded.row.batch is not greedy.row.batch
 
     def broken():
         raise RuntimeError("a step that raised")
@@ -810,3 +809,54 @@ def test_small_pieces():
         if hit:
             break
     assert "".join(out) == "abcENx" and hit and ts.stopping_word == "END"
+
+
+SEEDED = {"prompt": "I believe the meaning of life is", "n_predict": 8, "seed": 42,
+          "temperature": 0.8}
+
+
+@pytest.mark.slow
+def test_a_seeded_request_answers_the_same_in_every_mode_and_beside_any_others():
+    """llama.cpp's seeded request sent 4 times in each mode answers `none`'s text every time,
+    alone and with 7 other requests (greedy, sampled, seeded, other modes) in flight; the
+    server-wide --seed gives a request without one the same answer."""
+    from server_helpers import post, start, stop
+
+    engine = mlxspec.load(None, mode="auto")
+    srv = start(engine)
+    try:
+        def ask(body):
+            status, payload, _ = post(srv.url, "/completion", body)
+            assert status == 200, payload
+            return json.loads(payload)["content"]
+
+        want = ask({**SEEDED, "speculative": {"mode": "none"}})
+        for mode in ("none", "ngram", "draft", "lookahead", "suffix", "auto"):
+            answers = [ask({**SEEDED, "speculative": {"mode": mode}}) for _ in range(4)]
+            assert answers == [want] * 4, mode
+        others = [{"prompt": f"def f{i}(x):\n    return", "n_predict": 6 + i,
+                   "temperature": [0, 1.0, 0.7][i % 3], **({"seed": i} if i % 2 else {}),
+                   "speculative": {"mode": ["ngram", "auto", "draft", "none"][i % 4]}}
+                  for i in range(7)]
+        bodies = [SEEDED] * 4 + others
+        out = [None] * len(bodies)
+
+        def run(i):
+            out[i] = ask(bodies[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert out[:4] == [want] * 4
+        assert all(o is not None for o in out)
+    finally:
+        stop(srv)
+    seeded = start(engine, default_seed=42)
+    try:
+        body = {k: v for k, v in SEEDED.items() if k != "seed"}
+        status, payload, _ = post(seeded.url, "/completion", body)
+        assert json.loads(payload)["content"] == want
+    finally:
+        stop(seeded)

@@ -637,6 +637,7 @@ class Usage(Stats):
     def speculative(self) -> dict:
         return {
             "mode": self.mode,
+            "sampling_rule": self.sampling_rule,
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
