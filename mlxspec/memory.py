@@ -1,0 +1,250 @@
+"""Will the pair fit? The weights as they will be loaded, the KV cache at the requested context
+and the working set of a prefill chunk, estimated from the files before anything loads, against
+the memory MLX can wire (Metal's recommended working set) or the memory available (CPU).
+
+The estimate counts what MLX allocates (`mx.get_peak_memory()`); the process adds its runtime
+(Python, the libraries, the tokenizers: `RUNTIME_BYTES`) on top, already resident when the check
+runs. docs/MODELS.md gives the measured figures it was checked against."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MlxspecError
+from .model_info import ModelInfo, model_info, shape_params
+
+GB = 1e9
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
+RUNTIME_BYTES = 700_000_000  # Python, MLX, mlx-lm, two 150 k-token tokenizers (measured)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one model takes at a context: weights, KV cache, a prefill chunk's working set."""
+
+    name: str
+    weights: int
+    kv: int
+    work: int
+    context: int
+    quantized: bool
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.work
+
+    def describe(self) -> str:
+        return (f"{self.name} {self.weights / GB:.1f} GB weights + {self.kv / GB:.2f} GB KV "
+                f"cache at {self.context} tokens")
+
+
+def _act_bytes(info: ModelInfo, gpu: bool) -> int:
+    """Bytes per activation/KV element: float32 on the CPU (the loader casts to it), else the
+    weights' float type (float16/bfloat16 for MLX and converted quantized models)."""
+    if not gpu:
+        return 4
+    return 4 if set(info.stored) <= {"f32"} else 2
+
+
+def weights_bytes(info: ModelInfo, *, gpu: bool, gguf_weights: str | None = None,
+                  is_gguf: bool = False) -> int:
+    """The bytes of the weights once loaded: a folder's stored types (floats cast to float32 on
+    the CPU backend), or a GGUF file's conversion in the `gguf_weights` form."""
+    if is_gguf:
+        from .gguf.convert import resolve_weights_mode
+
+        mode = resolve_weights_mode(gguf_weights)
+        if mode == "float32":
+            return info.params * 4
+        if mode == "float16":
+            return info.params * 2
+        # quantized: 4/8-bit MLX triples of group 32 (float16 scales and biases), floats kept
+        q4, q8 = info.stored.get("q4", 0), info.stored.get("q8", 0)
+        floats = info.params - q4 - q8
+        return int(q4 * (0.5 + 4 / 32) + q8 * (1 + 4 / 32) + floats * 2)
+    total = 0.0
+    for kind, n in info.stored.items():
+        if kind.startswith("q"):
+            bits = int(kind[1:] or 4)
+            total += n * bits / 8
+        elif gpu:
+            total += n * (4 if kind == "f32" else 2)
+        else:
+            total += n * 4
+    if info.quantized and not gpu:  # scales/biases (stored as floats above) become float32
+        total += sum(n for k, n in info.stored.items() if k.startswith("q")) * 2 * 2 / 64
+    return int(total)
+
+
+def kv_bytes(info: ModelInfo, context: int, act: int) -> int:
+    """K and V of every layer at `context` tokens, in mlx-lm's 256-token steps."""
+    tokens = math.ceil(max(context, 1) / KV_STEP) * KV_STEP
+    return info.layers * 2 * info.kv_heads * info.head_dim * tokens * act
+
+
+def work_bytes(info: ModelInfo, context: int, act: int, chunk: int) -> int:
+    """The working set of one prefill chunk at the end of the context: the attention scores
+    (chunk x heads x context, materialized by the CPU's attention), the MLP's three
+    intermediates and a few hidden-state copies; the logits of one step."""
+    chunk = max(1, min(chunk, context))
+    scores = chunk * info.heads * context * act
+    mlp = 3 * chunk * info.ffn * act
+    hidden = 4 * chunk * info.hidden * act
+    logits = 16 * info.vocab_rows * 4
+    return scores + mlp + hidden + logits
+
+
+def estimate(info: ModelInfo, context: int, *, gpu: bool, name: str = "",
+             gguf_weights: str | None = None, is_gguf: bool = False,
+             chunk: int = 2048) -> Estimate:
+    """The Estimate for a model of `info` at `context` tokens."""
+    act = _act_bytes(info, gpu) if not is_gguf else (
+        4 if not gpu else 2)
+    w = weights_bytes(info, gpu=gpu, gguf_weights=gguf_weights, is_gguf=is_gguf)
+    return Estimate(name or info.name, w, kv_bytes(info, context, act),
+                    work_bytes(info, context, act, chunk), context,
+                    quantized=any(k.startswith("q") for k in info.stored) and (
+                        not is_gguf or "quant" in str(gguf_weights or "")))
+
+
+def info_for(source: str | Path) -> tuple[ModelInfo, bool] | None:
+    """(ModelInfo, is a GGUF file still to convert) for a model folder, a GGUF file or a family
+    name not fetched yet (its published shape); None where nothing is known."""
+    from .hub import CODER_MODELS, QWEN25_TOKENIZER
+
+    text = str(source)
+    if text in CODER_MODELS:
+        m = CODER_MODELS[text]
+        layers, hidden, heads, kv, ffn, rows, tied = m.shape
+        params = shape_params(layers, hidden, heads, kv, hidden // heads, ffn, rows, tied)
+        info = ModelInfo(architecture="qwen2", layers=layers, hidden=hidden, heads=heads,
+                         kv_heads=kv, head_dim=hidden // heads, ffn=ffn, vocab_rows=rows,
+                         context=32768, params=params, stored={"q4": params},
+                         tokenizer=QWEN25_TOKENIZER, vocab=151665, quantized=True, name=m.name)
+        return info, True
+    path = Path(text).expanduser()
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        try:
+            return model_info(path), path.is_file()
+        except (MlxspecError, OSError, ValueError, KeyError):
+            return None
+    return None
+
+
+def budget() -> tuple[int | None, str]:
+    """(bytes the models may take, what that is): Metal's recommended working set (what MLX
+    can wire), else the memory available now (Linux MemAvailable, macOS free + inactive)."""
+    from . import backend
+
+    if backend.device_name() == "metal":
+        import mlx.core as mx
+
+        try:
+            info = mx.device_info()
+        except AttributeError:  # older MLX
+            info = mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]), "Metal can wire"
+    return available_memory(), "is available"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now, None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:  # macOS: free + inactive pages
+        import subprocess
+
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+        page = int(out.split("page size of")[1].split()[0])
+        pages = {k.strip(): int(v.strip().rstrip(".")) for k, v in
+                 (ln.split(":", 1) for ln in out.splitlines()[1:] if ":" in ln)}
+        return (pages.get("Pages free", 0) + pages.get("Pages inactive", 0)) * page
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what: str,
+               *, target_info: ModelInfo | None = None, draft_info: ModelInfo | None = None,
+               gpu: bool = False) -> None:
+    """Refuse a target (and draft) whose estimate exceeds `limit`, in one line naming what
+    would fit: --no-draft, a smaller draft, a shorter --max-context, a 4-bit variant."""
+    need = target.total + (draft.total if draft else 0)
+    if limit is None or need <= limit:
+        return
+    options = []
+    if draft is not None and target.total <= limit:
+        options.append(f"--no-draft ({target.total / GB:.1f} GB)")
+    if draft is not None and draft_info is not None:
+        smaller = _smaller_draft(draft_info, target.total, draft.context, limit, gpu)
+        if smaller:
+            options.append(smaller)
+    if target_info is not None:
+        ctx = _fitting_context(target, draft, target_info, draft_info, limit, gpu)
+        if ctx:
+            options.append(f"--max-context {ctx}")
+    if not target.quantized and target_info is not None:
+        q = _four_bit(target_info, target.context, gpu) + (
+            _four_bit(draft_info, draft.context, gpu) if draft and draft_info
+            and not draft.quantized else (draft.total if draft else 0))
+        if q <= limit:
+            options.append(f"a 4-bit variant ({q / GB:.1f} GB: --gguf-weights quantized for a "
+                           "GGUF file, an MLX -4bit repo)")
+    parts = target.describe() + (f", draft {draft.describe()}" if draft else "")
+    fits = ("what would fit: " + ", ".join(options)) if options else (
+        "nothing smaller of these fits: use a smaller model")
+    raise MlxspecError(f"{what} needs about {need / GB:.1f} GB ({parts}) but "
+                       f"{limit / GB:.1f} GB {budget_word(gpu)}: {fits}")
+
+
+def budget_word(gpu: bool) -> str:
+    return "is what Metal can wire" if gpu else "of memory is available"
+
+
+def _four_bit(info: ModelInfo | None, context: int, gpu: bool) -> int:
+    if info is None:
+        return 0
+    act = 2 if gpu else 4
+    return int(info.params * 0.625) + kv_bytes(info, context, act) + work_bytes(
+        info, context, act, 2048)
+
+
+def _fitting_context(target: Estimate, draft: Estimate | None, ti: ModelInfo,
+                     di: ModelInfo | None, limit: int, gpu: bool) -> int | None:
+    """The longest context (a multiple of 1024, at least 1024) at which the pair fits."""
+    act = 2 if gpu and ti.quantized else (4 if not gpu else _act_bytes(ti, gpu))
+    fixed = target.weights + (draft.weights if draft else 0)
+    best = None
+    ctx = 1024
+    while ctx < target.context:
+        need = fixed + kv_bytes(ti, ctx, act) + work_bytes(ti, ctx, act, 2048)
+        if draft is not None and di is not None:
+            need += kv_bytes(di, ctx, act) + work_bytes(di, ctx, act, 512)
+        if need > limit:
+            break
+        best = ctx
+        ctx *= 2
+    return best
+
+
+def _smaller_draft(draft_info: ModelInfo, target_total: int, context: int, limit: int,
+                   gpu: bool) -> str | None:
+    """A smaller family member than the draft, with the same tokenizer, that fits."""
+    from .hub import CODER_MODELS
+
+    for name, m in sorted(CODER_MODELS.items(), key=lambda kv: kv[1].params):
+        if m.params >= draft_info.params * 0.8:
+            break
+        found = info_for(name)
+        if found is None or found[0].tokenizer != draft_info.tokenizer:
+            continue
+        e = estimate(found[0], context, gpu=gpu, is_gguf=True, chunk=512)
+        if target_total + e.total <= limit:
+            return f"--draft-model {name} ({e.total / GB:.1f} GB)"
+    return None
