@@ -122,3 +122,13 @@ def noisy_copy(model, family: str, noise: float | None = None, seed: int = 1, **
     draft.update(params)
     mx.eval(draft.parameters())
     return draft
+
+
+def expected_refusal(family: str, mode: str) -> str | None:
+    """The words the refusal must contain, or None where the mode must be exact."""
+    if family in RECURRENT and mode in ("ngram-tree", "lookahead"):
+        return "recurrent"
+    if mode == "quantspec" and (family in SLIDING or family == "mamba2"):
+        # Sliding windows already bound the KV cache; mamba2 has no attention layers at all.
+        return "sliding-window" if family in SLIDING else "no attention layers"
+    return None

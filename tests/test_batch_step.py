@@ -10,6 +10,16 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from batch_helpers import (
+    CHEAP_WIDTH,
+    REQUESTS,
+    FrozenPolicy,
+    alone,
+    drain,
+    frozen_batch,
+    joins_and_leaves,
+    open_in,
+)
 from conftest import build_model, make_engine, next_output, observe_plain, observe_step
 
 from mlxspec import caches
@@ -47,31 +57,6 @@ def prefilled(engine, tokens: list[int]) -> list:
     pc = PromptCache()
     prefill(engine, tokens, pc, None)
     return pc.cache
-
-
-def drain(rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):
-    """Read every row round robin until all finish; close_at[i] = n closes row i after n
-    outputs (a client going away); join[r] = callable run before round r (a new request)."""
-    live = list(range(len(rows)))
-    counts = [0] * len(rows)
-    for rnd in range(rounds):
-        if join and rnd in join:
-            i = join[rnd]()
-            live.append(i)
-            counts.append(0)
-        if not live:
-            break
-        for i in list(live):
-            try:
-                out = next_output(rows[i])
-            except StopIteration:
-                live.remove(i)
-                continue
-            outs[i].extend(out.tokens)
-            counts[i] += 1
-            if out.finish_reason or (close_at and counts[i] == close_at.get(i)):
-                rows[i].close()
-                live.remove(i)
 
 
 def test_one_forward_verifies_every_row_with_ragged_acceptance(pair):
@@ -116,82 +101,14 @@ def test_one_forward_verifies_every_row_with_ragged_acceptance(pair):
     assert (r.accepted, r.drafted, r.tokens) == (1, 1, paths[2][:2])
 
 
-# (prompt, mode, max_tokens, extra): n-gram with a repetitive prompt, a predicted output, a
-# draft model, plain, auto, a small k
-REQUESTS = [
-    ([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], "ngram", 40, {}),
-    (list(range(10, 40)) * 2, "draft", 24, {}),
-    ([7, 8, 9], "none", 17, {}),
-    ([5] * 20, "auto", 33, {}),
-    ([30, 31, 32, 33], "ngram", 28, {"prediction": "this is predicted text, " * 3}),
-    (list(range(60, 75)), "ngram", 21, {"num_draft": 2}),
-    ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], "draft", 30, {"num_draft": 3}),
-    ([100, 101, 102] * 5, "auto", 26, {}),
-]
 
 
-class FrozenPolicy(BatchPolicy):
-    """A batch policy that does not learn costs: decisions independent of timing."""
-
-    def observe(self, *args, **kwargs) -> None:
-        pass
 
 
-# prior costs under which width is nearly free (as on a GPU): the rows speculate in the batch
-CHEAP_WIDTH = (1.0, 0.3, 0.01, 0.0, 0.01, 0.3)
-
-
-def frozen_batch(target, engine, prior=CHEAP_WIDTH) -> BatchSpeculator:
-    """A batch whose frozen cost model is also `engine`'s (and its clones'), as the server's
-    batch shares its engine's: every row's policy decides by these costs, never by timing."""
-    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=prior)))
-    engine.cost = batch.policy.cost
-    return batch
-
-
-def alone(base, requests):
-    return [base.clone().generate(p, max_tokens=n, mode=m, **kw).tokens
-            for p, m, n, kw in requests]
-
-
-def open_in(batch, engines, requests, rows, pcs=None):
-    """opener(i)() opens request i in the batch (on engines(i)) and appends its row to
-    `rows` (and a fresh prompt cache to `pcs` when given); returns i, as `drain`'s join
-    callables do."""
-    def open_request(i):
-        def go():
-            p, m, n, kw = requests[i]
-            if pcs is not None:
-                pcs.append(PromptCache())
-                kw = {**kw, "prompt_cache": pcs[-1]}
-            rows.append(batch.open(engines(i), p, max_tokens=n, mode=m, **kw))
-            return i
-        return go
-    return open_request
 
 
 def test_batch_equals_each_request_alone_with_joins_and_leaves(pair):
-    """8 requests of different lengths and sources; three join mid-generation, one leaves
-    early (a disconnect): every output equals the request decoded alone by the engine."""
-    target, draft = pair
-    base = make_engine(target, mode="ngram", draft_model=draft)
-    want = alone(base, REQUESTS)
-    batch = frozen_batch(target, base)
-    rows, outs = [], [[] for _ in REQUESTS]
-
-    opener = open_in(batch, lambda i: base.clone(), REQUESTS, rows)
-
-    for i in range(5):
-        opener(i)()
-    drain(rows, outs, close_at={2: 3}, join={2: opener(5), 4: opener(6), 7: opener(7)})
-    assert outs[2] == want[2][: len(outs[2])] and 0 < len(outs[2]) < len(want[2])
-    for i in (0, 1, 3, 4, 5, 6, 7):
-        assert outs[i] == want[i], f"request {i} ({REQUESTS[i][1]})"
-    assert not batch.rows and batch.cache is None
-    # one forward served several rows, and speculation was accepted in the batch
-    assert batch.rows_stepped > 2 * batch.steps
-    assert sum(r.stats.accepted for r in rows) > 10
-    assert {r.stats.accepted for r in rows[:2]} != {0}  # ragged: rows accepted differently
+    joins_and_leaves(pair)
 
 
 def test_rows_leave_empty_slots_that_joiners_fill_and_the_batch_compacts(pair):
@@ -882,7 +799,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
     other sources and k, seeded (keyed draws) or not (the rejection rule, MLX's global
     generator); the same test rejects a deliberately wrong rejection rule (a rejected draft
     token is resampled from p, not from the residual)."""
-    import test_exact_sampling as ex
+    import exact as ex
 
     import mlxspec.step as step
     from mlxspec.sampling import probs_from_logits, sample
@@ -939,7 +856,7 @@ def test_unseeded_rows_of_a_plain_stretch_draw_together_exactly(monkeypatch):
     """Unseeded sampled rows with the same sampling draw their pipelined plain steps in one
     categorical over the batch: chi-square of one row's tokens against the exact
     distribution; the same test rejects a draw that ignores top-k and top-p."""
-    import test_exact_sampling as ex
+    import exact as ex
 
     import mlxspec.step as step
 
@@ -974,12 +891,14 @@ def test_serve_batch_spec_answers_equal_single_requests():
     equals the same request served alone."""
     import threading
 
-    from test_server_load import PROMPTS, post, start, stop
+    from server_helpers import post, start, stop
+
+    prompts = [f"def step_{i}(self, tokens):\n    return {i} + " for i in range(4)]
 
     import mlxspec
 
     engine = mlxspec.load(None, mode="ngram")
-    alone = {p: engine.generate(p, max_tokens=24).text for p in PROMPTS[:4]}
+    alone = {p: engine.generate(p, max_tokens=24).text for p in prompts}
     srv = start(engine.clone(), batch_spec=True)
     try:
         answers = {}
@@ -989,7 +908,7 @@ def test_serve_batch_spec_answers_equal_single_requests():
                                       {"prompt": prompt, "max_tokens": 24, "temperature": 0})
             answers[prompt] = (status, json.loads(payload)["choices"][0]["text"])
 
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS[:4]]
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
         for t in threads:
             t.start()
         for t in threads:

@@ -14,8 +14,7 @@ import urllib.request
 
 import pytest
 from conftest import REPO
-from server_helpers import free_port
-from test_distributed import (
+from dist_helpers import (
     PROMPT,
     TIMEOUT,
     kill_all,
@@ -24,6 +23,7 @@ from test_distributed import (
     reference,
     wait_all,
 )
+from server_helpers import free_port
 
 from mlxspec.distributed import loopback_hostfile
 

@@ -106,7 +106,7 @@ def test_draft_tree_sampling_is_exact_and_the_test_rejects_a_broken_rule(monkeyp
     """Chi-square of the first N tokens against the exact distribution, at T = 1 with top-k
     and top-p, on a sliding-window model; the same test rejects a tree rule that forgets the
     rejected siblings (a rejected token drawn again)."""
-    import test_exact_sampling as ex
+    import exact as ex
 
     import mlxspec.tree_verify as tv
 
@@ -182,7 +182,7 @@ def test_lookup_continued_by_the_draft_is_token_identical(pair):
 def test_lookup_continued_by_the_draft_samples_exactly():
     """Chi-square at T = 1 (a predicted output gives lookup its chains, the draft continues
     them, q one-hot on the chain's tokens), on a sliding-window model."""
-    import test_exact_sampling as ex
+    import exact as ex
 
     target, draft, exact, _ = ex.setup("gemma3_text", "draft")
     engine = make_engine(target, "auto", draft_model=draft, vocab=ex.VOCAB,

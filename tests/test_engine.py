@@ -8,6 +8,7 @@ import random
 import mlx.core as mx
 import pytest
 from conftest import build_model, decode, make_engine
+from helpers import prompts
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -15,19 +16,6 @@ from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
-
-
-def prompts(n: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
-    """Half repetitive (n-gram lookup finds matches), half random."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        if i % 2:
-            unit = [rng.randrange(1, vocab) for _ in range(rng.randint(2, 6))]
-            out.append((unit * 8)[: rng.randint(8, 40)])
-        else:
-            out.append([rng.randrange(1, vocab) for _ in range(rng.randint(3, 40))])
-    return out
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -11,7 +11,7 @@ import random
 import mlx.core as mx
 import pytest
 from conftest import make_engine
-from families import CONFIGS, RECURRENT, SLIDING, VOCAB, WINDOW, build, noisy_copy
+from families import CONFIGS, RECURRENT, SLIDING, VOCAB, WINDOW, build, expected_refusal, noisy_copy
 from mlx_lm.generate import generate_step
 
 from mlxspec import caches
@@ -20,16 +20,6 @@ from mlxspec.errors import MlxspecError
 FAMILIES = list(CONFIGS)
 MODES = ["none", "ngram", "ngram-tree", "draft", "lookahead", "auto", "quantspec"]
 MAX_TOKENS = 3 * WINDOW + 8  # the window wraps several times during generation
-
-
-def expected_refusal(family: str, mode: str) -> str | None:
-    """The words the refusal must contain, or None where the mode must be exact."""
-    if family in RECURRENT and mode in ("ngram-tree", "lookahead"):
-        return "recurrent"
-    if mode == "quantspec" and (family in SLIDING or family == "mamba2"):
-        # Sliding windows already bound the KV cache; mamba2 has no attention layers at all.
-        return "sliding-window" if family in SLIDING else "no attention layers"
-    return None
 
 
 def family_prompts(seed: int) -> list[list[int]]:

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import build_model, make_engine
-from test_tree import chi2_pvalue, generate_with
+from helpers import chi2_pvalue, generate_with, prompts
 
 from mlxspec.proposers.lookahead import JacobiWindow, LookaheadProposer, NgramPool
 from mlxspec.sampling import SamplingParams
@@ -144,8 +144,6 @@ def test_proposal_geometry():
 
 @pytest.mark.parametrize("model_type,wng", [("llama", (4, 4, 4)), ("qwen2", (6, 3, 8))])
 def test_lookahead_greedy_is_token_identical(model_type, wng):
-    from test_engine import prompts
-
     target, _ = build_model(model_type, seed=11, scale=4.0)
     plain = make_engine(target, "none")
     stats = Stats()
@@ -159,8 +157,6 @@ def test_lookahead_greedy_is_token_identical(model_type, wng):
 
 
 def test_lookahead_through_engine():
-    from test_engine import prompts
-
     target, _ = build_model("llama", seed=11, scale=4.0)
     plain = make_engine(target, "none")
     spec = make_engine(target, "lookahead")

@@ -192,7 +192,7 @@ def test_the_engine_reprobes_a_switched_off_source():
 
 # ----------------------------------------------------------------------------- exactness at T > 0
 
-from test_exact_sampling import SAMPLING, VOCAB, N, exact_distribution  # noqa: E402
+from exact import SAMPLING, VOCAB, N, exact_distribution  # noqa: E402
 
 PROMPT = [1, 2, 3, 0, 1, 2]
 

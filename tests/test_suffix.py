@@ -293,8 +293,7 @@ def test_output_is_token_identical_to_none(tiny, mode, options):
 def test_sampled_output_is_exact(tree):
     """T > 0, against the exact distribution (test_exact_sampling's chi-square), with a store
     whose documents continue the prompt several ways and that every run adds its answer to."""
-    from families import build
-    from test_exact_sampling import (
+    from exact import (
         PROMPT,
         RUNS,
         VOCAB,
@@ -302,6 +301,7 @@ def test_sampled_output_is_exact(tree):
         min_pvalue,
         sample_counts,
     )
+    from families import build
 
     target = build("llama", seed=7, scale=1.5, vocab_size=VOCAB)
     store = SuffixIndex()

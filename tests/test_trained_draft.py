@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import build_model, make_engine
+from exact import PROMPT, exact_distribution, min_pvalue, sample_counts
 from families import build
-from test_exact_sampling import PROMPT, exact_distribution, min_pvalue, sample_counts
 
 from mlxspec.errors import MlxspecError
 from mlxspec.recipe.distill import init_draft
@@ -140,8 +140,8 @@ def test_smollm2_finds_its_draft_and_stays_exact(smollm2_gguf, tmp_path, monkeyp
 
 def test_batched_rows_with_a_reduced_head_draft_equal_each_request_alone():
     """The server's batched draft runs the reduced-head draft as any draft: the batch test of
-    test_batch_step with this draft."""
-    from test_batch_step import test_batch_equals_each_request_alone_with_joins_and_leaves as run
+    `batch_helpers.joins_and_leaves` with this draft."""
+    from batch_helpers import joins_and_leaves as run
 
     target, _ = build_model("llama", seed=1, scale=4.0)
     draft = perturbed(init_draft(target, 1, np.arange(0, 256, 2)), 0.3, seed=3)

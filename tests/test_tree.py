@@ -7,12 +7,11 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import build_model, decode, make_engine
+from conftest import build_model, make_engine
+from helpers import chi2_pvalue, generate_with, prefill, prompts
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-from scipy.stats import chisquare
 
 from mlxspec import tree_verify
-from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal
 from mlxspec.proposers.ngram_tree import MultiNgramIndex, TreeNgramProposer
 from mlxspec.sampling import SamplingParams
@@ -39,13 +38,6 @@ def path_to(parents: list[int], i: int) -> list[int]:
         path.append(i)
         i = parents[i]
     return path[::-1]
-
-
-def prefill(model, tokens: list[int]) -> list:
-    cache = make_prompt_cache(model)
-    if tokens:
-        model(mx.array(tokens, mx.uint32)[None], cache=cache)
-    return cache
 
 
 # ----------------------------------------------------------------------------- geometry
@@ -231,16 +223,6 @@ def _run_sampled(toy: ToyModel, make_tree, trials: int, walk, seed: int) -> np.n
     return counts
 
 
-def chi2_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit of counts to probabilities (cells expected < 5 pooled)."""
-    expected = probs / probs.sum() * observed.sum()
-    small = expected < 5
-    obs, exp = observed[~small], expected[~small]
-    if small.any():
-        obs, exp = np.append(obs, observed[small].sum()), np.append(exp, expected[small].sum())
-    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 def _pvalue(toy: ToyModel, counts: np.ndarray) -> float:
     v = toy.vocab
     expected = np.array([[toy(())[a] * toy((a,))[b] for b in range(v)] for a in range(v)])
@@ -326,23 +308,8 @@ def test_tree_ngram_proposal_contains_the_chain_proposal():
             assert len(b) <= 12 and max(depths(b.parents)) <= 4
 
 
-def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0, num_draft=4,
-                  stats=None):
-    cache = prefill(model, prompt[:-1])
-    proposer = proposer_factory()
-    proposer.reset(prompt, sampling)
-    out = []
-    for new in decode(model, cache, list(prompt), proposer, FixedK(num_draft),
-                                  sampling, max_tokens, seed,
-                                  stats if stats is not None else Stats()):
-        out += new
-    return out
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_tree_ngram_greedy_is_token_identical(model_type):
-    from test_engine import prompts
-
     target, _ = build_model(model_type, seed=11, scale=4.0)
     plain = make_engine(target, "none")
     stats = Stats()
@@ -355,8 +322,6 @@ def test_tree_ngram_greedy_is_token_identical(model_type):
 
 
 def test_tree_ngram_through_engine():
-    from test_engine import prompts
-
     target, _ = build_model("llama", seed=11, scale=4.0)
     plain = make_engine(target, "none")
     spec = make_engine(target, "ngram", tree=True)

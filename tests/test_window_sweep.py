@@ -13,9 +13,8 @@ import random
 import mlx.core as mx
 import pytest
 from conftest import make_engine
-from families import RECURRENT, SLIDING, VOCAB, WINDOW, build, noisy_copy
+from families import RECURRENT, SLIDING, VOCAB, WINDOW, build, expected_refusal, noisy_copy
 from mlx_lm.generate import generate_step
-from test_families import expected_refusal
 
 from mlxspec import caches
 from mlxspec.caches.prompt import PromptCache
