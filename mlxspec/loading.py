@@ -213,6 +213,7 @@ def check_pair_fits(target_bytes: int, draft_bytes: int, target: str, draft: str
 
 def estimate_pair(target_path: Path, draft: Path | str | None, context: int | None,
                   gguf_weights: str | None = None, prefill_step_size: int = 2048,
+                  names: tuple[str | None, str | None] = (None, None),
                   ) -> tuple[Any, Any, Any, Any, int]:
     """(target Estimate, draft Estimate or None, their ModelInfos, the context) before loading:
     the weights as they will load, the KV cache at `context` (default: the target's own) and a
@@ -226,15 +227,14 @@ def estimate_pair(target_path: Path, draft: Path | str | None, context: int | No
     tinfo, t_gguf = found
     ctx = context or tinfo.context or 4096
     target = memory.estimate(tinfo, ctx, gpu=gpu, gguf_weights=gguf_weights, is_gguf=t_gguf,
-                             chunk=prefill_step_size)
+                             chunk=prefill_step_size, name=names[0] or "")
     dest = dinfo = None
     if draft is not None:
         d = memory.info_for(draft)
         if d is not None:
             dinfo, d_gguf = d
             dest = memory.estimate(dinfo, ctx, gpu=gpu, gguf_weights=gguf_weights,
-                                   is_gguf=d_gguf, chunk=512, name=str(draft) if isinstance(
-                                       draft, str) and not Path(draft).exists() else "")
+                                   is_gguf=d_gguf, chunk=512, name=names[1] or str(draft))
     return target, dest, tinfo, dinfo, ctx
 
 
@@ -376,14 +376,20 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
                   if drafting else None)
     step = mode_options.get("prefill_step_size") or 2048
     target_est, draft_est, tinfo, dinfo, ctx = estimate_pair(
-        target_path, draft_path if drafting else None, max_context, gguf_weights, step)
+        target_path, draft_path if drafting else None, max_context, gguf_weights, step,
+        names=(model or "the bundled model", draft_name))
     target_bytes = target_est.weights if target_est else weights_bytes(target_path)
     draft_bytes = (draft_est.weights if draft_est else weights_bytes(draft_path)) if drafting \
         else 0
     if announce is not None:
         with_draft = f" with the draft {draft_name} ({draft_bytes / 1e9:.1f} GB)" if drafting else ""
-        kv = (f", KV cache {(target_est.kv + (draft_est.kv if draft_est else 0)) / 1e9:.2f} GB "
-              f"at {ctx} tokens" if target_est else "")
+        kv = ""
+        if target_est is not None:
+            from .memory import pair_total
+
+            kv = (f", KV cache {(target_est.kv + (draft_est.kv if draft_est else 0)) / 1e9:.2f}"
+                  f" GB at {ctx} tokens, about {pair_total(target_est, draft_est) / 1e9:.1f} GB "
+                  "in all")
         announce(f"loading {model or 'the bundled model'} ({target_bytes / 1e9:.1f} GB)"
                  f"{with_draft}{kv}, backend {backend.device_name()}, BLAS {backend.blas_in_use}")
     if target_est is not None:

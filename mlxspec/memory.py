@@ -17,7 +17,7 @@ from .model_info import ModelInfo, model_info, shape_params
 
 GB = 1e9
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens
-RUNTIME_BYTES = 700_000_000  # Python, MLX, mlx-lm, two 150 k-token tokenizers (measured)
+RUNTIME_BYTES = 200_000_000  # Python, MLX, mlx-lm, two 150 k-token tokenizers (measured)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.work
+
+    @property
+    def resident(self) -> int:
+        """What stays allocated between forwards: weights and KV cache."""
+        return self.weights + self.kv
 
     def describe(self) -> str:
         return (f"{self.name} {self.weights / GB:.1f} GB weights + {self.kv / GB:.2f} GB KV "
@@ -117,6 +122,13 @@ def info_for(source: str | Path) -> tuple[ModelInfo, bool] | None:
     text = str(source)
     if text in CODER_MODELS:
         m = CODER_MODELS[text]
+        from .hub import cached_sources
+
+        for _, path in cached_sources(m):  # the copy that will load, when there is one
+            try:
+                return model_info(path), path.is_file()
+            except (MlxspecError, OSError, ValueError, KeyError):
+                continue
         layers, hidden, heads, kv, ffn, rows, tied = m.shape
         params = shape_params(layers, hidden, heads, kv, hidden // heads, ffn, rows, tied)
         info = ModelInfo(architecture="qwen2", layers=layers, hidden=hidden, heads=heads,
@@ -170,12 +182,20 @@ def available_memory() -> int | None:
         return None
 
 
+def pair_total(target: Estimate, draft: Estimate | None) -> int:
+    """The pair's peak: both models' weights and KV caches, and the larger of the two working
+    sets (the target and the draft never run a forward at the same time)."""
+    if draft is None:
+        return target.total
+    return target.resident + draft.resident + max(target.work, draft.work)
+
+
 def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what: str,
                *, target_info: ModelInfo | None = None, draft_info: ModelInfo | None = None,
                gpu: bool = False) -> None:
     """Refuse a target (and draft) whose estimate exceeds `limit`, in one line naming what
     would fit: --no-draft, a smaller draft, a shorter --max-context, a 4-bit variant."""
-    need = target.total + (draft.total if draft else 0)
+    need = pair_total(target, draft)
     if limit is None or need <= limit:
         return
     options = []
@@ -218,14 +238,14 @@ def _four_bit(info: ModelInfo | None, context: int, gpu: bool) -> int:
 def _fitting_context(target: Estimate, draft: Estimate | None, ti: ModelInfo,
                      di: ModelInfo | None, limit: int, gpu: bool) -> int | None:
     """The longest context (a multiple of 1024, at least 1024) at which the pair fits."""
-    act = 2 if gpu and ti.quantized else (4 if not gpu else _act_bytes(ti, gpu))
+    act = max(1, target.kv // max(kv_bytes(ti, target.context, 1), 1))  # the estimate's
     fixed = target.weights + (draft.weights if draft else 0)
     best = None
     ctx = 1024
     while ctx < target.context:
         need = fixed + kv_bytes(ti, ctx, act) + work_bytes(ti, ctx, act, 2048)
         if draft is not None and di is not None:
-            need += kv_bytes(di, ctx, act) + work_bytes(di, ctx, act, 512)
+            need += kv_bytes(di, ctx, act)
         if need > limit:
             break
         best = ctx
@@ -244,7 +264,7 @@ def _smaller_draft(draft_info: ModelInfo, target_total: int, context: int, limit
         found = info_for(name)
         if found is None or found[0].tokenizer != draft_info.tokenizer:
             continue
-        e = estimate(found[0], context, gpu=gpu, is_gguf=True, chunk=512)
-        if target_total + e.total <= limit:
+        e = estimate(found[0], context, gpu=gpu, is_gguf=found[1], chunk=512)
+        if target_total + e.resident <= limit:
             return f"--draft-model {name} ({e.total / GB:.1f} GB)"
     return None

@@ -39,7 +39,7 @@ def stores(tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MLXSPEC_NO_TRAINED_DRAFT", "1")
-    monkeypatch.delenv("MLXSPEC_NO_DRAFT", raising=False)
+    monkeypatch.setenv("MLXSPEC_NO_DRAFT", "0")  # restored after: the --no-draft flag sets it
     monkeypatch.setattr(hub, "is_gpu", lambda: False)
 
     def no_pip(*args, **kwargs):
@@ -442,3 +442,23 @@ def test_the_cli_refuses_in_one_line(stores, monkeypatch, model_dirs):
     assert result.exit_code == 2
     errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "needs about" in errors[0]
+
+
+@pytest.mark.large
+def test_the_coder_gguf_by_path_loads_the_05b_as_its_draft():
+    """`-m FILE.gguf` of the real coder 1.5B (a path, not a name): the 0.5B is its draft by
+    default, said, loaded for --mode draft, and the output is the target's own."""
+    big = sources.named_model_cached("qwen2.5-coder-1.5b")
+    if big is None or sources.named_model_cached("qwen2.5-coder-0.5b") is None:
+        pytest.skip("the coder pair is not cached (mlxspec models fetch qwen2.5-coder-1.5b)")
+    said: list[str] = []
+    engine = mlxspec.load(str(big), mode="draft", num_draft=4, max_context=1024,
+                          announce=said.append)
+    assert any(s.startswith("draft: qwen2.5-coder-0.5b") for s in said), said
+    assert engine.draft_model is not None
+    prompt = ("<|fim_prefix|>def mean(values):\n    total = 0\n    for v in values:\n"
+              "        total += v\n<|fim_suffix|>\n<|fim_middle|>")
+    got = engine.generate(prompt, max_tokens=16)
+    engine.set_mode("none")
+    assert got.tokens == engine.generate(prompt, max_tokens=16).tokens
+    assert got.stats.accepted > 0
