@@ -278,7 +278,8 @@ def resolve_coder(name: str, quiet: bool = False) -> Path:
     model = CODER_MODELS[name]
     gpu = is_gpu()
     for what, path in cached_sources(model):
-        _say(f"-m {name}: {what}: {path}", quiet)
+        if "Hugging Face" in what:  # mlxspec's own copy goes unsaid, as before
+            _say(f"-m {name}: {what}: {path}", quiet)
         return _verified_gguf(model, path) if path.is_file() else path
     problems = []
     if hf_offline():
