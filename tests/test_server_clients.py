@@ -353,8 +353,16 @@ def test_n_cmpl(server):
     # Seeds seed, seed+1, ...: the second completion is the one asked alone with seed + 1.
     status, alone = post(server, "/infill", {**body, "n_cmpl": 1, "seed": 8})
     assert alone["content"] == payload[1]["content"]
-    status, payload = post(server, "/completion", {"prompt": "x", "n_cmpl": 2, "stream": True})
-    assert status == 400 and "stream" in payload["error"]["message"]
+    # Streamed, the answers' chunks interleave, each with its index; each ends with its
+    # final object (stop = true), as llama-server streams n_cmpl.
+    status, raw = send(server, {"method": "POST", "path": "/completion", "body": {
+        "prompt": "x", "n_cmpl": 2, "stream": True, "n_predict": 4, "temperature": 1.0},
+        "headers": {"Content-Type": "application/json"}})
+    assert status == 200
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ")]
+    finals = [e for e in events if e["stop"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
     status, payload = post(server, "/completion", {"prompt": "x", "n_cmpl": 99})
     assert status == 400
 

@@ -37,7 +37,7 @@ from ..suffix_store import save as save_suffix
 from . import protocol as P
 from .metrics import Metrics
 from .protocol import ApiError, RequestParser, ServerConfig, Usage
-from .worker import SPEC_MAX_CONCURRENCY, Delta, Done, Failed, Job, Worker
+from .worker import SPEC_MAX_CONCURRENCY, Delta, Done, Failed, Job, Progress, Worker
 
 SUFFIX_SCOPES = ("request", "client", "global")
 
@@ -45,7 +45,7 @@ log = logging.getLogger("mlxspec.server")
 
 POST_ROUTES = {
     "/v1/completions": "completion",
-    "/completions": "completion",
+    "/completions": "llama_completion",  # llama-server answers it natively
     "/v1/chat/completions": "chat",
     "/chat/completions": "chat",
     "/v1/fim/completions": "fim",
@@ -56,7 +56,8 @@ POST_ROUTES = {
 # llama.cpp's utility endpoints: answered on the handler thread, no generation.
 UTILITY_ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize",
                   "/apply-template": "apply_template"}
-GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/")
+GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/slots",
+              "/")
 
 
 def is_loopback(host: str) -> bool:
@@ -174,7 +175,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
                  request_timeout: float | None = None, send_buffer_bytes: int | None = None,
                  batch_spec: bool = True, suffix_scope: str = "client",
                  suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None,
-                 cache_reuse: int = 0, follow_ahead: bool = True):
+                 cache_reuse: int = 0, follow_ahead: bool = True, slots: bool = True,
+                 slots_debug: bool = False):
         if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
             spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
         # Earlier requests' text for the suffix source, one store per scope: `client` (the
@@ -208,6 +210,8 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.access = AccessPolicy(host, tuple(allowed_hosts), tuple(cors_origins))
         self.api_key = api_key
         self.log_prompts = log_prompts
+        # GET /slots (llama-server's --slots / --no-slots); prompt text only with slots_debug
+        self.slots_endpoint, self.slots_debug = slots, slots_debug
         self.started = time.time()
         name = model_name or engine.name
         aliases = {name, engine.name, Path(str(engine.name)).name, "mlxspec", "default",
@@ -390,12 +394,37 @@ class ClientGone(Exception):
     pass
 
 
-class JobGroup:
-    """The jobs of one `n_cmpl` request (one job standing for all n when greedy)."""
+class Tagged:
+    """A job's event sink that tags its events with the job's number on a shared queue (so
+    one handler waits on all its jobs at once)."""
 
-    def __init__(self, jobs: list[Job], n: int):
-        self.jobs, self.n = jobs, n
-        self.req = jobs[0].req
+    def __init__(self, shared: queue.Queue, number: int):
+        self.shared, self.number = shared, number
+
+    def put(self, event) -> None:
+        self.shared.put((self.number, event))
+
+
+class JobGroup:
+    """The jobs of one request: `reqs` (one per answer, `index` 0, 1, ...) and `jobs`,
+    `job_of[i]` the job that answers `reqs[i]` (greedy answers of one prompt share one)."""
+
+    def __init__(self, reqs: list):
+        self.reqs = reqs
+        self.req = reqs[0]
+        self.jobs: list[Job] = []
+        self.job_of: list[int] = []
+        self.events: queue.Queue = queue.Queue()
+
+    def tagged(self, number: int) -> Tagged:
+        return Tagged(self.events, number)
+
+    def answers_of(self, j: int) -> list[int]:
+        return [i for i, k in enumerate(self.job_of) if k == j]
+
+    def job_slot(self, j: int) -> int:
+        slot = self.jobs[j].slot_id
+        return 0 if slot is None else slot
 
     def cancel(self) -> None:
         for job in self.jobs:
@@ -486,20 +515,6 @@ class Handler(BaseHTTPRequestHandler):
             return self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
-
-    def _next_event(self, job: Job):
-        """The job's next event; raises ClientGone once the client has hung up (checked at
-        least every 50 ms, also while events keep coming)."""
-        while True:
-            now = time.monotonic()
-            if now - self._last_check >= 0.05:
-                self._last_check = now
-                if self._client_gone():
-                    raise ClientGone
-            try:
-                return job.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
 
     def _sse(self, payload) -> None:
         data = payload if isinstance(payload, str) else dumps(payload)
@@ -616,6 +631,12 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(text)
         elif path == "/props":
             self._send_json(200, self._props())
+        elif path == "/slots":
+            if not srv.slots_endpoint:  # llama-server's answer without --slots
+                self._send_error(ApiError(501, "This server does not support slots endpoint.",
+                                          type="not_supported_error"), path)
+                return
+            self._send_json(200, self._slots())
         elif path == "/":
             self._send_json(200, {"name": "mlxspec", "version": __version__,
                                   "endpoints": sorted([*POST_ROUTES, *UTILITY_ROUTES])
@@ -625,6 +646,42 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(ApiError(code, f"no such endpoint: GET {path}"), "other")
             return
         self.server.metrics.request(path, 200)
+
+    def _slots(self) -> list[dict]:
+        """llama-server's `GET /slots`: each slot (a job's place, `--spec-max-concurrency`
+        + `--max-batch` of them) and the request it serves; the prompt's and answer's text
+        only with --slots-debug (llama-server's LLAMA_SERVER_SLOTS_DEBUG)."""
+        srv = self.server
+        ctx = srv.config.max_context or 0
+        jobs = {j.slot_id: j for j in list(srv.worker.jobs)
+                if j.slot_id is not None and not j.ahead}
+        out = []
+        for i in range(max(srv.total_slots, max(jobs, default=-1) + 1)):
+            slot: dict = {"id": i, "n_ctx": ctx,
+                          "speculative": srv.engine.mode != "none", "is_processing": i in jobs}
+            job = jobs.get(i)
+            if job is not None:
+                r, st = job.req, job.stats
+                generated = st.generated_tokens if st is not None else 0
+                slot.update({
+                    "id_task": job.task_id,
+                    "n_prompt_tokens": len(r.prompt),
+                    "n_prompt_tokens_processed": len(r.prompt) - (st.cached_tokens if st else 0),
+                    "n_prompt_tokens_cache": st.cached_tokens if st is not None else 0,
+                    "params": {"n_predict": r.max_tokens, "temperature": r.temperature,
+                               "top_k": r.top_k, "top_p": r.top_p, "min_p": r.min_p,
+                               "seed": r.seed, "stop": r.stop, "n_indent": r.n_indent,
+                               "stream": r.stream, "speculative.mode": r.mode or srv.engine.mode},
+                    "next_token": [{"has_next_token": True,
+                                    "has_new_line": "\n" in job.text_so_far,
+                                    "n_remain": max(0, r.max_tokens - generated),
+                                    "n_decoded": generated}],
+                })
+                if srv.slots_debug:
+                    slot["prompt"] = srv.parser.prompt_text(r.prompt)
+                    slot["generated"] = job.text_so_far
+            out.append(slot)
+        return out
 
     def _props(self) -> dict:
         """llama.cpp's `GET /props` (what llama.vscode reads the context size from)."""
@@ -645,7 +702,7 @@ class Handler(BaseHTTPRequestHandler):
             "model_alias": cfg.model_name,
             "model_path": str(srv.engine.name),
             "modalities": {"vision": False, "audio": False},
-            "endpoint_slots": False,
+            "endpoint_slots": srv.slots_endpoint,
             "endpoint_props": True,
             "endpoint_metrics": True,
             "webui": False,
@@ -674,10 +731,12 @@ class Handler(BaseHTTPRequestHandler):
             self.server.mark(self.connection, "busy")
             if self.server.log_prompts:
                 log.info("%s %s request: %s", self.address_string(), path, dumps(body))
-            req = getattr(self.server.parser, "fim_completion" if kind == "fim" else kind)(body)
-            req.suffix_scope = scope_key(self.server.suffix_scope, self._presented_key(),
-                                         self.client_address[0])
-            job = self.server.worker.submit(req) if req.n_cmpl == 1 else self._submit_many(req)
+            reqs = self.server.parser.requests(kind, body)
+            scope = scope_key(self.server.suffix_scope, self._presented_key(),
+                              self.client_address[0])
+            for req in reqs:
+                req.suffix_scope = scope
+            group = self._submit(reqs)
         except ApiError as e:
             self._send_error(e, path, close=e.status in (408, 411, 413))
             return
@@ -686,15 +745,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
             return
         try:
-            status = self._relay(job, kind) if req.n_cmpl == 1 else self._relay_many(job, kind)
+            status = self._relay(group, kind)
         except ClientGone:
-            job.cancel()
+            group.cancel()
             self.close_connection = True
             self.server.metrics.disconnected()
             self.server.metrics.request(path, 499)
             return
         except Exception:
-            job.cancel()
+            group.cancel()
             raise
         self.server.metrics.request(path, status, time.perf_counter() - start)
 
@@ -759,83 +818,90 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     # -- answering
-    def _relay(self, job: Job, kind: str) -> int:
-        req = job.req
-        first = self._next_event(job)
-        if isinstance(first, Failed):
-            return self._answer_error(first.error)
-        if not req.stream:
-            text, ev = [], first
-            while not isinstance(ev, Done):
-                if isinstance(ev, Failed):
-                    return self._answer_error(ev.error)
-                text.append(ev.text)
-                ev = self._next_event(job)
-            try:
-                self._send_json(200, self._final_body(kind, req, "".join(text), ev))
-            except OSError:
-                raise ClientGone from None
-            return 200
-        self._headers(200, "text/event-stream; charset=utf-8", close=True)
+    def _submit(self, reqs: list) -> JobGroup:
+        """One job per answer, each a row of the shared batch; greedy answers of the same
+        prompt are the same text, so one job serves them all. A refused job (queue full)
+        cancels the ones queued before it."""
+        worker = self.server.worker
+        group = JobGroup(reqs)
+        by_prompt: dict[tuple, int] = {}
         try:
-            self.wfile.write(b"")
-        except OSError:
-            raise ClientGone from None
-        if kind in ("chat", "fim"):
-            self._sse(P.chat_chunk(req, {"role": "assistant", "content": ""}, None))
-        ev = first
+            for req in reqs:
+                key = tuple(req.prompt) if req.temperature == 0 else None
+                if key is not None and key in by_prompt:
+                    group.job_of.append(by_prompt[key])
+                    continue
+                j = len(group.jobs)
+                group.jobs.append(worker.submit(req, events=group.tagged(j)))
+                group.job_of.append(j)
+                if key is not None:
+                    by_prompt[key] = j
+        except ApiError:
+            group.cancel()
+            raise
+        return group
+
+    def _next(self, group: JobGroup):
+        """(job number, event) of the group's next event; raises ClientGone once the client
+        has hung up (checked at least every 50 ms, also while events keep coming)."""
         while True:
-            if isinstance(ev, Delta):
-                if ev.text:
-                    self._sse(self._chunk(kind, req, ev.text))
-            elif isinstance(ev, Failed):
+            now = time.monotonic()
+            if now - self._last_check >= 0.05:
+                self._last_check = now
+                if self._client_gone():
+                    raise ClientGone
+            try:
+                return group.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+
+    def _relay(self, group: JobGroup, kind: str) -> int:
+        """Answer a request's jobs: one JSON body, or server-sent events as they come (the
+        answers' chunks interleaved, each with its index)."""
+        n_jobs = len(group.jobs)
+        texts: list[list[str]] = [[] for _ in range(n_jobs)]
+        ids: list[list[int]] = [[] for _ in range(n_jobs)]
+        dones: list[Done | None] = [None] * n_jobs
+        stream = group.req.stream
+        started = False
+        while any(d is None for d in dones):
+            j, ev = self._next(group)
+            if isinstance(ev, Failed):
+                group.cancel()
+                if not started:
+                    return self._answer_error(ev.error)
                 self._sse({"error": ev.error.body()["error"]})
                 return ev.error.status
+            if stream and not started:
+                started = True
+                self._start_stream(kind, group)
+            if isinstance(ev, Delta):
+                texts[j].append(ev.text)
+                ids[j] += ev.ids
+                if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
+                    for i in group.answers_of(j):
+                        self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j)))
+            elif isinstance(ev, Progress):
+                if stream:
+                    self._sse(self._progress_chunk(kind, group.reqs[group.answers_of(j)[0]],
+                                                   ev, group.job_slot(j)))
             elif isinstance(ev, Done):
-                self._finish_stream(kind, req, ev)
-                return 200
-            ev = self._next_event(job)
-
-    def _submit_many(self, req) -> JobGroup:
-        """llama.cpp's `n_cmpl`: several completions of one prompt. Greedy completions are
-        all the same text, so one generation serves them all; sampled ones run as separate
-        jobs, each with its own seed (seed + i when a seed is given)."""
-        import dataclasses
-
-        worker = self.server.worker
-        if req.temperature == 0:
-            return JobGroup([worker.submit(req)], req.n_cmpl)
-        jobs: list[Job] = []
+                dones[j] = ev
+                if stream:
+                    answers = group.answers_of(j)
+                    last = all(d is not None for d in dones)
+                    for i in answers:
+                        # llama-server: the timings ride on the last chunk (the usage one
+                        # when asked for)
+                        timings = (self._usage(group, dones).timings()
+                                   if last and i == answers[-1] and not group.req.include_usage
+                                   else None)
+                        self._finish_answer(kind, group, i, "".join(texts[j]), ev, timings)
+        if stream:
+            self._finish_stream(kind, group, dones)
+            return 200
         try:
-            for i in range(req.n_cmpl):
-                seed = None if req.seed is None else req.seed + i
-                jobs.append(worker.submit(dataclasses.replace(req, seed=seed)))
-        except ApiError:
-            for job in jobs:
-                job.cancel()
-            raise
-        return JobGroup(jobs, req.n_cmpl)
-
-    def _relay_many(self, group: JobGroup, kind: str) -> int:
-        """Answer `n_cmpl` completions as llama.cpp does: a JSON list, one object each."""
-        results = []
-        for job in group.jobs:
-            text, ev = [], self._next_event(job)
-            while not isinstance(ev, Done):
-                if isinstance(ev, Failed):
-                    group.cancel()
-                    return self._answer_error(ev.error)
-                text.append(ev.text)
-                ev = self._next_event(job)
-            results.append(("".join(text), ev))
-        if len(results) == 1:
-            results = results * group.n
-        bodies = [P.llama_body(job.req, text, done.finish_reason, done.usage,
-                               done.stopping_word, index=i)
-                  for i, ((text, done), job) in enumerate(
-                      zip(results, group.jobs * (group.n // len(group.jobs))))]
-        try:
-            self._send_json(200, bodies)
+            self._send_json(200, self._final_body(kind, group, texts, ids, dones))
         except OSError:
             raise ClientGone from None
         return 200
@@ -847,34 +913,89 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone from None
         return err.status
 
-    def _final_body(self, kind: str, req, text: str, done: Done) -> dict:
-        if kind in ("chat", "fim"):
-            return P.chat_body(req, text, done.finish_reason, done.usage)
-        if kind == "completion":
-            return P.completion_body(req, text, done.finish_reason, done.usage)
-        return P.llama_body(req, text, done.finish_reason, done.usage, done.stopping_word)
+    def _usage(self, group: JobGroup, dones: list) -> Usage:
+        """The usage of the whole answer: every answer's, the prompts counted once."""
+        usages = [dones[group.job_of[i]].usage for i in range(len(group.reqs))]
+        prompts = {r.index // max(1, r.n_cmpl): u.prompt_tokens
+                   for r, u in zip(group.reqs, usages)}
+        return P.total_usage(usages, sum(prompts.values()))
 
-    def _chunk(self, kind: str, req, text: str) -> dict:
-        if kind in ("chat", "fim"):
-            return P.chat_chunk(req, {"content": text}, None)
-        if kind == "completion":
-            return P.completion_chunk(req, text, None)
-        return P.llama_body(req, text, None, None)
+    def _llama_final(self, group: JobGroup, i: int, text: str, done: Done,
+                     tokens: list[int] | None, stream: bool) -> dict:
+        req = group.reqs[i]
+        prompt = self.server.parser.prompt_text(req.prompt) if P.wants_prompt(req) else None
+        return P.llama_body(req, "" if stream else text, done.finish_reason, done.usage,
+                            done.stopping_word, index=req.index,
+                            tokens=tokens if req.return_tokens and not stream else None,
+                            prompt=prompt, id_slot=group.job_slot(group.job_of[i]),
+                            whole=text)
 
-    def _finish_stream(self, kind: str, req, done: Done) -> None:
-        usage: Usage = done.usage
+    def _final_body(self, kind: str, group: JobGroup, texts, ids, dones) -> dict | list:
+        reqs, job_of = group.reqs, group.job_of
         if kind in ("chat", "fim", "completion"):
-            chat = kind != "completion"
-            if chat:
-                # Mistral's FIM API (and Tabby's mistral/completion reader, which requires
-                # it) has a string delta.content in every chunk, the last one included.
-                self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
-                                       done.finish_reason))
-            else:
-                self._sse(P.completion_chunk(req, "", done.finish_reason))
-            if req.include_usage:
-                make = P.chat_chunk if chat else P.completion_chunk
-                self._sse(make(req, None, None, usage))
-            self._sse("[DONE]")
+            choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason)
+                       for i, r in enumerate(reqs)]
+            make = P.completion_body if kind == "completion" else P.chat_body
+            return make(group.req, choices, self._usage(group, dones))
+        bodies = [self._llama_final(group, i, "".join(texts[job_of[i]]), dones[job_of[i]],
+                                    ids[job_of[i]], stream=False) for i in range(len(reqs))]
+        # llama.cpp: one answer is an object, several a list
+        return bodies[0] if len(bodies) == 1 else bodies
+
+    def _start_stream(self, kind: str, group: JobGroup) -> None:
+        self._headers(200, "text/event-stream; charset=utf-8", close=True)
+        try:
+            self.wfile.write(b"")
+        except OSError:
+            raise ClientGone from None
+        if kind in ("chat", "fim"):
+            # llama-server's first chunk: the role, content null; Mistral's FIM API (and
+            # Tabby's mistral/completion reader, which requires it) has a string
+            # delta.content in every chunk.
+            for r in group.reqs:
+                self._sse(P.chat_chunk(r, {"role": "assistant",
+                                           "content": "" if kind == "fim" else None},
+                                       None, index=r.index))
+
+    def _chunk(self, kind: str, req, ev: Delta, slot: int) -> dict:
+        timings = ev.timings if req.timings_per_token else None
+        if kind in ("chat", "fim"):
+            return P.chat_chunk(req, {"content": ev.text}, None, index=req.index,
+                                timings=timings)
+        if kind == "completion":
+            return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings)
+        return P.llama_body(req, ev.text, None, None, index=req.index, tokens=ev.ids,
+                            timings=timings, id_slot=slot)
+
+    def _progress_chunk(self, kind: str, req, ev: Progress, slot: int) -> dict:
+        """llama.cpp's `prompt_progress` chunk (`return_progress`)."""
+        if kind in ("chat", "fim"):
+            return {**P.chat_chunk(req, None, None), "prompt_progress": ev.json()}
+        if kind == "completion":
+            return {**P.completion_chunk(req, None, None), "prompt_progress": ev.json()}
+        return P.llama_body(req, "", None, None, index=req.index, progress=ev.json(),
+                            id_slot=slot)
+
+    def _finish_answer(self, kind: str, group: JobGroup, i: int, text: str,
+                       done: Done, timings: dict | None = None) -> None:
+        """One answer of a stream is done: its last chunk (llama.cpp: the final object)."""
+        req = group.reqs[i]
+        if kind in ("chat", "fim"):
+            self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
+                                   done.finish_reason, index=req.index, timings=timings))
+        elif kind == "completion":
+            self._sse(P.completion_chunk(req, "", done.finish_reason, index=req.index,
+                                         timings=timings))
         else:  # llama.cpp streams end with the full final object, stop = true, no [DONE]
-            self._sse(P.llama_body(req, "", done.finish_reason, usage, done.stopping_word))
+            self._sse(self._llama_final(group, i, text, done, None, stream=True))
+
+    def _finish_stream(self, kind: str, group: JobGroup, dones: list) -> None:
+        """After the answers' last chunks: the usage chunk (`include_usage`; llama-server's
+        `timings` with it) and [DONE], on the OpenAI endpoints."""
+        if kind not in ("chat", "fim", "completion"):
+            return
+        if group.req.include_usage:
+            usage = self._usage(group, dones)
+            make = P.completion_chunk if kind == "completion" else P.chat_chunk
+            self._sse(make(group.req, None, None, usage, timings=usage.timings()))
+        self._sse("[DONE]")

@@ -8,15 +8,20 @@ worker, so bad input is answered without ever queueing behind generation.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..chat_session import render_chat
+from .. import __version__
+from ..chat_session import check_chat_template, render_chat
 from ..fim import FimTokens, detect_fim  # noqa: F401  (FimTokens: re-exported)
 from ..stats import Stats
+
+# llama-server's `system_fingerprint` is "b<build>-<commit>"; clients check the "b".
+SYSTEM_FINGERPRINT = f"b{__version__}-mlxspec"
 
 
 class ApiError(Exception):
@@ -42,6 +47,90 @@ class ApiError(Exception):
 
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def not_yet(field: str, what: str) -> ApiError:
+    """A field this server cannot honour yet: refused, never answered while ignored."""
+    return ApiError(400, f"'{field}' is not supported yet: this server cannot {what}; send the "
+                         f"request without '{field}'", param=field, code="not_supported")
+
+
+def _is_true(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false", name)
+    return value
+
+
+def check_unsupported(body: dict, endpoint: str) -> None:
+    """Refuse what the decode loop cannot do yet (constrained decoding, log-probabilities,
+    logit biases) with a 400 that names the field, and malformed values of those fields as
+    llama-server does (an unknown `response_format` type, a schema that is not an object)."""
+    grammar = body.get("grammar")
+    if grammar is not None and grammar != "":
+        if not isinstance(grammar, str):
+            raise bad("'grammar' must be a string", "grammar")
+        raise not_yet("grammar", "constrain the answer to a grammar")
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], dict):
+            raise bad("'json_schema' must be an object (a JSON Schema)", "json_schema")
+        raise not_yet("json_schema", "constrain the answer to a JSON schema")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise bad("'response_format' must be an object like {\"type\": \"text\"}",
+                      "response_format")
+        kind = rf.get("type")
+        if kind == "json_object":
+            if rf.get("schema") is not None and not isinstance(rf["schema"], dict):
+                raise bad("'response_format.schema' must be an object (a JSON Schema)",
+                          "response_format.schema")
+            raise not_yet("response_format", "constrain the answer to JSON (type json_object)")
+        if kind == "json_schema":
+            wrapper = rf.get("json_schema")
+            if wrapper is not None and not isinstance(wrapper, dict):
+                raise bad("'response_format.json_schema' must be an object like "
+                          "{\"schema\": {...}}", "response_format.json_schema")
+            schema = (wrapper or {}).get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise bad("'response_format.json_schema.schema' must be an object (a JSON "
+                          "Schema)", "response_format.json_schema.schema")
+            raise not_yet("response_format", "constrain the answer to a JSON schema "
+                                             "(type json_schema)")
+        if kind not in (None, "", "text"):
+            # llama-server's message (it accepts json_schema too)
+            raise bad('response_format type must be one of "text", "json_object" or '
+                      f'"json_schema", but got: {kind}', "response_format.type")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        if not isinstance(logprobs, (bool, int)):  # chat: a boolean; completions: a count
+            raise bad("'logprobs' must be true or false (or a count on completions)",
+                      "logprobs")
+        raise not_yet("logprobs", "return log-probabilities")
+    if body.get("top_logprobs") is not None:
+        # llama-server: top_logprobs without logprobs is an error
+        raise bad("top_logprobs requires logprobs to be set to true", "top_logprobs")
+    n_probs = body.get("n_probs")
+    if n_probs is not None:
+        if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
+            raise bad("'n_probs' must be an integer >= 0", "n_probs")
+        if n_probs > 0:
+            raise not_yet("n_probs", "return token probabilities")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, (dict, list)):
+            raise bad("'logit_bias' must be an object {token: bias} or a list of "
+                      "[token, bias] pairs", "logit_bias")
+        if bias:
+            raise not_yet("logit_bias", "bias token logits")
+    if endpoint in ("completions",):
+        if _is_true(body, "echo"):
+            raise bad("Only no echo is supported ('echo' must be false)", "echo")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise bad("Unsupported param: best_of (only 1 is supported)", "best_of")
 
 
 # ----------------------------------------------------------------------------- FIM prompts
@@ -137,11 +226,19 @@ class GenRequest:
     n_ctx: int | None = None
     n_indent: int = 0  # llama.cpp: stop at a new line indented less than this
     cache_reuse: int = 0  # llama.cpp's n_cache_reuse: reuse cached chunks shifted (not exact)
-    n_cmpl: int = 1  # llama.cpp: completions of the same prompt
+    n_cmpl: int = 1  # answers of the same prompt (llama.cpp's n_cmpl, OpenAI's n)
+    index: int = 0  # this answer's place in the response (choices[i], llama.cpp's index)
     response_fields: list[str] | None = None
+    return_tokens: bool = False  # llama.cpp: the answer's token ids in `tokens`
+    return_progress: bool = False  # llama.cpp: `prompt_progress` chunks while prefilling
+    timings_per_token: bool = False  # llama.cpp: `timings` in every streamed chunk
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
@@ -277,9 +374,10 @@ class RequestParser:
         if not prompt:
             raise bad("the prompt is empty", "prompt")
         if ctx and len(prompt) >= ctx:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the model's context "
-                                f"is {ctx} tokens", param="prompt",
-                           code="context_length_exceeded",
+            # llama-server's type and words (its clients match on both), OpenAI's code
+            raise ApiError(400, f"request ({len(prompt)} tokens) exceeds the available context "
+                                f"size ({ctx} tokens), try increasing it", param="prompt",
+                           type="exceed_context_size_error", code="context_length_exceeded",
                            extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx})
         # A max_tokens larger than what the context leaves is clamped to it, as llama.cpp
         # does (the answer then ends with finish_reason "length" / stop_type "limit").
@@ -302,16 +400,10 @@ class RequestParser:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise bad("'stream_options' must be an object", "stream_options")
-        n = body.get("n")
-        if check_model and n is not None and n != 1:
-            raise bad("only n = 1 is supported", "n")
-        n_cmpl = 1
-        if not check_model:  # llama.cpp: n_cmpl, with OpenAI's n as a fallback
-            key = "n_cmpl" if body.get("n_cmpl") is not None else "n"
-            n_cmpl = _number(body, key, 1, int, 1, cfg.max_n_cmpl)
-            if n_cmpl > 1 and stream:
-                raise bad(f"'{key}' > 1 is not supported with streaming; ask without "
-                          "\"stream\" to get the completions as one list", key)
+        # Several answers of each prompt: OpenAI's n, llama.cpp's n_cmpl (n as a fallback);
+        # each answer is a job of its own (a row of the shared batch).
+        key = "n_cmpl" if not check_model and body.get("n_cmpl") is not None else "n"
+        n_cmpl = _number(body, key, 1, int, 1, cfg.max_n_cmpl)
         spec = body.get("speculative") or {}
         if not isinstance(spec, dict):
             raise bad("'speculative' must be an object like {\"mode\": \"ngram\", \"num_draft\": 4}",
@@ -332,6 +424,8 @@ class RequestParser:
         if fields is not None and not (isinstance(fields, list) and all(
                 isinstance(f, str) for f in fields)):
             raise bad("'response_fields' must be a list of strings", "response_fields")
+        if fields == []:  # llama.cpp: an empty list means every field
+            fields = None
         return GenRequest(
             endpoint=endpoint, prompt=prompt, max_tokens=max_tokens,
             temperature=_number(body, "temperature", cfg.default_temperature, float, 0.0, 100.0),
@@ -343,40 +437,98 @@ class RequestParser:
             num_draft=num_draft, use_suffix=use_suffix, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
             response_fields=fields, model=cfg.model_name, context_limited=limited, n_ctx=ctx,
             n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl,
-            cache_reuse=_number(body, "n_cache_reuse", cfg.cache_reuse, int, 0))
+            cache_reuse=_number(body, "n_cache_reuse", cfg.cache_reuse, int, 0),
+            return_tokens=_is_true(body, "return_tokens"),
+            return_progress=_is_true(body, "return_progress"),
+            timings_per_token=_is_true(body, "timings_per_token"))
 
     # -- endpoints
+    def requests(self, kind: str, body: dict) -> list[GenRequest]:
+        """Every answer a request asks for, in the order they are answered: each prompt
+        (several on the completion endpoints) times `n` / `n_cmpl`, `index` 0, 1, ... Sampled
+        answers of one prompt use seeds seed, seed + 1, ... when a seed is given."""
+        check_unsupported(body, {"completion": "completions", "llama_completion": "completion"}
+                          .get(kind, kind))
+        if kind == "completion":
+            per_prompt = self.completions(body)
+        elif kind == "llama_completion":
+            per_prompt = self.llama_completions(body)
+        else:
+            per_prompt = [getattr(self, "fim_completion" if kind == "fim" else kind)(body)]
+        out = []
+        for req in per_prompt:
+            for j in range(req.n_cmpl):
+                seed = req.seed + j if req.seed is not None and req.temperature > 0 else req.seed
+                out.append(dataclasses.replace(req, index=len(out), seed=seed))
+        return out
+
+    def _sub_prompts(self, prompt) -> list:
+        """llama.cpp's `tokenize_input_prompts`: a list holding no token id is several
+        prompts (each a string, a list of ids, or a mixed list); anything else is one."""
+        if isinstance(prompt, list) and not any(_is_id(p) for p in prompt):
+            if not prompt:
+                raise bad('"prompt" must not be empty', "prompt")
+            return prompt
+        return [prompt]
+
+    def _mixed_ids(self, prompt: list) -> list[int]:
+        """llama.cpp's `tokenize_mixed`: ids as they are, strings tokenized (BOS only before
+        a first element that is a string)."""
+        ids: list[int] = []
+        for i, p in enumerate(prompt):
+            ids += self.encode_prompt(p) if i == 0 else self.encode(p)
+        return ids
+
+    def _prompt_ids(self, prompt, i: int, n: int) -> list[int] | str:
+        """One prompt: its ids, or its text (str) to be tokenized by the caller."""
+        where = "prompt" if n == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(_is_id(t) or isinstance(t, str)
+                                                      for t in prompt):
+            if all(_is_id(t) for t in prompt):
+                ids = list(prompt)
+            else:
+                ids = self._mixed_ids([p for p in prompt])
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise bad(f"{where} has token ids outside the vocabulary", where)
+            return ids
+        raise bad(f'"{where}" elements must be a string, a list of tokens, or a list of mixed '
+                  "strings & tokens", where)
+
     def completion(self, body: dict) -> GenRequest:
+        """`/v1/completions` with one prompt (the first of several)."""
+        return self.completions(body)[0]
+
+    def completions(self, body: dict) -> list[GenRequest]:
+        """`/v1/completions`: one request per prompt (`prompt` may hold several)."""
         prompt = body.get("prompt")
         if prompt is None:
             raise bad("'prompt' is required", "prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise bad("'suffix' must be a string", "suffix")
-        if isinstance(prompt, str):
-            if suffix:
-                ids, truncated = self._fim(prompt, suffix, body)
-            elif suffix is not None and self.fim is not None:
-                ids, truncated = self._fim(prompt, "", body)
+        prompts = self._sub_prompts(prompt)
+        out = []
+        for i, p in enumerate(prompts):
+            got = self._prompt_ids(p, i, len(prompts))
+            if isinstance(got, str):
+                if suffix:
+                    ids, truncated = self._fim(got, suffix, body)
+                elif suffix is not None and self.fim is not None:
+                    ids, truncated = self._fim(got, "", body)
+                else:
+                    ids, truncated = self.encode_prompt(got), False
             else:
-                ids, truncated = self.encode_prompt(prompt), False
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in prompt):
-            if suffix:
-                raise bad("'suffix' needs a text prompt, not token ids", "suffix")
-            if any(t < 0 or t >= self.vocab_size for t in prompt):
-                raise bad("the prompt has token ids outside the vocabulary", "prompt")
-            ids, truncated = list(prompt), False
-        else:
-            raise bad("'prompt' must be a string, a list of token ids, or a list of one of "
-                      "those", "prompt")
-        req = self._common(body, "completions", ids,
-                           max_tokens_keys=("max_tokens", "n_predict"), allow_warmup=True)
-        req.truncated = truncated
-        self._prediction(body, req)
-        return req
+                if suffix:
+                    raise bad("'suffix' needs a text prompt, not token ids", "suffix")
+                ids, truncated = got, False
+            req = self._common(body, "completions", ids,
+                               max_tokens_keys=("max_tokens", "n_predict"), allow_warmup=True)
+            req.truncated = truncated
+            self._prediction(body, req)
+            out.append(req)
+        return out
 
     def fim_completion(self, body: dict) -> GenRequest:
         """`/v1/fim/completions` (Mistral / DeepSeek style, what Continue's generic OpenAI
@@ -402,8 +554,9 @@ class RequestParser:
         return req
 
     def render_chat(self, body: dict) -> str:
-        """The prompt text of a chat request (`messages`, `tools`), by the model's chat
-        template; what `/apply-template` answers."""
+        """The prompt text of a chat request (`messages`, `tools`, `add_generation_prompt`,
+        `continue_final_message`), by the model's chat template; what `/apply-template`
+        answers. A last assistant message is continued (llama-server's prefill)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("'messages' must be a non-empty list", "messages")
@@ -414,14 +567,40 @@ class RequestParser:
             role = "system" if m["role"] == "developer" else m["role"]
             if role not in ("system", "user", "assistant", "tool"):
                 raise bad(f"messages[{i}]: unknown role {m['role']!r}", f"messages[{i}].role")
+            # llama-server's checks and words
+            if role != "assistant" and "content" not in m:
+                raise bad("All non-assistant messages must contain 'content'",
+                          f"messages[{i}].content")
+            if role == "assistant" and m.get("content") is None and not m.get("tool_calls"):
+                raise bad("Assistant message must contain either 'content' or 'tool_calls'!",
+                          f"messages[{i}]")
             msg = {"role": role, "content": _text_parts(m.get("content"), f"messages[{i}].content")}
             for key in ("name", "tool_calls", "tool_call_id"):
                 if key in m:
                     msg[key] = m[key]
             conv.append(msg)
+        if len(conv) >= 2 and conv[-1]["role"] == conv[-2]["role"] == "assistant":
+            raise bad("Cannot have 2 or more assistant messages at the end of the list.",
+                      "messages")
+        gen = _is_true(body, "add_generation_prompt", True)
+        cont = _is_true(body, "continue_final_message", False)
+        if cont and body.get("add_generation_prompt") is True:
+            # vLLM's and transformers' rule: the two ask for opposite things
+            raise bad("'add_generation_prompt' and 'continue_final_message' cannot both be "
+                      "true: the first starts a new assistant message, the second continues "
+                      "the last one", "continue_final_message")
+        if cont and conv[-1]["role"] != "assistant":
+            raise bad("'continue_final_message' needs the last message to be the assistant's",
+                      "continue_final_message")
         tools = body["tools"] if isinstance(body.get("tools"), list) else None
         try:
             with self.lock:
+                if not gen and conv[-1]["role"] != "assistant":
+                    # the conversation as it stands, no assistant turn opened
+                    check_chat_template(self.tokenizer)
+                    return self.tokenizer.apply_chat_template(
+                        conv, add_generation_prompt=False, tokenize=False,
+                        **({"tools": tools} if tools is not None else {}))
                 return render_chat(self.tokenizer, conv, tools=tools)
         except Exception as e:  # a template that rejects the conversation
             raise bad(f"the chat template cannot render these messages: {e}", "messages") from None
@@ -490,6 +669,11 @@ class RequestParser:
         with self.lock:
             return {"content": self.tokenizer.decode(tokens) if tokens else ""}
 
+    def prompt_text(self, ids: list[int]) -> str:
+        """A prompt's text, special tokens included (llama.cpp's `prompt` field)."""
+        with self.lock:
+            return self.tokenizer.decode(ids)
+
     def apply_template(self, body: dict) -> dict:
         """`POST /apply-template`: {messages, tools?} -> {"prompt": text}."""
         return {"prompt": self.render_chat(body)}
@@ -508,14 +692,19 @@ class RequestParser:
         for key in ("input_prefix", "input_suffix", "prompt"):
             if body.get(key) is not None and not isinstance(body[key], str):
                 raise bad(f"'{key}' must be a string", key)
-        extra = body.get("input_extra") or []
-        if not isinstance(extra, list) or not all(isinstance(c, dict) for c in extra):
-            raise bad("'input_extra' must be a list of {\"filename\", \"text\"} objects",
+        extra = body.get("input_extra")
+        if extra is None:
+            extra = []
+        if not isinstance(extra, list):  # llama-server's words
+            raise bad('"input_extra" must be an array of {"filename": string, "text": string}',
                       "input_extra")
         for i, c in enumerate(extra):
-            if not isinstance(c.get("text", ""), str) or not isinstance(c.get("filename", ""), str):
-                raise bad(f"input_extra[{i}]: 'filename' and 'text' must be strings",
-                          f"input_extra[{i}]")
+            if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+                raise bad('extra_context chunk must contain a "text" field with a string value',
+                          f"input_extra[{i}].text")
+            if c.get("filename") is not None and not isinstance(c["filename"], str):
+                raise bad('extra_context chunk\'s "filename" field must be a string',
+                          f"input_extra[{i}].filename")
         if self.fim is None:
             # llama.cpp's answer for a model without FIM tokens, word for word: editors
             # (llama.vim, llama.vscode) match on it.
@@ -534,19 +723,24 @@ class RequestParser:
         return req
 
     def llama_completion(self, body: dict) -> GenRequest:
-        """llama.cpp's native `/completion`: `prompt` (text or ids), `n_predict`, `stream`."""
+        """llama.cpp's native `/completion` with one prompt (the first of several)."""
+        return self.llama_completions(body)[0]
+
+    def llama_completions(self, body: dict) -> list[GenRequest]:
+        """llama.cpp's native `/completion`: `prompt` (text, ids, a mixed list, or a list of
+        those: several prompts), `n_predict`, `stream`."""
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = self.encode_prompt(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in prompt):
-            if any(t < 0 or t >= self.vocab_size for t in prompt):
-                raise bad("the prompt has token ids outside the vocabulary", "prompt")
-            ids = list(prompt)
-        else:
-            raise bad("'prompt' must be a string or a list of token ids", "prompt")
-        return self._common(body, "completion", ids, max_tokens_keys=("n_predict", "max_tokens"),
-                            allow_warmup=True, check_model=False)
+        if prompt is None:
+            raise bad("'prompt' is required", "prompt")
+        prompts = self._sub_prompts(prompt)
+        out = []
+        for i, p in enumerate(prompts):
+            got = self._prompt_ids(p, i, len(prompts))
+            ids = self.encode_prompt(got) if isinstance(got, str) else got
+            out.append(self._common(body, "completion", ids,
+                                    max_tokens_keys=("n_predict", "max_tokens"),
+                                    allow_warmup=True, check_model=False))
+        return out
 
     def _fim(self, prefix: str, suffix: str, body: dict) -> tuple[list[int], bool]:
         if self.fim is None:
@@ -666,81 +860,130 @@ class Usage(Stats):
         }
 
 
-def completion_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None) -> dict:
-    body = {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created,
-            "model": req.model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+def total_usage(usages: list[Usage], prompt_tokens: int | None = None) -> Usage:
+    """Several answers' usage as one (OpenAI's `usage` of an answer with several choices):
+    counts summed; `prompt_tokens` once per prompt when given."""
+    out = copy.deepcopy(usages[0])
+    for u in usages[1:]:
+        out.add(u)
+        out.batched = out.batched or u.batched
+        out.batched_speculative = out.batched_speculative or u.batched_speculative
+    if prompt_tokens is not None:
+        out.prompt_tokens = prompt_tokens
+    return out
+
+
+Choice = tuple[int, str, "str | None"]  # (index, text, finish_reason)
+
+
+def _oai(req: GenRequest, prefix: str, obj: str) -> dict:
+    return {"id": f"{prefix}-{req.id}", "object": obj, "created": req.created,
+            "model": req.model, "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def completion_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> dict:
+    """`/v1/completions`' answer: one choice per prompt and `n`, llama-server's `timings`."""
+    body = {**_oai(req, "cmpl", "text_completion"),
+            "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}
+                        for i, text, finish in choices]}
     if usage is not None:
         body["usage"] = usage.openai()
+        body["timings"] = usage.timings()
     return body
 
 
-def chat_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None) -> dict:
-    body = {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created,
-            "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}]}
+def chat_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> dict:
+    """`/v1/chat/completions`' answer (and `/v1/fim/completions`')."""
+    body = {**_oai(req, "chatcmpl", "chat.completion"),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}
+                        for i, text, finish in choices]}
     if usage is not None:
         body["usage"] = usage.openai()
+        body["timings"] = usage.timings()
     return body
 
 
 def chat_chunk(req: GenRequest, delta: dict | None, finish: str | None,
-               usage: Usage | None = None) -> dict:
-    body = {"id": f"chatcmpl-{req.id}", "object": "chat.completion.chunk",
-            "created": req.created, "model": req.model,
+               usage: Usage | None = None, index: int = 0, timings: dict | None = None) -> dict:
+    """A chat stream's chunk: a delta of choice `index`, or (delta None) no choice, with the
+    usage of the whole answer when given."""
+    body = {**_oai(req, "chatcmpl", "chat.completion.chunk"),
             "choices": [] if delta is None else [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage.openai()
+    if timings is not None:
+        body["timings"] = timings
     return body
 
 
 def completion_chunk(req: GenRequest, text: str | None, finish: str | None,
-                     usage: Usage | None = None) -> dict:
-    body = {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created,
-            "model": req.model,
+                     usage: Usage | None = None, index: int = 0,
+                     timings: dict | None = None) -> dict:
+    body = {**_oai(req, "cmpl", "text_completion"),
             "choices": [] if text is None else [
-                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+                {"text": text, "index": index, "logprobs": None, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage.openai()
+    if timings is not None:
+        body["timings"] = timings
     return body
 
 
 def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | None,
-               stopping_word: str = "", index: int = 0) -> dict:
-    """llama.cpp's `/completion` and `/infill` response (final when `usage` is given)."""
-    body: dict[str, Any] = {"index": index, "content": text, "tokens": [], "id_slot": 0,
-                            "stop": usage is not None, "model": req.model}
-    if usage is not None:
-        # A generation ended by --request-timeout or by shutdown is cut short, as a limit.
-        stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit",
-                     "timeout": "limit", "shutdown": "limit"}.get(finish or "", "none")
-        # llama.cpp's `truncated`: the prompt was shortened, or generation ran into the end
-        # of the context.
-        out_of_context = (finish == "length" and req.context_limited
-                          and usage.completion_tokens >= req.max_tokens)
-        body.update({
-            "tokens_predicted": usage.completion_tokens,
-            "tokens_evaluated": usage.prompt_tokens,
-            # llama.cpp: the tokens in the slot's context once the request is done
-            "tokens_cached": usage.context_tokens,
-            "truncated": req.truncated or out_of_context,
-            "has_new_line": "\n" in text,
-            "stop_type": stop_type,
-            "stopping_word": stopping_word,
-            "generation_settings": {
-                "n_ctx": req.n_ctx or 0,
-                "n_predict": 0 if req.warmup else req.max_tokens,
-                "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
-                "min_p": req.min_p, "seed": req.seed, "stop": req.stop,
-                "n_indent": req.n_indent, "n_cmpl": req.n_cmpl,
-                "speculative.mode": usage.mode},
-            "timings": usage.timings(),
-        })
-    if req.response_fields is not None and usage is not None:
+               stopping_word: str = "", index: int = 0, *, tokens: list[int] | None = None,
+               prompt: str | None = None, timings: dict | None = None,
+               progress: dict | None = None, id_slot: int = 0,
+               whole: str | None = None) -> dict:
+    """llama.cpp's `/completion` and `/infill` response (final when `usage` is given).
+    `tokens`: the token ids (a streamed chunk's, or the answer's with `return_tokens`);
+    `prompt`: the prompt's text (final answers); `timings`: a streamed chunk's
+    (`timings_per_token`); `progress`: a `prompt_progress` chunk's; `whole`: the answer's
+    whole text where `text` is not (a stream's last chunk)."""
+    body: dict[str, Any] = {"index": index, "content": text, "tokens": tokens or [],
+                            "id_slot": id_slot, "stop": usage is not None, "model": req.model}
+    if usage is None:
+        if timings is not None:
+            body["timings"] = timings
+        if progress is not None:
+            body["prompt_progress"] = progress
+        return body
+    # A generation ended by --request-timeout or by shutdown is cut short, as a limit.
+    stop_type = {"stop": "word" if stopping_word else "eos", "length": "limit",
+                 "timeout": "limit", "shutdown": "limit"}.get(finish or "", "none")
+    # llama.cpp's `truncated`: the prompt was shortened, or generation ran into the end
+    # of the context.
+    out_of_context = (finish == "length" and req.context_limited
+                      and usage.completion_tokens >= req.max_tokens)
+    body.update({
+        "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens,
+        # llama.cpp: the tokens in the slot's context once the request is done
+        "tokens_cached": usage.context_tokens,
+        "truncated": req.truncated or out_of_context,
+        "has_new_line": "\n" in (text if whole is None else whole),
+        "stop_type": stop_type,
+        "stopping_word": stopping_word,
+        "generation_settings": {
+            "n_ctx": req.n_ctx or 0,
+            "n_predict": 0 if req.warmup else req.max_tokens,
+            "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
+            "min_p": req.min_p, "seed": req.seed, "stop": req.stop,
+            "n_indent": req.n_indent, "n_cmpl": req.n_cmpl,
+            "speculative.mode": usage.mode},
+        "timings": usage.timings(),
+    })
+    if prompt is not None:
+        body["prompt"] = prompt
+    if req.response_fields is not None:
         body = pick_fields(body, req.response_fields)
     return body
+
+
+def wants_prompt(req: GenRequest) -> bool:
+    """Whether a final llama.cpp answer shows the prompt's text (decoding it costs time)."""
+    return req.response_fields is None or "prompt" in req.response_fields
 
 
 def pick_fields(body: dict, fields: list[str]) -> dict:

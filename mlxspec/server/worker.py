@@ -41,6 +41,22 @@ SPEC_MAX_CONCURRENCY = 32
 class Delta:
     text: str
     tokens: int
+    ids: list[int] = field(default_factory=list)  # the tokens' ids
+    timings: dict | None = None  # llama.cpp's timings so far (`timings_per_token`)
+
+
+@dataclass
+class Progress:
+    """Prompt processing so far (llama.cpp's `prompt_progress`, `return_progress`)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def json(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": self.time_ms}
 
 
 @dataclass
@@ -77,6 +93,11 @@ class Job:
     # answered (cut by t_max_predict_ms): its row decodes on while no other job runs, and
     # what it adds goes into the scope's store for the follow-up's proposals (`_look_ahead`)
     ahead: bool = False
+    slot_id: int | None = None  # its place among the open jobs (`GET /slots`, `id_slot`)
+    task_id: int = 0  # a number per submitted job (`GET /slots`' id_task)
+    opened_at: float = 0.0  # perf_counter time it opened (prompt_progress's time_ms)
+    reported: int = -1  # the prompt tokens processed at its last prompt_progress
+    prompt_cached: int = 0  # of them, reused from the prompt cache
 
     def __post_init__(self) -> None:
         if self.req.n_indent > 0:
@@ -126,11 +147,14 @@ class Worker(threading.Thread):
         self.spec_batch: BatchSpeculator | None = None
         self._stopping = False
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
+        self.tasks = 0  # jobs submitted
         # (sliding-window and recurrent models: each request on its own cache, `shareable`)
         self.batchable = shareable(engine, None)
 
     # -- handler side
-    def submit(self, req: GenRequest) -> Job:
+    def submit(self, req: GenRequest, events=None) -> Job:
+        """Queue a generation; its events go to `events` (anything with `put`) when given,
+        else to a queue of its own (`job.events`)."""
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise ApiError(503, "the server is shutting down; retry shortly",
@@ -140,7 +164,9 @@ class Worker(threading.Thread):
             raise ApiError(503, f"the server is busy ({self.max_queue} requests queued or "
                                 "running); retry shortly", type="server_busy",
                            code="queue_full", retry_after=1)
-        job = Job(req)
+        job = Job(req) if events is None else Job(req, events=events)
+        self.tasks += 1
+        job.task_id = self.tasks
         if self.request_timeout:
             job.deadline = job.submitted + self.request_timeout
         self.inbox.put(job)
@@ -275,12 +301,23 @@ class Worker(threading.Thread):
         r = job.req
         speculating = sum(1 for j in self.jobs if j.plain is False)
         job.plain = self.batchable and not r.warmup and speculating >= self.spec_max_concurrency
+        used = {j.slot_id for j in self.jobs if j.slot_id is not None}
+        job.slot_id = next(i for i in range(len(used) + 1) if i not in used)
+        job.opened_at = time.perf_counter()
         self._bind_suffix(job)
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
                       cache_reuse=r.cache_reuse)
+        if r.return_progress:
+            job.prompt_cached = self._cached(job)
+            self._progress(job, job.prompt_cached)
+
+            def progress(done: int, todo: int) -> None:  # a prompt prefilled at open
+                self._progress(job, len(r.prompt) - 1 - todo + done)
+
+            kwargs["progress"] = progress
         # (a seeded request draws the same tokens in the shared batch as alone: by position)
         if ((self.batch_spec or job.plain) and not r.warmup
                 and accepts(job.slot, kwargs["mode"])):
@@ -341,12 +378,35 @@ class Worker(threading.Thread):
         for job in live:
             self._emit(job, produced)
 
+    # -- llama.cpp's prompt_progress
+    @staticmethod
+    def _cached(job: Job) -> int:
+        """The prompt tokens its prompt cache holds already (the common prefix)."""
+        held = job.cache.tokens if job.cache is not None and job.cache.cache is not None else []
+        n = 0
+        for a, b in zip(held, job.req.prompt):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _progress(self, job: Job, processed: int) -> None:
+        """A `prompt_progress` event, once per new count of processed prompt tokens."""
+        if processed <= job.reported:
+            return
+        job.reported = processed
+        job.events.put(Progress(len(job.req.prompt), job.prompt_cached, processed,
+                                1000 * (time.perf_counter() - job.opened_at)))
+
     def _emit(self, job: Job, produced: dict) -> None:
         if job.ahead:
             self._look_ahead_step(job, produced)
             return
         out = self._guarded(job, lambda j: j.row.output(produced))
         if out is None:
+            if job.req.return_progress and job.row is not None and job.row.pc is not None:
+                # a long prompt prefilled a chunk a step: what its cache holds so far
+                self._progress(job, len(job.row.pc.tokens))
             return
         job.stats = out.stats
         if job.req.warmup:  # prefilled and cached; the token is not wanted
@@ -354,10 +414,14 @@ class Worker(threading.Thread):
             return
         if not job.first_token:
             job.first_token = time.perf_counter()
+            if job.req.return_progress:  # the whole prompt is processed
+                self._progress(job, len(job.req.prompt))
         text, cut = job.cut(out.text)
         if text or out.tokens:
             job.text_so_far += text
-            job.events.put(Delta(text, len(out.tokens)))
+            timings = (Usage.from_stats(out.stats).timings() if job.req.timings_per_token
+                       else None)
+            job.events.put(Delta(text, len(out.tokens), list(out.tokens), timings))
         if cut:  # n_indent: llama.cpp reports it as a limit
             self._finish_engine(job, "length", out.stats)
         elif out.finish_reason:
