@@ -9,6 +9,7 @@ runs. docs/MODELS.md gives the measured figures it was checked against."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,12 +90,13 @@ def kv_bytes(info: ModelInfo, context: int, act: int) -> int:
     return info.layers * 2 * info.kv_heads * info.head_dim * tokens * act
 
 
-def work_bytes(info: ModelInfo, context: int, act: int, chunk: int) -> int:
+def work_bytes(info: ModelInfo, context: int, act: int, chunk: int, gpu: bool = False) -> int:
     """The working set of one prefill chunk at the end of the context: the attention scores
-    (chunk x heads x context, materialized by the CPU's attention), the MLP's three
-    intermediates and a few hidden-state copies; the logits of one step."""
+    (chunk x heads x context, materialized by the CPU backend's attention; Metal's fused
+    attention kernel keeps them in tiles, not counted there), the MLP's three intermediates and
+    a few hidden-state copies; the logits of one step."""
     chunk = max(1, min(chunk, context))
-    scores = chunk * info.heads * context * act
+    scores = 0 if gpu else chunk * info.heads * context * act
     mlp = 3 * chunk * info.ffn * act
     hidden = 4 * chunk * info.hidden * act
     logits = 16 * info.vocab_rows * 4
@@ -109,7 +111,7 @@ def estimate(info: ModelInfo, context: int, *, gpu: bool, name: str = "",
         4 if not gpu else 2)
     w = weights_bytes(info, gpu=gpu, gguf_weights=gguf_weights, is_gguf=is_gguf)
     return Estimate(name or info.name, w, kv_bytes(info, context, act),
-                    work_bytes(info, context, act, chunk), context,
+                    work_bytes(info, context, act, chunk, gpu), context,
                     quantized=any(k.startswith("q") for k in info.stored) and (
                         not is_gguf or "quant" in str(gguf_weights or "")))
 
@@ -194,77 +196,142 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
                *, target_info: ModelInfo | None = None, draft_info: ModelInfo | None = None,
                gpu: bool = False) -> None:
     """Refuse a target (and draft) whose estimate exceeds `limit`, in one line naming what
-    would fit: --no-draft, a smaller draft, a shorter --max-context, a 4-bit variant."""
+    would fit: --no-draft, a smaller draft, a shorter --max-context, a 4-bit variant (each at
+    the requested context, else with the longest --max-context at which it fits)."""
     need = pair_total(target, draft)
     if limit is None or need <= limit:
         return
+    ctx = target.context
+    act = _act_of(target, target_info)
     options = []
-    if draft is not None and target.total <= limit:
-        options.append(f"--no-draft ({target.total / GB:.1f} GB)")
-    if draft is not None and draft_info is not None:
-        smaller = _smaller_draft(draft_info, target.total, draft.context, limit, gpu)
-        if smaller:
-            options.append(smaller)
+
+    def offer(label: str, weights: int, infos: list[ModelInfo], act: int = act) -> bool:
+        """Add `label` if the pair so changed fits, at the context or a shorter one."""
+        if target_info is None:
+            return False
+        fits = _longest(limit, weights, infos, target_info, act, ctx, gpu)
+        if fits is None:
+            return False
+        total = _need(weights, infos, target_info, act, fits, gpu)
+        options.append(label + (f" ({total / GB:.1f} GB)" if fits >= ctx else
+                                f" with --max-context {fits} ({total / GB:.1f} GB)"))
+        return True
+
+    both = [i for i in (target_info, draft_info) if i is not None]
+    if draft is not None:
+        offer("--no-draft", target.weights, [target_info] if target_info else [])
+        if draft_info is not None:
+            smaller = _smaller_draft(draft_info)
+            if smaller is not None:
+                name, e = smaller
+                offer(f"--draft-model {name}", target.weights + e.weights,
+                      [target_info, smaller[1].info] if target_info else [])
     if target_info is not None:
-        ctx = _fitting_context(target, draft, target_info, draft_info, limit, gpu)
-        if ctx:
-            options.append(f"--max-context {ctx}")
+        fits = _longest(limit, target.weights + (draft.weights if draft else 0), both,
+                        target_info, act, ctx, gpu)
+        if fits is not None:
+            options.append(f"--max-context {fits}")
     if not target.quantized and target_info is not None:
-        q = _four_bit(target_info, target.context, gpu) + (
-            _four_bit(draft_info, draft.context, gpu) if draft and draft_info
-            and not draft.quantized else (draft.total if draft else 0))
-        if q <= limit:
-            options.append(f"a 4-bit variant ({q / GB:.1f} GB: --gguf-weights quantized for a "
-                           "GGUF file, an MLX -4bit repo)")
+        q_act = 2 if gpu else 4
+        weights = int(target_info.params * 0.625) + (
+            (int(draft_info.params * 0.625) if not draft.quantized else draft.weights)
+            if draft is not None and draft_info is not None else 0)
+        offer("a 4-bit variant (--gguf-weights quantized for a GGUF file, an MLX -4bit repo)",
+              weights, both, q_act)
     parts = target.describe() + (f", draft {draft.describe()}" if draft else "")
-    fits = ("what would fit: " + ", ".join(options)) if options else (
+    fits_text = ("what would fit: " + "; ".join(options)) if options else (
         "nothing smaller of these fits: use a smaller model")
     raise MlxspecError(f"{what} needs about {need / GB:.1f} GB ({parts}) but "
-                       f"{limit / GB:.1f} GB {budget_word(gpu)}: {fits}")
+                       f"{limit / GB:.1f} GB {budget_word(gpu)}: {fits_text}")
 
 
 def budget_word(gpu: bool) -> str:
     return "is what Metal can wire" if gpu else "of memory is available"
 
 
-def _four_bit(info: ModelInfo | None, context: int, gpu: bool) -> int:
+def _act_of(target: Estimate, info: ModelInfo | None) -> int:
+    """The bytes per KV element the estimate used."""
     if info is None:
-        return 0
-    act = 2 if gpu else 4
-    return int(info.params * 0.625) + kv_bytes(info, context, act) + work_bytes(
-        info, context, act, 2048)
+        return 4
+    return max(1, target.kv // max(kv_bytes(info, target.context, 1), 1))
 
 
-def _fitting_context(target: Estimate, draft: Estimate | None, ti: ModelInfo,
-                     di: ModelInfo | None, limit: int, gpu: bool) -> int | None:
-    """The longest context (a multiple of 1024, at least 1024) at which the pair fits."""
-    act = max(1, target.kv // max(kv_bytes(ti, target.context, 1), 1))  # the estimate's
-    fixed = target.weights + (draft.weights if draft else 0)
-    best = None
-    ctx = 1024
-    while ctx < target.context:
-        need = fixed + kv_bytes(ti, ctx, act) + work_bytes(ti, ctx, act, 2048)
-        if draft is not None and di is not None:
-            need += kv_bytes(di, ctx, act)
-        if need > limit:
+def _need(weights: int, infos: list[ModelInfo], target_info: ModelInfo, act: int, ctx: int,
+          gpu: bool) -> int:
+    """Weights plus every model's KV cache at `ctx`, plus the larger prefill working set."""
+    work = max(work_bytes(i, ctx, act, 2048 if i is target_info else 512, gpu=gpu)
+               for i in infos) if infos else 0
+    return weights + sum(kv_bytes(i, ctx, act) for i in infos) + work
+
+
+def _longest(limit: int, weights: int, infos: list[ModelInfo], target_info: ModelInfo,
+             act: int, ctx: int, gpu: bool) -> int | None:
+    """`ctx` if the models fit at it, else the longest power of two from 1024 below it at
+    which they fit; None if none does."""
+    if _need(weights, infos, target_info, act, ctx, gpu) <= limit:
+        return ctx
+    best, c = None, 1024
+    while c < ctx:
+        if _need(weights, infos, target_info, act, c, gpu) > limit:
             break
-        best = ctx
-        ctx *= 2
+        best, c = c, c * 2
     return best
 
 
-def _smaller_draft(draft_info: ModelInfo, target_total: int, context: int, limit: int,
-                   gpu: bool) -> str | None:
-    """A smaller family member than the draft, with the same tokenizer, that fits."""
+@dataclass(frozen=True)
+class _Smaller:
+    weights: int
+    info: ModelInfo
+
+
+def _smaller_draft(draft_info: ModelInfo) -> tuple[str, _Smaller] | None:
+    """The smallest family member with the draft's tokenizer, if smaller than the draft."""
     from .hub import CODER_MODELS
 
     for name, m in sorted(CODER_MODELS.items(), key=lambda kv: kv[1].params):
         if m.params >= draft_info.params * 0.8:
-            break
+            return None
         found = info_for(name)
         if found is None or found[0].tokenizer != draft_info.tokenizer:
             continue
-        e = estimate(found[0], context, gpu=gpu, is_gguf=found[1], chunk=512)
-        if target_total + e.resident <= limit:
-            return f"--draft-model {name} ({e.total / GB:.1f} GB)"
+        e = estimate(found[0], 1, gpu=False, is_gguf=found[1], chunk=512)
+        return name, _Smaller(e.weights, found[0])
     return None
+
+
+def measure(model: str, context: int, *, draft: bool = True, new_tokens: int = 48) -> dict:
+    """Load `model` (with its default draft, mode `draft` at k = 4, unless `draft` is False),
+    generate `new_tokens` after a prompt filling the context with mlxspec's own source, and
+    return the estimate beside MLX's peak memory and the process's peak RSS."""
+    import resource
+
+    import mlx.core as mx
+
+    from . import loading
+
+    engine = loading.load(model, mode="draft" if draft else "none", num_draft=4,
+                          max_context=context, no_draft=not draft)
+    source = "".join(p.read_text() for p in sorted(Path(__file__).parent.glob("*.py")))
+    prompt = engine.encode(source)[: context - new_tokens - 16]
+    out = engine.generate(prompt, max_tokens=new_tokens)
+    used = len(prompt) + len(out.tokens)
+    draft_source = engine.draft_source if draft else None
+    t, d, *_ = loading.estimate_pair(loading.resolve_model_path(model), draft_source, used)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kB on Linux
+    est = pair_total(t, d)
+    peak = mx.get_peak_memory()
+    return {"model": model, "draft": str(draft_source) if draft_source else None,
+            "context": used, "estimate": est, "estimate_parts": {
+                "target": [t.weights, t.kv, t.work], "draft": [d.weights, d.kv, d.work]
+                if d else None},
+            "mx_peak": peak, "rss_peak": rss, "estimate_over_mx_peak": round(est / peak, 3),
+            "estimate_over_rss_peak": round(est / rss, 3)}
+
+
+if __name__ == "__main__":  # python -m mlxspec.memory MODEL CONTEXT [--no-draft]
+    import json
+
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    print(json.dumps(measure(args[0], int(args[1]) if len(args) > 1 else 4096,
+                             draft="--no-draft" not in sys.argv), indent=1))
