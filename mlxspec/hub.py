@@ -345,6 +345,29 @@ def _mlx_note(folder: Path) -> str:
     return f"{arch}{bits}"
 
 
+def mlx_lm_runs(folder: Path) -> bool:
+    """Whether mlx-lm has an implementation of the folder's `model_type` (an embedding or
+    diffusion model in the cache is not a language model mlx-lm runs)."""
+    import importlib.util
+    import json
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(model_type, str) or not model_type:
+        return False
+    try:
+        from mlx_lm.utils import MODEL_REMAPPING
+    except ImportError:
+        MODEL_REMAPPING = {}
+    name = MODEL_REMAPPING.get(model_type, model_type).replace("-", "_")
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def hf_models() -> list[StoredModel]:
     """The models of the Hugging Face cache that `-m` runs: repos with config.json and
     safetensors weights (`-m REPO`), and GGUF files (`-m REPO`, or `-m REPO:FILE` where a repo
@@ -356,7 +379,7 @@ def hf_models() -> list[StoredModel]:
     for folder in sorted(root.glob("models--*")):
         repo = folder.name[len("models--"):].replace("--", "/", 1)
         snap = hf_cached_mlx(repo)
-        if snap is not None:
+        if snap is not None and mlx_lm_runs(snap):
             found.append(StoredModel("huggingface", repo, "mlx", snap,
                                      _size(snap.glob("*.safetensors")), _mlx_note(snap)))
         ggufs = hf_cached_gguf(repo)
@@ -387,7 +410,8 @@ def lmstudio_models() -> list[StoredModel]:
         return found
     for folder in sorted(p for p in root.glob("*/*") if p.is_dir()):
         rel = folder.relative_to(root).as_posix()
-        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")) \
+                and mlx_lm_runs(folder):
             found.append(StoredModel("lmstudio", f"lmstudio:{rel}", "mlx", folder,
                                      _size(folder.glob("*.safetensors")), _mlx_note(folder)))
             continue
