@@ -113,6 +113,9 @@ def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
         net, tokenizer, config = mlx_lm_load(str(path), return_config=True)
     except (FileNotFoundError, ValueError) as e:
         raise MlxspecError(f"{model or path}: cannot load model: {e}") from None
+    from .gguf.tokenizer import add_eog_tokens
+
+    add_eog_tokens(tokenizer)  # llama.cpp's end-of-generation tokens (FIM file separators...)
     dtype = backend.compute_dtype()
     if dtype is not None:
         net.set_dtype(dtype)

@@ -374,7 +374,8 @@ def test_smollm2_specials_and_digits(smollm2_tok):
     assert got[0] == 1 and got[-1] == 2
     assert got[-6:-1] == [t.index(d) for d in "12345"]
     assert tok.decode(got) == "<|im_start|>user\nHello 12345<|im_end|>"
-    assert stop_token_ids(meta) == [2, 0]  # <|im_end|>, then <|endoftext|>
+    # <|im_end|>, <|endoftext|>, then <reponame>: llama.cpp's FIM repository token (an EOG)
+    assert stop_token_ids(meta) == [2, 0, 4]
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert cfg["add_bos_token"] is False and cfg["eos_token"] == "<|im_end|>"
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}],

@@ -126,6 +126,12 @@ def parse_size(text: str) -> int:
                    "suggestion), decode on while no other request runs and keep the text for the "
                    "editor's follow-up request to propose from (exact either way; needs the "
                    "suffix source: modes auto, suffix).")
+@click.option("--slots/--no-slots", default=True, show_default=True,
+              help="Answer GET /slots (llama-server's --slots): each slot's request, counts "
+                   "and settings, read-only; --no-slots answers 501.")
+@click.option("--slots-debug", is_flag=True,
+              help="GET /slots also shows each request's prompt and answer so far (llama-"
+                   "server's LLAMA_SERVER_SLOTS_DEBUG); off by default: the text is private.")
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
@@ -134,7 +140,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
           write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
           suffix_cache=None, suffix_budget=1 << 20, cache_reuse=0, follow_ahead=True,
-          default_seed=-1, distributed=None):
+          default_seed=-1, slots=True, slots_debug=False, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
     from ..server.app import is_loopback, make_server
@@ -166,7 +172,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             read_timeout=read_timeout, write_timeout=write_timeout,
             request_timeout=request_timeout, suffix_scope=suffix_scope,
             suffix_cache=suffix_cache, suffix_budget=suffix_budget, cache_reuse=cache_reuse,
-            follow_ahead=follow_ahead)
+            follow_ahead=follow_ahead, slots=slots, slots_debug=slots_debug)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if getattr(engine, "coord", None) is not None:

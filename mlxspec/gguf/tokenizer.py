@@ -62,7 +62,61 @@ _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "
               "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
               "<end_of_utterance>"}
 
+# llama.cpp finds these special tokens by their text where the file has no id for them
+# (src/llama-vocab.cpp); the FIM pad, repository and file-separator tokens end generation too,
+# so a fill-in-the-middle answer stops where the model starts another file.
+_EOT_FIND = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOM_FIND = ("<|eom_id|>",)
+_FIM_PAD_FIND = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
+_FIM_REP_FIND = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP_FIND = ("<|file_sep|>",)
+
 SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+def eog_token_ids(vocab: Mapping[str, int], ids: Mapping[str, int | None] | None = None
+                  ) -> list[int]:
+    """The ids that end generation, as llama.cpp computes its `special_eog_ids`: the FIM pad,
+    repository and file-separator tokens, every token whose text is on its end-of-generation
+    list, and the eos, eot and eom tokens. `ids`: the ids a GGUF file names (`eos`, `eot`,
+    `eom`, `fim_pad`, `fim_rep`, `fim_sep`; None or missing: found by text as llama.cpp does).
+    In that order: the named eos, eot, eom, the texts by id, the tokens found by text."""
+    ids = dict(ids or {})
+    out: list[int] = []
+
+    def add(i: int | None) -> None:
+        if i is not None and i not in out:
+            out.append(i)
+
+    for key in ("eos", "eot", "eom"):  # the ids the file names
+        add(ids.get(key))
+    for i in sorted(i for t, i in vocab.items() if t in _EOG_TEXTS):
+        add(i)
+    for key, texts in (("eot", _EOT_FIND), ("eom", _EOM_FIND), ("fim_pad", _FIM_PAD_FIND),
+                       ("fim_rep", _FIM_REP_FIND), ("fim_sep", _FIM_SEP_FIND)):
+        add(ids[key] if ids.get(key) is not None
+            else next((vocab[t] for t in texts if t in vocab), None))
+    # llama.cpp: with gpt-oss's <|return|> and <|call|>, <|end|> does not end generation
+    if all(t in vocab and vocab[t] in out for t in ("<|return|>", "<|call|>", "<|end|>")):
+        out.remove(vocab["<|end|>"])
+    return out
+
+
+def add_eog_tokens(tokenizer) -> list[int]:
+    """Make llama.cpp's end-of-generation tokens (`eog_token_ids`) end generation for an
+    mlx-lm tokenizer (a Hugging Face model's, or a converted GGUF file's); the ids added."""
+    add = getattr(tokenizer, "add_eos_token", None)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if add is None or get_vocab is None:
+        return []
+    have = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    added = []
+    for i in eog_token_ids(get_vocab()):
+        if i not in have:
+            add(i)
+            added.append(i)
+    return added
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -79,16 +133,18 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def stop_token_ids(meta: Mapping[str, Any]) -> list[int]:
-    """The ids that end generation, as llama.cpp decides: eos first, then eot/eom, then the
-    tokens whose text is on llama.cpp's end-of-generation list (e.g. `<|im_end|>`)."""
+    """The ids that end generation, as llama.cpp decides (`eog_token_ids`): eos first, then
+    eot/eom, the tokens whose text is on llama.cpp's end-of-generation list (e.g.
+    `<|im_end|>`), then the FIM pad, repository and file-separator tokens."""
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        i = meta.get(f"tokenizer.ggml.{key}")
-        if i is not None and 0 <= int(i) < len(tokens) and int(i) not in ids:
-            ids.append(int(i))
-    ids += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS and i not in ids]
-    return ids
+    ids: dict[str, int | None] = {}
+    for key in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        ids[key] = int(i) if i is not None and 0 <= int(i) < len(tokens) else None
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    return eog_token_ids(vocab, ids)
 
 
 def write_tokenizer(meta: Mapping[str, Any], out_dir: Path) -> None:

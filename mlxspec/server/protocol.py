@@ -476,7 +476,10 @@ class RequestParser:
         a first element that is a string)."""
         ids: list[int] = []
         for i, p in enumerate(prompt):
-            ids += self.encode_prompt(p) if i == 0 else self.encode(p)
+            if not isinstance(p, str):
+                ids.append(p)
+            else:
+                ids += self.encode_prompt(p) if i == 0 else self.encode(p)
         return ids
 
     def _prompt_ids(self, prompt, i: int, n: int) -> list[int] | str:
@@ -489,7 +492,7 @@ class RequestParser:
             if all(_is_id(t) for t in prompt):
                 ids = list(prompt)
             else:
-                ids = self._mixed_ids([p for p in prompt])
+                ids = self._mixed_ids(prompt)
             if any(t < 0 or t >= self.vocab_size for t in ids):
                 raise bad(f"{where} has token ids outside the vocabulary", where)
             return ids

@@ -311,7 +311,8 @@ class Worker(threading.Thread):
                       mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
                       cache_reuse=r.cache_reuse)
         if r.return_progress:
-            job.prompt_cached = self._cached(job)
+            # the last prompt token is always processed (the first step feeds it)
+            job.prompt_cached = min(self._cached(job), len(r.prompt) - 1)
             self._progress(job, job.prompt_cached)
 
             def progress(done: int, todo: int) -> None:  # a prompt prefilled at open
