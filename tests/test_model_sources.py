@@ -115,7 +115,8 @@ def test_every_size_has_official_sources():
     sizes = {m.size for m in hub.CODER_MODELS.values()}
     assert sizes == {"0.5B", "1.5B", "3B", "7B", "14B", "32B"}
     for m in hub.CODER_MODELS.values():
-        assert m.mlx_repo == f"mlx-community/Qwen2.5-Coder-{m.size}-Instruct-4bit"
+        if m.size != "3B":  # no verified MLX 4-bit repo for the 3B-Instruct
+            assert m.mlx_repo == f"mlx-community/Qwen2.5-Coder-{m.size}-Instruct-4bit"
         assert m.gguf_repo == f"Qwen/Qwen2.5-Coder-{m.size}-Instruct-GGUF"
         assert m.gguf_file == f"qwen2.5-coder-{m.size.lower()}-instruct-q4_k_m.gguf"
     # the two sizes with chunk wheels: the wheels' file is the official one, byte for byte
@@ -124,6 +125,8 @@ def test_every_size_has_official_sources():
         assert coder.wheels == name
         assert (coder.gguf_sha256, coder.gguf_bytes) == (named.sha256, named.gguf_bytes)
     assert not hub.CODER_MODELS["qwen2.5-coder-14b"].gguf_sha256  # not verified: not pinned
+    three = hub.CODER_MODELS["qwen2.5-coder-3b"]
+    assert not three.mlx_repo and three.hf_command(gpu=True).startswith("hf download Qwen/")
 
 
 def test_a_prefilled_hf_cache_resolves_the_name_without_the_wheels(stores, monkeypatch):
