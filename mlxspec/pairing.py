@@ -41,7 +41,7 @@ def _candidates(target: ModelInfo, target_path: Path) -> list[tuple[int, int, Dr
         for name, m in CODER_MODELS.items():
             if m.params <= limit:
                 found.append((m.params, 0, DraftChoice(name, name, m.params,
-                                                       "a Qwen2.5-Coder size")))
+                                                       "the Qwen2.5-Coder family")))
     local: list[tuple[str, Path, str]] = []
     for name in NAMED_MODELS:
         gguf = named_model_cached(name)
