@@ -22,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
-import mlx.core as mx
 
 PACKAGE = str(Path(mlxspec.__file__).parent)
 
@@ -57,6 +56,7 @@ def count_calls(engine, prompt, mode: str, max_tokens: int) -> dict:
 
 def tiny_llama():
     """A 1-layer random llama, hidden 96: a forward well under a millisecond on a CPU."""
+    import mlx.core as mx
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(model_type="llama", hidden_size=96, num_hidden_layers=1,

@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("-k", "--num-draft", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     for m in modes + compare:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    engine = mlxspec.load(args.model, mode="draft", num_draft=args.num_draft)
+    engine = mlxspec.load(args.model, mode="draft", num_draft=args.num_draft,
+                          max_context=args.max_context)
     temps = [float(t) for t in args.temps.split(",")]
     results = []
     for workload in args.workloads.split(","):

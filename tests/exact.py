@@ -38,12 +38,16 @@ def exact_distribution(model, prompt: list[int]) -> np.ndarray:
     return out
 
 
-def sample_counts(engine, runs: int, drafted: list | None = None, **kwargs) -> np.ndarray:
-    """Counts of the generated N-token sequences over `runs` seeds; `drafted` (if given)
-    receives the draft positions verified in each run."""
+def sample_counts(engine, runs: int, drafted: list | None = None, keyed: bool = True,
+                  **kwargs) -> np.ndarray:
+    """Counts of the generated N-token sequences over `runs` seeds: requests with the seed (the
+    keyed rule), or without one (the rejection rule; MLX's generator seeded per run, so the
+    test is reproducible); `drafted` (if given) receives the draft positions verified."""
     counts = np.zeros((VOCAB,) * N)
     for seed in range(runs):
-        out = engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING, **kwargs)
+        mx.random.seed(seed)
+        out = engine.generate(PROMPT, max_tokens=N, seed=seed if keyed else None, **SAMPLING,
+                              **kwargs)
         counts[tuple(out.tokens)] += 1
         if drafted is not None:
             drafted.append(out.stats.drafted)

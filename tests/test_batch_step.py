@@ -797,8 +797,8 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
 def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatch):
     """Chi-square (the pattern of test_exact_sampling.py) for one row whose companions use
     other sources and k, seeded (keyed draws) or not (the rejection rule, MLX's global
-    generator); the same test rejects a deliberately wrong rejection rule (a rejected draft
-    token is resampled from p, not from the residual)."""
+    generator); the same test rejects a deliberately wrong rejection rule (every drafted token
+    accepted)."""
     import exact as ex
 
     import mlxspec.step as step
@@ -811,6 +811,11 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
     kwargs = {"prediction": [1, 2, 3, 0, 1, 2]} if mode == "ngram" else {}
     companions = [([2, 1, 0, 3, 2, 1], "ngram", 7), ([3, 3, 3], "draft", 4)]
     slots = [base.clone() for _ in range(3)]
+    # costs under which width is nearly free: every row proposes its k (a sharp test)
+    cost = FrozenPolicy(StepCost(prior=CHEAP_WIDTH)).cost
+    for s in slots:
+        s.cost = cost
+    drafted = []
 
     def counts(runs: int) -> np.ndarray:
         out = np.zeros((ex.VOCAB,) * ex.N)
@@ -818,7 +823,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
         # 0..1499 give p 0.14): a fixed draw like any other, taken from 1000 on
         for seed in range(1000, 1000 + runs):
             mx.random.seed(seed)  # (the unseeded row's generator: a fixed draw too)
-            batch = BatchSpeculator(target)
+            batch = BatchSpeculator(target, policy=FrozenPolicy(cost))
             rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N,
                                seed=seed if seeded else None, **ex.SAMPLING,
                                **kwargs)]
@@ -828,24 +833,19 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
             outs = [[] for _ in rows]
             drain(rows, outs)
             out[tuple(outs[0])] += 1
+            drafted.append(rows[0].stats.drafted)
         return out
 
     assert ex.min_pvalue(counts(ex.RUNS), exact) > 1e-3
+    assert sum(drafted) > ex.RUNS // 2  # the row proposed in many runs
     if mode != "draft" or seeded:  # the power check runs once, on the unseeded draft row
         return  # (the keyed rule's: test_exact_sampling.py)
 
     def wrong(logits, draft_tokens, q, sampling):
-        # accepts like the exact rule but resamples a rejection from p itself
+        # accepts every drafted token whatever p says
         k = draft_tokens.size
         p = probs_from_logits(logits, sampling)
-        if k == 0:
-            return mx.array(0, mx.int32), sample(p[0], None)
-        p_x = mx.take_along_axis(p[:k], draft_tokens[:, None], axis=-1)[:, 0]
-        q_x = (mx.take_along_axis(q, draft_tokens[:, None], axis=-1)[:, 0]
-               if q is not None else mx.ones_like(p_x))
-        ok = mx.random.uniform(shape=(k,)) < mx.minimum(1.0, p_x / q_x)
-        n = mx.cumprod(ok.astype(mx.int32)).sum()
-        return n, sample(p[n], None)
+        return mx.array(k, mx.int32), sample(p[k], None)
 
     monkeypatch.setattr(step, "verify_chain", wrong)
     assert ex.min_pvalue(counts(ex.RUNS), exact) < 1e-3

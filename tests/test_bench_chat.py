@@ -111,7 +111,7 @@ def test_bench_runs_a_chat_model_end_to_end(chat_model_dir, tmp_path):
     assert "workloads: edit, chat (the model's chat template)" in result.stderr
     assert "] 2/2" in result.stderr  # the progress bar: a prompt of each workload, two modes
     assert "| edit | 0 | ngram |" in result.stdout and "| chat | 0 | none |" in result.stdout
-    assert "audit ngram: 2/2 identical" in result.stdout
+    assert "audit ngram: 4/4 identical to none (T=0, T=1, seeded)" in result.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["workloads"] == "the model's chat template"
     assert report["results"]["edit@0"]["max_tokens"] == 8
