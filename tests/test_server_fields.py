@@ -365,15 +365,27 @@ def test_eog_tokens_as_llama_cpp_computes_them():
 
 @pytest.mark.slow
 def test_coder_fim_answer_stops_at_file_sep():
-    """llama.cpp's infill test case (test_infill.py, test_with_qwen_model) on the real
-    Qwen2.5-Coder 0.5B: the answer ends where the model starts another file (<|file_sep|>),
-    not in that file's text."""
+    """The real Qwen2.5-Coder 0.5B (GGUF): its end-of-generation set is llama.cpp's (the FIM
+    pad, repository and file-separator tokens too); an answer that emits <|file_sep|> ends
+    there instead of running on into another file; and llama.cpp's infill test case
+    (test_infill.py, test_with_qwen_model) through /infill gives llama.cpp's text. (The
+    Instruct model itself did not emit <|file_sep|> on the prompts tried, greedy or sampled:
+    the stop is checked on the real vocabulary's ids as the loop receives them.)"""
     from mlxspec.gguf.sources import named_model_gguf
+    from mlxspec.stats import Stats
+    from mlxspec.stopstrings import Detokenizer
 
     engine = mlxspec.load(str(named_model_gguf("qwen2.5-coder-0.5b", quiet=True)), mode="none")
-    vocab = engine.tokenizer.get_vocab()
-    eog = set(engine.tokenizer.eos_token_ids)
-    assert {vocab[t] for t in ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")} <= eog
+    tok = engine.tokenizer
+    vocab = tok.get_vocab()
+    eog = set(tok.eos_token_ids)
+    assert eog == {vocab[t] for t in ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>",
+                                      "<|repo_name|>", "<|file_sep|>")}
+    answer = list(tok.encode("n_threads();\n", add_special_tokens=False))
+    after = list(tok.encode("main.c\nint x;\n", add_special_tokens=False))
+    out = Detokenizer(tok, [], Stats(generated_tokens=len(answer) + 1 + len(after))).feed(
+        answer + [vocab["<|file_sep|>"]] + after)
+    assert (out.text, out.finish_reason, out.tokens) == ("n_threads();\n", "stop", answer)
     srv = start(engine)
     try:
         status, body = call(srv, "/infill", {
@@ -381,11 +393,9 @@ def test_coder_fim_answer_stops_at_file_sep():
                              "text": "LLAMA_API int32_t llama_n_threads();\n"}],
             "input_prefix": "#include <cstdio>\n#include \"llama.h\"\n\nint main() {\n",
             "prompt": "    int n_threads = llama_",
-            "input_suffix": "}\n", "n_predict": 64, "return_tokens": True})
+            "input_suffix": "}\n", "n_predict": 24})
     finally:
         stop(srv)
     assert status == 200
     assert body["content"].startswith(
         "n_threads();\n    printf(\"Number of threads: %d\\n\", n_threads);\n    return 0;\n")
-    assert body["stop_type"] == "eos" and body["tokens_predicted"] < 64
-    assert body["tokens"][-1] in eog and "<|file_sep|>" not in body["content"]

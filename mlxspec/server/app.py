@@ -695,6 +695,7 @@ class Handler(BaseHTTPRequestHandler):
                 "params": {"n_predict": cfg.default_max_tokens,
                            "temperature": cfg.default_temperature, "top_k": 0, "top_p": 1.0,
                            "min_p": 0.0, "stop": [], "n_indent": 0,
+                           "seed": -1 if cfg.default_seed is None else cfg.default_seed,
                            "speculative.mode": srv.engine.mode,
                            "speculative.n_max": srv.engine.num_draft},
             },
