@@ -95,13 +95,18 @@ def resolve_model_path(model: str | None, *, gguf_weights: str | None = None) ->
     from .hub import MLX_PATTERNS, hf_cache_dir
 
     try:
-        return Path(snapshot_download(model, allow_patterns=MLX_PATTERNS,
+        snap = Path(snapshot_download(model, allow_patterns=MLX_PATTERNS,
                                       cache_dir=str(hf_cache_dir())))
     except Exception as e:
         raise MlxspecError(
             f"{model}: could not be downloaded ({type(e).__name__}) and is not in the local "
             f"Hugging Face cache. Download it on a machine with network access "
             f"(`hf download {model}`) or pass a local model directory.") from None
+    if not (snap / "config.json").is_file():  # a GGUF repository: one file of it is wanted
+        raise MlxspecError(f"{model} has no config.json or safetensors weights (a GGUF "
+                           f"repository?): pass one of its files as {model}:QUANT, e.g. "
+                           f"{model}:q4_k_m")
+    return snap
 
 
 def load_model(model: str | None) -> tuple[nn.Module, Any, dict, str]:
