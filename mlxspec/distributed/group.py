@@ -29,8 +29,7 @@ class DistributedFailure(MlxspecError):
 
 def loopback_hostfile(path, ranks: int):
     """Write a ring hostfile for `ranks` processes on this machine (free loopback ports), as
-    the tests and bench/bench_distributed.py (removed; at commit 1bd1f9f) start them; returns
-    `path`."""
+    the tests start them; returns `path`."""
     import socket
     from pathlib import Path
 

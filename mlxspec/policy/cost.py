@@ -12,7 +12,7 @@ from operator import mul
 import numpy as np
 
 # Prior coefficients of (1, synced, N, N*S/1024, K, F_g), relative to the intercept; N's and
-# N*S's from the bundled target on this CPU (`bench/bench_batch_cost.py`, at bd76bc7). F_g:
+# N*S's as measured for the bundled target's batched forwards on a 2-core CPU. F_g:
 # one column per source group whose proposal costs a forward per position (a draft model,
 # QuantSpec's 4-bit pass), the last value its prior unless `forward_prior` names the group.
 PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)

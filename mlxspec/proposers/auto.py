@@ -78,8 +78,7 @@ class AutoProposer(Proposer):
         acceptance and length pay more. The store often holds what the prompt holds (a chat
         re-sends its answers, an agent its last exchange): offered too, the same tokens would
         split one source's measurements in two and cost the new arms' probes (0.93x `auto`
-        without the store on the replayed chat, `bench/bench_replay.py`, removed; run it from
-        commit b60b038)."""
+        without the store on a replayed chat)."""
         offer = self.suffix.available(context, cap)
         if not offer or not lookup:
             return offer

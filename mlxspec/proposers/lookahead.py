@@ -37,9 +37,8 @@ from ..sampling import SamplingParams
 from ..tree import TrieBuilder
 from .base import Proposal, Proposer
 
-# Chosen by measurement on the bundled 6.4 M-parameter model on a 2-core CPU (bench/bench_tree.py,
-# removed; run it from commit 48be8b7: modelled throughput over code completion, edit and chat):
-# every extra node costs there, and
+# Chosen by measurement on the bundled 6.4 M-parameter model on a 2-core CPU (modelled
+# throughput over code completion, edit and chat): every extra node costs there, and
 # (1, 3, 2) was the best setting with a window (1.26-1.34x modelled vs none); the paper's 7B
 # setting (15, 5, 15) verifies ~70 nodes a step and ran at ~0.5x. Raise them where a forward
 # over many rows costs about what one row does (GPUs, larger models).
