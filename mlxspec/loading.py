@@ -386,6 +386,27 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
     target_est, draft_est, tinfo, dinfo, ctx = estimate_pair(
         target_path, draft_path if drafting else None, max_context, gguf_weights, step,
         names=(model or "the bundled model", draft_name))
+    limit, gpu = None, backend.device_name() != "cpu"
+    if target_est is not None:
+        from . import memory
+
+        limit = memory.budget()[0]
+        if (max_context is None and limit is not None
+                and memory.pair_total(target_est, draft_est) > limit):
+            # No context asked for: the model's own (32k for Qwen2.5) need not fit; the longest
+            # that does is taken, and said. An explicit --max-context is refused instead.
+            fits = memory.fitting_context(target_est, draft_est, tinfo, dinfo, limit, gpu)
+            if fits is not None:
+                if announce is not None:
+                    announce(f"context: {fits} tokens, the longest at which "
+                             f"{model or 'the bundled model'}{' and its draft' if drafting else ''}"
+                             f" fit in the {limit / 1e9:.1f} GB "
+                             f"{'Metal can wire' if gpu else 'available'} (the model's own is "
+                             f"{ctx}); --max-context sets it")
+                max_context = fits
+                target_est, draft_est, tinfo, dinfo, ctx = estimate_pair(
+                    target_path, draft_path if drafting else None, max_context, gguf_weights,
+                    step, names=(model or "the bundled model", draft_name))
     target_bytes = target_est.weights if target_est else weights_bytes(target_path)
     draft_bytes = (draft_est.weights if draft_est else weights_bytes(draft_path)) if drafting \
         else 0
@@ -401,11 +422,8 @@ def load(model: str | None = None, *, mode: str = "none", draft: str | None = No
         announce(f"loading {model or 'the bundled model'} ({target_bytes / 1e9:.1f} GB)"
                  f"{with_draft}{kv}, backend {backend.device_name()}, BLAS {backend.blas_in_use}")
     if target_est is not None:
-        from . import memory
-
-        memory.check_pair(target_est, draft_est, memory.budget()[0],
-                          model or "the bundled model", target_info=tinfo, draft_info=dinfo,
-                          gpu=backend.device_name() != "cpu")
+        memory.check_pair(target_est, draft_est, limit, model or "the bundled model",
+                          target_info=tinfo, draft_info=dinfo, gpu=gpu)
     else:
         check_pair_fits(target_bytes, draft_bytes, model or "the bundled model", draft_name)
     # The resolved folder (a GGUF source's conversion), named as the user named it.

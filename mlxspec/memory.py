@@ -245,6 +245,17 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
                        f"{limit / GB:.1f} GB {budget_word(gpu)}: {fits_text}")
 
 
+def fitting_context(target: Estimate, draft: Estimate | None, target_info: ModelInfo,
+                    draft_info: ModelInfo | None, limit: int, gpu: bool) -> int | None:
+    """The longest context (a power of two from 1024) shorter than the estimate's at which the
+    pair fits in `limit`; None if none does."""
+    infos = [target_info] + ([draft_info] if draft is not None and draft_info else [])
+    weights = target.weights + (draft.weights if draft is not None else 0)
+    fits = _longest(limit, weights, infos, target_info, _act_of(target, target_info),
+                    target.context, gpu)
+    return fits if fits is not None and fits < target.context else None
+
+
 def budget_word(gpu: bool) -> str:
     return "is what Metal can wire" if gpu else "of memory is available"
 

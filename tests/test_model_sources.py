@@ -430,6 +430,24 @@ def test_a_pair_that_cannot_fit_is_refused_before_loading(stores, monkeypatch, m
         mlxspec.load(str(target), draft=str(draft), mode="draft", max_context=65536)
 
 
+def test_without_max_context_the_longest_that_fits_is_taken(stores, monkeypatch, model_dirs):
+    """No --max-context: the model's own context (65536 here) need not fit; the longest power
+    of two that does is taken and said. Asked for explicitly, it is refused instead."""
+    target = stores / "long"
+    shutil.copytree(model_dirs["qwen2"], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 65536}))
+    at_4k, *_ = loading.estimate_pair(target, None, 4096)
+    at_8k, *_ = loading.estimate_pair(target, None, 8192)
+    monkeypatch.setattr(memory, "budget", lambda: ((at_4k.total + at_8k.total) // 2, "x"))
+    said: list[str] = []
+    engine = mlxspec.load(str(target), mode="none", announce=said.append)
+    assert engine.max_context == 4096
+    assert any(s.startswith("context: 4096 tokens, the longest at which") for s in said), said
+    with pytest.raises(MlxspecError, match="--max-context 4096"):
+        mlxspec.load(str(target), mode="none", max_context=65536)
+
+
 def test_a_float_target_is_told_of_its_4bit_variant(monkeypatch):
     info, _ = memory.info_for("qwen2.5-coder-7b")
     est = memory.estimate(info, 4096, gpu=False, gguf_weights="float32", is_gguf=True)
