@@ -472,9 +472,18 @@ def test_the_coder_gguf_by_path_loads_the_05b_as_its_draft():
     big = sources.named_model_cached("qwen2.5-coder-1.5b")
     if big is None or sources.named_model_cached("qwen2.5-coder-0.5b") is None:
         pytest.skip("the coder pair is not cached (mlxspec models fetch qwen2.5-coder-1.5b)")
+    import gc
+
+    gc.collect()
+    mx.clear_cache()  # earlier tests' freed buffers back to the system: the check reads it
     said: list[str] = []
-    engine = mlxspec.load(str(big), mode="draft", num_draft=4, max_context=1024,
-                          announce=said.append)
+    try:
+        engine = mlxspec.load(str(big), mode="draft", num_draft=4, max_context=1024,
+                              announce=said.append)
+    except MlxspecError as e:
+        if "needs about" in str(e):  # the machine is short of memory now: the check is right
+            pytest.skip(str(e))
+        raise
     assert any(s.startswith("draft: qwen2.5-coder-0.5b") for s in said), said
     assert engine.draft_model is not None
     prompt = ("<|fim_prefix|>def mean(values):\n    total = 0\n    for v in values:\n"
