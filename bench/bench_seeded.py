@@ -91,10 +91,38 @@ def main(argv=None) -> int:
                 print(f"{workload} #{i} T={temperature:g}: {same}/{len(modes)} modes equal "
                       f"none", file=sys.stderr, flush=True)
     report(results, modes, compare, temps, args.workloads.split(","))
+    draw_cost(engine.model.args.vocab_size if hasattr(engine.model, "args") else 151936, temps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f)
     return 0
+
+
+def draw_cost(vocab: int, temps: list[float], positions: int = 5, reps: int = 15) -> None:
+    """What drawing `positions` tokens costs at this vocabulary: the keyed draw against the
+    rejection rule's probabilities and inverse-CDF draw (medians of `reps`)."""
+    import mlx.core as mx
+
+    from mlxspec.sampling import SamplingParams, keyed_draw, probs_from_logits, sample
+
+    logits = mx.random.normal((positions, vocab), key=mx.random.key(0)) * 3
+    mx.eval(logits)
+
+    def ms(f) -> float:
+        f()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    for t in temps:
+        sp = SamplingParams(temperature=t)
+        keyed = ms(lambda sp=sp: mx.eval(keyed_draw(logits, sp, 1, 100)))
+        rejection = ms(lambda sp=sp: mx.eval(sample(probs_from_logits(logits, sp), None)))
+        print(f"T={t:g}, vocabulary {vocab}: {positions} positions drawn keyed {keyed:.2f} ms, "
+              f"by the rejection rule's probabilities {rejection:.2f} ms")
 
 
 def _rate(r: dict) -> float:

@@ -28,8 +28,8 @@ for the speculation mode under test (`"speculative": {"mode": ...}`). Configurat
 
 Workloads: `grounded` (what editors send, greedy: each prompt is a held-out function followed
 by its first lines again, so the answer continues text found in the prompt), `free`
-(`mlxspec bench`'s free-text starts, sampled at temperature 1, unseeded: a seeded sampled
-request keeps the single-request loop) and `retry` (greedy: each client sends a held-out
+(`mlxspec bench`'s free-text starts, sampled at temperature 1, unseeded: the rejection rule,
+what a client that sends no seed gets) and `retry` (greedy: each client sends a held-out
 function's first lines, then the same request again, as an editor re-requesting a completion:
 the second answer is in the suffix store, not in the prompt). A mode `MODE:no-suffix` sends
 `"speculative": {"suffix": false}` (no proposals from earlier requests). The suffix store and
@@ -129,7 +129,7 @@ def one_request(url: str, prompt: str, max_tokens: int, mode: str | None = None,
                 temperature: float = 0.0, seed: int | None = None) -> tuple[float, dict]:
     host, port = url.removeprefix("http://").split(":")
     request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
-    if seed is not None:  # a seeded sampled request keeps the single-request loop (SERVER.md)
+    if seed is not None:  # (a seeded sampled request draws by position: the keyed rule)
         request["seed"] = seed
     if mode:
         request["speculative"] = spec_field(mode)
