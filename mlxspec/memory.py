@@ -41,9 +41,9 @@ class Estimate:
         """What stays allocated between forwards: weights and KV cache."""
         return self.weights + self.kv
 
-    def describe(self) -> str:
-        return (f"{self.name} {self.weights / GB:.1f} GB weights + {self.kv / GB:.2f} GB KV "
-                f"cache at {self.context} tokens")
+    def describe(self, named: bool = True) -> str:
+        return (f"{self.name + ' ' if named else ''}{self.weights / GB:.1f} GB weights + "
+                f"{self.kv / GB:.2f} GB KV cache at {self.context} tokens")
 
 
 def _act_bytes(info: ModelInfo, gpu: bool) -> int:
@@ -238,7 +238,8 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
             if draft is not None and draft_info is not None else 0)
         offer("a 4-bit variant (--gguf-weights quantized for a GGUF file, an MLX -4bit repo)",
               weights, both, q_act)
-    parts = target.describe() + (f", draft {draft.describe()}" if draft else "")
+    # (the target is `what`, named already: its resolved path would read as a hash)
+    parts = target.describe(named=False) + (f", draft {draft.describe()}" if draft else "")
     fits_text = ("what would fit: " + "; ".join(options)) if options else (
         "nothing smaller of these fits: use a smaller model")
     raise MlxspecError(f"{what} needs about {need / GB:.1f} GB ({parts}) but "
