@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from . import backend
 from .errors import MlxspecError
+from .memory import available_memory
 from .policy import check_num_draft
 from .proposers import check_mode
 
@@ -191,18 +192,6 @@ def weights_bytes(path: Path | str) -> int:
     if str(path) in NAMED_MODELS:
         return NAMED_MODELS[str(path)].float32_bytes
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux: MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def check_pair_fits(target_bytes: int, draft_bytes: int, target: str, draft: str | None) -> None:
