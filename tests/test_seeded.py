@@ -154,3 +154,24 @@ def test_seeded_modes_match_none_on_windows_and_recurrent_state(family, mode):
         prompt = repetitive_prompt(seed, 30)
         want = reference.generate(prompt, max_tokens=24, seed=seed, **settings).tokens
         assert engine.generate(prompt, max_tokens=24, seed=seed, **settings).tokens == want
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_seeded_modes_match_none_in_half_precision(dtype):
+    """The model kept in float16 / bfloat16 (as on Metal): the keyed draws of a verify equal
+    the single steps' (the keyed scores are float32 over the model's logits)."""
+    target = build("llama", seed=3, scale=3.0, vocab_size=VOCAB, dtype=dtype)
+    draft = noisy_copy(target, "llama", noise=0.3, seed=4, vocab_size=VOCAB)
+    draft.set_dtype(dtype)
+    reference = make_engine(target, "none", vocab=VOCAB)
+    accepted = 0
+    for mode in ("ngram", "draft"):
+        engine = make_engine(target, mode, draft_model=draft, vocab=VOCAB, num_draft=4)
+        for seed in range(4):
+            settings = SETTINGS[seed % 2]
+            prompt = repetitive_prompt(seed)
+            want = reference.generate(prompt, max_tokens=24, seed=seed, **settings).tokens
+            got = engine.generate(prompt, max_tokens=24, seed=seed, **settings)
+            assert got.tokens == want, (mode, settings)
+            accepted += got.stats.accepted
+    assert accepted > 0
