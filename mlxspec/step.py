@@ -57,14 +57,6 @@ def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
     return verify_sampled(probs_from_logits(logits, sampling), draft, q, None)
 
 
-def draws(logits: mx.array, sampling: SamplingParams, seed_at: SeedAt) -> mx.array:
-    """A greedy or keyed row's tokens (T,) at its T positions from logits (T, vocab): what
-    it draws there whatever was proposed (lazy)."""
-    if seed_at is None:
-        return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    return keyed_draw(logits, sampling, *seed_at)
-
-
 def draw_next(logits: mx.array, samplings: list[SamplingParams],
               seeds: list[SeedAt]) -> mx.array:
     """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax,
@@ -129,8 +121,8 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
             if samplings[b].greedy:
                 outs.append(mx.concatenate([argmax[b, : k + 1], draft]))
             elif seeds[b] is not None:
-                outs.append(mx.concatenate([draws(logits[b, : k + 1], samplings[b], seeds[b]),
-                                            draft]))
+                drawn = keyed_draw(logits[b, : k + 1], samplings[b], *seeds[b])
+                outs.append(mx.concatenate([drawn, draft]))
             elif not k:
                 outs.append(draw_next(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
             else:
