@@ -17,16 +17,28 @@ PROMPT = "def main(): return 1 + 2 def main(): return 1 + 2 def main(): return"
 TIMEOUT = 60
 
 
-def launch(tmp_path, argv: list[str], env_extra: dict | None = None, timeout: int = TIMEOUT):
-    """Start two ranks of `argv` (a command list) and wait for both: [(rc, stdout, stderr)]."""
+def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None, cwds=None):
+    """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
+    is empty: only rank 0 may read it. `cwds`: each rank's working directory."""
     hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
     procs = []
     for rank in range(2):
         env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
                    MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20", **(env_extra or {}))
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=REPO))
-    return wait_all(procs, timeout)
+        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=cwds[rank] if cwds else REPO))
+    for rank, p in enumerate(procs):
+        if rank == 0 and stdin0:
+            p.stdin.write(stdin0)
+        p.stdin.close()
+        p.stdin = None  # communicate() must not touch it
+    return procs
+
+
+def launch(tmp_path, argv: list[str], env_extra: dict | None = None, timeout: int = TIMEOUT):
+    """Start two ranks of `argv` (a command list) and wait for both: [(rc, stdout, stderr)]."""
+    return wait_all(start(tmp_path, argv, env_extra=env_extra), timeout)
 
 
 def wait_all(procs, timeout: int = TIMEOUT) -> list[tuple[int, str, str]]:

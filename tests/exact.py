@@ -54,17 +54,19 @@ def sample_counts(engine, runs: int, drafted: list | None = None, keyed: bool = 
     return counts
 
 
-def min_pvalue(counts: np.ndarray, exact: np.ndarray) -> float:
+def min_pvalue(counts: np.ndarray, exact: np.ndarray, adjacent: bool = False) -> float:
     """Smallest p-value over the per-position marginals and the joint of the last two
-    positions (Pearson; cells expected < 5 times pooled)."""
+    positions (`adjacent`: of every two consecutive ones) (Pearson; cells expected < 5 times
+    pooled)."""
     from scipy import stats
 
     tests = []
     for i in range(N):
         axes = tuple(j for j in range(N) if j != i)
         tests.append((counts.sum(axis=axes), exact.sum(axis=axes)))
-    tests.append((counts.sum(axis=tuple(range(N - 2))).ravel(),
-                  exact.sum(axis=tuple(range(N - 2))).ravel()))
+    for i in range(N - 2 if not adjacent else 0, N - 1):  # pairs of consecutive positions
+        axes = tuple(j for j in range(N) if j not in (i, i + 1))
+        tests.append((counts.sum(axis=axes).ravel(), exact.sum(axis=axes).ravel()))
     pvalues = []
     for obs, p in tests:
         expected = p / p.sum() * obs.sum()

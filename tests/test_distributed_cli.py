@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from conftest import REPO
 from dist_helpers import (
     PROMPT,
     TIMEOUT,
@@ -21,34 +19,14 @@ from dist_helpers import (
     launch,
     rank_script,
     reference,
+    start,
     wait_all,
 )
 from server_helpers import free_port
 
-from mlxspec.distributed import loopback_hostfile
-
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "mlxspec.cli.main"]
-
-
-def start(tmp_path, argv, stdin0=None, env_extra: dict | None = None, cwds=None):
-    """Two ranks of `argv`, not waited for; rank 0's stdin is `stdin0` (text), the others'
-    is empty: only rank 0 may read it. `cwds`: each rank's working directory."""
-    hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
-                   MLX_WORLD_SIZE="2", MLXSPEC_DIST_TIMEOUT="20", **(env_extra or {}))
-        procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=cwds[rank] if cwds else REPO))
-    for rank, p in enumerate(procs):
-        if rank == 0 and stdin0:
-            p.stdin.write(stdin0)
-        p.stdin.close()
-        p.stdin = None  # communicate() must not touch it
-    return procs
 
 
 def test_chat_reads_and_prints_on_rank_0_only(tmp_path, model_dirs):
@@ -187,7 +165,6 @@ def test_qwen3_tensor_parallel_matches_plain_decoding(tmp_path, model_dirs):
     assert [x["mode"] for x in lines] == modes
     assert all(x["strategy"] == "tensor" and x["tokens"] == ref for x in lines)
     assert [json.loads(x)["tokens"] for x in o1.splitlines()] == [ref] * len(modes)
-
 
 
 def test_a_killed_follower_ends_generate_with_an_error(tmp_path, model_dirs):

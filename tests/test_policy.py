@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from conftest import build_model, decode, make_engine, observe_plain, observe_step
 from mlx_lm.models.cache import make_prompt_cache
-from scipy import stats as scipy_stats
 
 import mlxspec.sampling as sampling_module
 from mlxspec.policy import AdaptiveK, FixedK
@@ -192,30 +191,9 @@ def test_the_engine_reprobes_a_switched_off_source():
 
 # ----------------------------------------------------------------------------- exactness at T > 0
 
-from exact import SAMPLING, VOCAB, N, exact_distribution  # noqa: E402
+from exact import SAMPLING, VOCAB, N, exact_distribution, min_pvalue  # noqa: E402
 
 PROMPT = [1, 2, 3, 0, 1, 2]
-
-
-def min_pvalue(counts, exact) -> float:
-    """Smallest chi-square p-value over per-position marginals and adjacent pairs."""
-    tests = []
-    for i in range(N):
-        axes = tuple(j for j in range(N) if j != i)
-        tests.append((counts.sum(axis=axes), exact.sum(axis=axes)))
-    for i in range(N - 1):
-        axes = tuple(j for j in range(N) if j not in (i, i + 1))
-        tests.append((counts.sum(axis=axes).ravel(), exact.sum(axis=axes).ravel()))
-    pvalues = []
-    for obs, p in tests:
-        expected = p / p.sum() * obs.sum()
-        small = expected < 5
-        o = np.append(obs[~small], obs[small].sum())
-        e = np.append(expected[~small], expected[small].sum())
-        if e[-1] == 0:
-            o, e = o[:-1], e[:-1]
-        pvalues.append(scipy_stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
-    return min(pvalues)
 
 
 class OnZero(Proposer):
@@ -264,13 +242,13 @@ def test_stretch_handoffs_are_exact_at_temperature(tiny, monkeypatch):
     target, _, exact = tiny
     totals = {"drafted": 0, "accepted": 0}  # PROMPT ends in 2: every run starts plain
     counts = sample_counts(lambda s: run_forced(target, s, totals), 800)
-    assert min_pvalue(counts, exact) > 1e-4
+    assert min_pvalue(counts, exact, adjacent=True) > 1e-4
     assert totals["drafted"] > 400 and 0 < totals["accepted"] < totals["drafted"]
     salts = sampling_module.position_salts  # every position drawn with one position's noise
     monkeypatch.setattr(sampling_module, "position_salts",
                         lambda seed, positions: salts(seed, [0] * len(positions)))
     broken = sample_counts(lambda s: run_forced(target, s), 300)  # (far off: fewer runs)
-    assert min_pvalue(broken, exact) < 1e-4
+    assert min_pvalue(broken, exact, adjacent=True) < 1e-4
 
 
 def test_auto_is_exact_at_temperature_through_the_engine(tiny):
@@ -280,7 +258,7 @@ def test_auto_is_exact_at_temperature_through_the_engine(tiny):
     def run(seed):
         return engine.generate(PROMPT, max_tokens=N, seed=seed, **SAMPLING).tokens
 
-    assert min_pvalue(sample_counts(run, 800), exact) > 1e-4
+    assert min_pvalue(sample_counts(run, 800), exact, adjacent=True) > 1e-4
     assert engine.policy.sources  # it did speculate
 
 
