@@ -231,8 +231,7 @@ class BatchSpeculator:
         same order), not read back. A keyed row fed an unread token (its id in `ahead`) draws
         at the position after that token's."""
         lasts = [None if r is None else r.context[-1] for r in fed]
-        seeds = [None if r is None or r.seed is None
-                 else (r.seed, len(r.context) + (id(r) in ahead)) for r in fed]
+        seeds = [None if r is None else r.seed_at(id(r) in ahead) for r in fed]
         started = start_step(self.model, self.cache, lasts, [None] * len(fed),
                              [GREEDY if r is None else r.sampling for r in fed], seeds,
                              sync=self.sync, inputs=inputs)

@@ -93,9 +93,10 @@ class BatchRow:
         """The source this row would propose from and what it offers the batch's policy."""
         return self.planner.offer(self.available() or {}, self.context)
 
-    def seed_at(self) -> tuple[int, int] | None:
-        """(seed, position of its next token) for a keyed row, else None (`step.SeedAt`)."""
-        return None if self.seed is None else (self.seed, len(self.context))
+    def seed_at(self, ahead: int = 0) -> tuple[int, int] | None:
+        """(seed, position of its next token) for a keyed row, else None (`step.SeedAt`);
+        `ahead`: tokens fed to it that are not read back yet."""
+        return None if self.seed is None else (self.seed, len(self.context) + ahead)
 
     def first_draw(self, logits: mx.array) -> mx.array:
         """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""

@@ -275,11 +275,9 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
         if sampling.greedy:
             amax = mx.argmax(logits, axis=-1)
         else:
-            seed, first = seed_at
-            depths = [0]
-            for par in parents:
-                depths.append(depths[par + 1] + 1)
-            amax = keyed_draw(logits, sampling, seed, [first + d for d in depths])
+            seed, first = seed_at  # row 0 (the last committed token) draws at `first`
+            amax = keyed_draw(logits, sampling, seed,
+                              [first] + [first + d for d in depths(parents)])
         fetched = sync(amax).tolist()  # the one host sync
         path, next_token = walk_greedy(spec, fetched)
         want_argmax = [fetched[i + 1] for i in want]
