@@ -148,3 +148,16 @@ def keyed_draw(logits: mx.array, params: SamplingParams, seed: int,
     salts = mx.array(position_salts(seed, positions), mx.uint32)
     scores = keyed_logits(logits, params) + position_gumbel(salts, logits.shape[-1])
     return mx.argmax(scores, axis=-1).astype(mx.uint32)
+
+
+def draft_draw(logits: mx.array, params: SamplingParams, seed: int | None,
+               position: int) -> tuple[mx.array, mx.array | None]:
+    """A drafter's token at `position` from its logits (vocab,), and its q where the rejection
+    rule needs it (sampled without a seed): greedy the argmax, with a seed the target's keyed
+    noise over the drafter's own distribution (a deterministic proposal)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    if seed is not None:
+        return keyed_draw(logits[None], params, seed, position)[0], None
+    q = probs_from_logits(logits, params)
+    return sample(q, None), q

@@ -21,7 +21,7 @@ from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
 from ..caches.rows import RaggedRows, RowCache
 from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
-from ..sampling import SamplingParams, keyed_draw, probs_from_logits, sample
+from ..sampling import SamplingParams, draft_draw
 from .base import Proposal, Proposer
 
 # A draft behind by more tokens than this catches up in a forward of its own (timed apart).
@@ -251,7 +251,7 @@ class DraftRows:
                     q = _top(logits[b], widths[j])
                     token = q[0]
                 else:
-                    token, q = _next(logits[b], p.sampling, seed, len(context) + i)
+                    token, q = draft_draw(logits[b], p.sampling, seed, len(context) + i)
                 tokens[j].append(token)
                 probs[j].append(q)
                 if i + 1 < k:
@@ -313,13 +313,3 @@ def _tree(tops: list[mx.array], width: int) -> Proposal:
         parents += [(d - 1) * width if d else -1] * width
     return Proposal(tokens=mx.concatenate(tops), source=TREE, parents=parents)
 
-
-def _next(logits: mx.array, sampling: SamplingParams, seed: int | None, position: int):
-    """The drafted token at `position` from `logits` (vocab,), and q where the rejection rule
-    needs it (sampled without a seed)."""
-    if sampling.greedy:
-        return mx.argmax(logits, axis=-1), None
-    if seed is not None:
-        return keyed_draw(logits[None], sampling, seed, position)[0], None
-    q = probs_from_logits(logits, sampling)
-    return sample(q, None), q

@@ -35,7 +35,7 @@ from ..quant.hierarchical_cache import (
     make_hierarchical_cache,
 )
 from ..quant.weights import make_draft_model
-from ..sampling import SamplingParams, keyed_draw, probs_from_logits, sample
+from ..sampling import SamplingParams, draft_draw
 from .base import Proposal, Proposer
 
 __all__ = ["QuantSpecProposer"]
@@ -104,7 +104,6 @@ class QuantSpecProposer(Proposer):
         if offset != len(context) - 1:
             raise RuntimeError(f"quantspec: the shared cache holds {offset} tokens, expected "
                                f"{len(context) - 1} (all committed tokens but the last)")
-        greedy = self.sampling.greedy
         token = mx.array([[context[-1]]], mx.uint32)
         tokens, probs = [], []
         # Recurrent layers (hybrid models) cannot be trimmed: keep their states (references,
@@ -113,13 +112,8 @@ class QuantSpecProposer(Proposer):
         with draft_view(cache, self.draft_kv):  # no auto-commit; commits what is due on entry
             for i in range(num_draft):
                 logits = self.draft_model(token, cache=cache)[0, -1]
-                if greedy:
-                    nxt = mx.argmax(logits, axis=-1)
-                elif seed is not None:  # the target's keyed noise at this position
-                    nxt = keyed_draw(logits[None], self.sampling, seed, len(context) + i)[0]
-                else:
-                    q = probs_from_logits(logits, self.sampling)
-                    nxt = sample(q, None)
+                nxt, q = draft_draw(logits, self.sampling, seed, len(context) + i)
+                if q is not None:
                     probs.append(q)
                 tokens.append(nxt)
                 token = nxt.reshape(1, 1).astype(mx.uint32)
