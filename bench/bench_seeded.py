@@ -64,8 +64,9 @@ def main(argv=None) -> int:
     for m in modes + compare:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    engine = mlxspec.load(args.model, mode="draft", num_draft=args.num_draft,
-                          max_context=args.max_context)
+    drafting = any(MODES[m][0] in ("draft", "auto") for m in modes + compare)
+    engine = mlxspec.load(args.model, mode="draft" if drafting else "none",
+                          num_draft=args.num_draft, max_context=args.max_context)
     temps = [float(t) for t in args.temps.split(",")]
     results = []
     for workload in args.workloads.split(","):
@@ -130,9 +131,9 @@ def _rate(r: dict) -> float:
 
 
 def report(results, modes, compare, temps, workloads) -> None:
-    print("| workload | T | modes equal to `none` | " + " | ".join(
-        f"{m} acceptance keyed / rejection | {m} tokens/forward keyed / rejection | "
-        f"{m} tok/s keyed ÷ rejection" for m in compare) + " |")
+    print("| workload | T | modes equal to `none` |" + "".join(
+        f" {m} acceptance keyed / rejection | {m} tokens/forward keyed / rejection | "
+        f"{m} tok/s keyed ÷ rejection |" for m in compare))
     print("|---|---|---|" + "---|---|---|" * len(compare))
     for w in workloads:
         for t in temps:
