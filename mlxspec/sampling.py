@@ -8,21 +8,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling settings (a dict key: rows with equal settings draw together).
+
+    `logit_bias`: ((token id, bias), ...) added to the target's logits before anything is
+    drawn or verified (-inf bans a token); `logprobs`: None, or how many top alternatives to
+    report with each committed token's log-probability (0: the chosen token's only);
+    `post_probs`: report probabilities after the sampling transforms (llama.cpp's
+    `post_sampling_probs`) instead of the raw log-softmax; `state`: the request's mutable
+    per-request state (`constrain.RequestState`: a grammar's matcher, the log-probabilities
+    recorded so far), never compared."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    logit_bias: tuple = ()
+    logprobs: int | None = None
+    post_probs: bool = False
+    state: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stateful(self) -> bool:
+        """A row's next draw needs its previous token read back first (a grammar's mask
+        depends on it): its plain steps must not be pipelined."""
+        return getattr(self.state, "constraint", None) is not None
+
+    @property
+    def adjusted(self) -> bool:
+        """The step does per-row work on this row's logits (a bias, a grammar's mask,
+        log-probabilities)."""
+        return bool(self.logit_bias) or self.logprobs is not None or self.stateful
 
     def validate(self) -> None:
         if not self.temperature >= 0.0:
@@ -33,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (or None), got {self.logprobs}")
 
 
 def probs_from_logits(logits: mx.array, params: SamplingParams) -> mx.array:
