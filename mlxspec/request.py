@@ -46,7 +46,9 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
             min_p: float = 0.0, seed: int | None = None, stop: list[str] | str | None = None,
             prediction: str | list[int] | None = None, num_draft: int | None = None,
             prompt_cache: PromptCache | None = None, mode: str | None = None,
-            policy: Policy | None = None, cache_reuse: int = 0) -> Request:
+            policy: Policy | None = None, cache_reuse: int = 0, logit_bias=None,
+            logprobs: int | None = None, post_probs: bool = False, grammar=None,
+            json_schema=None, regex: str | None = None) -> Request:
     """Check a request (clear errors before any work) and resolve its mode, proposer,
     policy, prompt cache and key. `prediction` (text or ids): a predicted output the
     n-gram proposer copies from; `prompt_cache` (default: the engine's): reused where the
@@ -55,8 +57,18 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
     every mode, batch and k draws the same tokens (None: MLX's global generator, exact in
     distribution only); `cache_reuse` N > 0: past the common
     prefix, runs of at least N cached tokens are reused where they moved (llama.cpp's
-    `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`)."""
-    sampling = SamplingParams(temperature, top_p, top_k, min_p)
+    `--cache-reuse`: not bit-identical to a fresh prefill, `caches/shift.py`).
+
+    Per-row work on the target's logits, exact in every mode (`constrain.py`): `logit_bias`
+    ({id: bias} or [[id or text, bias], ...], false bans), `logprobs` (None, or the number of
+    top alternatives reported with each token's log-probability; `post_probs`: probabilities
+    after bias, grammar and sampling transforms), and one grammar: `json_schema` (a JSON
+    Schema, or True for any JSON object), `regex`, or `grammar` (GBNF or Lark text, or a
+    (kind, spec) pair of `constrain.grammar_text`)."""
+    tokens = engine.encode(prompt)
+    extra = _per_row(engine, tokens, logit_bias, logprobs, grammar, json_schema, regex)
+    sampling = SamplingParams(temperature, top_p, top_k, min_p, post_probs=bool(post_probs),
+                              **extra)
     try:
         sampling.validate()
     except ValueError as e:
@@ -65,7 +77,6 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
         raise MlxspecError(f"max_tokens must be >= 1, got {max_tokens}")
     if num_draft is not None:
         check_num_draft(num_draft)
-    tokens = engine.encode(prompt)
     if not tokens:
         raise MlxspecError("the prompt is empty")
     if engine.max_context and len(tokens) >= engine.max_context:
@@ -111,3 +122,36 @@ def workload_signal(engine: Engine, tokens: list[int], prediction) -> str:
         return ""
     found = {engine.signal_ids[t] for t in set(tokens) if t in engine.signal_ids}
     return "fim" if "fim" in found else "chat" if "chat" in found else ""
+
+
+def _per_row(engine: Engine, tokens: list[int], logit_bias, logprobs, grammar, json_schema,
+             regex) -> dict:
+    """SamplingParams' per-row fields of a request (`constrain.py`), checked."""
+    from .constrain import make_state, parse_logit_bias
+
+    out: dict = {}
+    if logit_bias:
+        vocab = len(engine.tokenizer.get_vocab())
+        try:
+            out["logit_bias"] = parse_logit_bias(
+                logit_bias, vocab, lambda t: engine.tokenizer.encode(t, add_special_tokens=False))
+        except ValueError as e:
+            raise MlxspecError(str(e)) from None
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+            raise MlxspecError(f"logprobs must be an integer >= 0, got {logprobs!r}")
+        out["logprobs"] = logprobs
+    kinds = [g for g in (grammar, json_schema, regex) if g is not None and g is not False]
+    if len(kinds) > 1:
+        raise MlxspecError("give one of grammar, json_schema and regex")
+    spec = None
+    if json_schema is not None and json_schema is not False:
+        spec = ("json", None) if json_schema is True else ("json_schema", json_schema)
+    elif regex is not None:
+        spec = ("regex", regex)
+    elif grammar is not None:
+        spec = grammar if isinstance(grammar, tuple) else ("gbnf", grammar)
+    state = make_state(engine.tokenizer, len(tokens), spec, logprobs)
+    if state is not None:
+        out["state"] = state
+    return out

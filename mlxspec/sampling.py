@@ -50,6 +50,14 @@ class SamplingParams:
         log-probabilities)."""
         return bool(self.logit_bias) or self.logprobs is not None or self.stateful
 
+    def take_logprobs(self, first: int, n: int) -> list | None:
+        """The log-probabilities (`constrain.TokenLogprob`, None where unknown) of the n
+        tokens committed at positions first.. (first: the context's length before them);
+        None when the request asked for none. Each is handed out once."""
+        if self.logprobs is None or self.state is None:
+            return None
+        return self.state.take(first, n)
+
     def validate(self) -> None:
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

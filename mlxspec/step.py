@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from .caches import Checkpoint
 from .caches.rows import as_rows
+from .constrain import allowed, bias_vector, logprob_arrays, read_logprobs
 from .proposal import Proposal
 from .sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 from .verify import greedy_accepted, verify_sampled
@@ -32,6 +33,8 @@ class StepResult:
     accepted: int  # draft tokens accepted (len(tokens) - 1)
     drafted: int  # draft positions verified (a tree: its depth)
     source: str  # the proposal's source, "" for a plain step
+    # per committed token its `constrain.TokenLogprob` (a row asking for log-probabilities)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -48,6 +51,11 @@ class StartedStep:
     # rows their draws[:k+1] + draft; other sampled rows n, next, draft (k = 0: next).
     out: mx.array
     ckpt: Checkpoint | None
+    # rows with per-row work (`SamplingParams.adjusted`): their samplings, the position of the
+    # token each was fed (committed tokens follow it), lazy log-probability arrays
+    samplings: list[SamplingParams] | None = None
+    positions: list[int] | None = None
+    lps: list[tuple | None] | None = None
 
 
 def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
@@ -61,7 +69,54 @@ def draw_next(logits: mx.array, samplings: list[SamplingParams],
               seeds: list[SeedAt]) -> mx.array:
     """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax,
     keyed rows their keyed draw, other sampled rows together per sampling setting from MLX's
-    global generator."""
+    global generator. A row's bias and grammar apply (its grammar at its state now: a first
+    token after the prompt); its log-probabilities wait on its state until the token is read."""
+    if not any(s.adjusted for s in samplings):
+        return _draw(logits, samplings, seeds)
+    rows, pending = [], []
+    for b, s in enumerate(samplings):
+        x = logits[b]
+        if s.adjusted:
+            x, lp = adjust(x[None], s, 0, None)
+            x = x[0]
+            if lp is not None and s.state is not None:
+                pending.append((s.state, b, lp))
+        rows.append(x)
+    tokens = _draw(mx.stack(rows), samplings, seeds)
+    for state, b, lp in pending:
+        state.pending = (state.start, tokens[b], *lp)
+    return tokens
+
+
+def adjust(logits: mx.array, s: SamplingParams, k: int, mask) -> tuple[mx.array, tuple | None]:
+    """One row's logits (T, vocab) over its 1 + k verified positions (and padding): the bias
+    added, the grammar's mask (rows 0..k; None: its state now) applied; and the lazy
+    log-probability arrays of rows 0..k (before bias and mask, or after them and the sampling
+    transforms with `post_probs`) where asked."""
+    lp = None
+    if s.logprobs is not None and not s.post_probs:
+        lp = logprob_arrays(logits[: k + 1], s.logprobs)
+    vocab = logits.shape[-1]
+    if s.logit_bias:
+        logits = logits + bias_vector(s.logit_bias, vocab)
+    constraint = getattr(s.state, "constraint", None)
+    if constraint is not None:
+        if mask is None:
+            mask = allowed(constraint.bitmasks([]), vocab)
+        if mask.shape[0] < logits.shape[0]:  # padding positions: anything
+            mask = mx.concatenate([mask, mx.ones((logits.shape[0] - mask.shape[0], vocab),
+                                                 mx.bool_)])
+        logits = mx.where(mask, logits, -mx.inf)
+    if s.logprobs is not None and s.post_probs:
+        head = logits[: k + 1]
+        post = (mx.log(mx.softmax(head.astype(mx.float32), axis=-1)) if s.greedy
+                else mx.log(probs_from_logits(head, s)))
+        lp = logprob_arrays(post, s.logprobs)
+    return logits, lp
+
+
+def _draw(logits: mx.array, samplings: list[SamplingParams],
+          seeds: list[SeedAt]) -> mx.array:
     tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
     groups: dict[SamplingParams, list[int]] = {}
     for b, (s, seed_at) in enumerate(zip(samplings, seeds)):
@@ -89,12 +144,24 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     if not rows.shared and len(last_tokens) != 1:
         raise ValueError("several rows need ragged rows (`caches.rows.RaggedRows`)")
     max_accepts = max_accepts or [None] * len(last_tokens)
-    drafts, qs, sizes = [], [], []
-    for prop, cap in zip(proposals, max_accepts):
+    adjusted = any(s.adjusted for s, last in zip(samplings, last_tokens) if last is not None)
+    positions = rows.lengths if adjusted else None  # of the token each row is fed
+    drafts, qs, sizes, masks = [], [], [], []
+    for b, (prop, cap) in enumerate(zip(proposals, max_accepts)):
         k = len(prop) if prop is not None else 0
         if k and prop.is_tree:
             raise ValueError("token trees run one row at a time, on its own cache")
         k = min(k, cap) if cap is not None else k
+        constraint = getattr(samplings[b].state, "constraint", None)
+        mask = None
+        if constraint is not None and last_tokens[b] is not None:
+            # the matcher after the token fed (read back if a pipelined step feeds it unread)
+            constraint.at(positions[b], last_tokens[b] if inputs is None
+                          else (lambda b=b: int(inputs[b].item())))
+            draft = prop.tokens[:k].tolist() if k else []
+            k = constraint.cut(draft)  # the first token the grammar refuses, and after: cut
+            mask = constraint.bitmasks(draft[:k])  # llguidance's bits, one row per position
+        masks.append(mask)
         sizes.append(k)
         drafts.append(prop.tokens[:k] if k else mx.array([], mx.uint32))
         qs.append(prop.draft_probs[:k] if k and prop.draft_probs is not None else None)
@@ -107,8 +174,11 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     logits = model(inputs.reshape(len(last_tokens), width), cache=rows.layers)
     if None in last_tokens:  # a row sitting out: everything it was fed goes at once
         rows.trim_rows([width if last is None else 0 for last in last_tokens])
+    lps = None
+    if adjusted:
+        logits, lps = _adjust_rows(logits, samplings, last_tokens, sizes, masks)
     if width == 1:  # plain: every slot's next token, read back by slot
-        out = draw_next(logits[:, 0], samplings, seeds)
+        out = _draw(logits[:, 0], samplings, seeds)
     else:
         # greedy rows: one argmax over the batch; greedy and keyed rows' draws are compared
         # with the draft on the host
@@ -124,7 +194,7 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
                 drawn = keyed_draw(logits[b, : k + 1], samplings[b], *seeds[b])
                 outs.append(mx.concatenate([drawn, draft]))
             elif not k:
-                outs.append(draw_next(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
+                outs.append(_draw(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
             else:
                 n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
                 outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
@@ -133,15 +203,57 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
         out = sync(out)
     sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
     matched = [s.greedy or seed_at is not None for s, seed_at in zip(samplings, seeds)]
-    return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt)
+    return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt,
+                       list(samplings) if adjusted else None, positions, lps)
+
+
+def _adjust_rows(logits: mx.array, samplings, last_tokens, sizes, masks):
+    """Every adjusted row's logits (bias, grammar) and log-probability arrays."""
+    vocab = logits.shape[-1]
+    out, lps = [], []
+    for b, s in enumerate(samplings):
+        x, lp = logits[b], None
+        if s.adjusted and last_tokens[b] is not None:
+            mask = masks[b]
+            x, lp = adjust(x, s, sizes[b], None if mask is None else allowed(mask, vocab))
+        out.append(x)
+        lps.append(lp)
+    return mx.stack(out), lps
+
+
+def _record(step: StartedStep, b: int, tokens: list[int]) -> list | None:
+    """Row b committed `tokens` (after the token it was fed): its grammar advances, its
+    log-probabilities are read (and kept on its state for its output)."""
+    s = step.samplings[b]
+    first = step.positions[b] + 1
+    constraint = getattr(s.state, "constraint", None)
+    if constraint is not None:
+        constraint.commit(first, tokens)
+    lp = step.lps[b]
+    if lp is None:
+        return None
+    got = read_logprobs(tokens, *lp, post=s.post_probs)
+    if s.state is not None:
+        s.state.settle()
+        for i, entry in enumerate(got):
+            s.state.logprobs[first + i] = entry
+    return got
 
 
 def finish_step(step: StartedStep) -> list[StepResult | None]:
-    """Read the step back (the one host sync) and roll back what was rejected."""
+    """Read the step back (the one host sync) and roll back what was rejected; rows with
+    per-row work advance their grammar and read their log-probabilities."""
+    if step.lps is not None and any(lp is not None for lp in step.lps):
+        mx.eval(step.out, *[a for lp in step.lps if lp is not None for a in lp if a is not None])
     flat = step.out.tolist()
     if step.width == 1:
-        return [None if last is None else StepResult([t], 0, 0, "")
-                for last, t in zip(step.fed, flat)]
+        results = [None if last is None else StepResult([t], 0, 0, "")
+                   for last, t in zip(step.fed, flat)]
+        if step.samplings is not None:
+            for b, res in enumerate(results):
+                if res is not None and step.samplings[b].adjusted:
+                    res.logprobs = _record(step, b, res.tokens)
+        return results
     results, drop, fed_rows, at = [], [], [], 0
     for last, k, matched, source in zip(step.fed, step.sizes, step.matched, step.sources):
         if last is None:
@@ -162,7 +274,10 @@ def finish_step(step: StartedStep) -> list[StepResult | None]:
             at += 2 + k
         drop.append(step.width - 1 - n)
         fed_rows.append([last] + drafted + [last] * (step.width - 1 - k))
-        results.append(StepResult(drafted[:n] + [nxt], n, k, source))
+        res = StepResult(drafted[:n] + [nxt], n, k, source)
+        if step.samplings is not None and step.samplings[len(results)].adjusted:
+            res.logprobs = _record(step, len(results), res.tokens)
+        results.append(res)
     if any(drop):
         step.rows.trim_rows(drop, fed_rows, step.ckpt)
     return results
@@ -175,6 +290,11 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
     """One whole step (`start_step` then `finish_step`); a token tree on one row's own cache
     runs the tree step (`tree.py`)."""
     first = proposals[0]
+    if (len(last_tokens) == 1 and first is not None and len(first) and first.is_tree
+            and samplings[0].adjusted):
+        # a grammar, a bias or log-probabilities on a tree: its first chain, as a chain
+        proposals = [first_chain(first)]
+        first = proposals[0]
     if len(last_tokens) == 1 and first is not None and len(first) and first.is_tree:
         from .tree import tree_step
 
@@ -186,3 +306,18 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
         return [StepResult(tokens, n, first.depth(), first.source)]
     return finish_step(start_step(model, cache, last_tokens, proposals, samplings, seeds,
                                   max_accepts, sync))
+
+
+def first_chain(tree: Proposal) -> Proposal | None:
+    """A tree's first path (each node's first verifiable child) as a deterministic chain
+    (exact under the one-hot rule whatever chose it); None where the tree wants the target's
+    argmax back (lookahead's window) or has no such path."""
+    if tree.want_argmax or tree.on_result is not None:
+        return None
+    tokens = tree.tokens.tolist()
+    chain, at = [], -1
+    for i, p in enumerate(tree.parents):
+        if p == at and (tree.verify is None or tree.verify[i]):
+            chain.append(tokens[i])
+            at = i
+    return Proposal(chain, source=tree.source) if chain else None

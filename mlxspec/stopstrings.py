@@ -102,6 +102,8 @@ class StepOutput:
     stats: Stats
     finish_reason: str | None = None  # set on the last output
     stop_string: str = ""  # the stop string that ended the answer, if one did
+    # per token of `tokens` its `constrain.TokenLogprob` (a request asking for them)
+    logprobs: list | None = None
 
 
 class Detokenizer:
@@ -115,9 +117,12 @@ class Detokenizer:
         self.start = time.perf_counter()  # decoding started (reset when a row joins its batch)
         self.done = False
 
-    def feed(self, tokens: list[int], last: bool = False) -> StepOutput:
+    def feed(self, tokens: list[int], last: bool = False,
+             logprobs: list | None = None) -> StepOutput:
         """The output of a step that committed `tokens`; `last`: the answer ends after them
-        (max_tokens reached) unless an end-of-sequence token or a stop string ended it."""
+        (max_tokens reached) unless an end-of-sequence token or a stop string ended it;
+        `logprobs`: one entry per token (`SamplingParams.take_logprobs`), kept for the tokens
+        emitted."""
         emitted = []
         for t in tokens:
             if t in self.eos:
@@ -135,4 +140,5 @@ class Detokenizer:
         self.stats.decode_seconds = time.perf_counter() - self.start
         self.stats.peak_memory_gb = backend.peak_memory_gb()
         self.done = finish is not None
-        return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word)
+        return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word,
+                          None if logprobs is None else list(logprobs[: len(emitted)]))

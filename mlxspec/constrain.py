@@ -1,0 +1,375 @@
+"""Per-request work on the target's logits, exact under speculation: a logit bias, a grammar
+(JSON, JSON Schema, GBNF / Lark, a regex, on llguidance) and log-probabilities.
+
+The step (`step.py`) asks `RequestState` of a row for what to do with the logits of the
+positions it verifies:
+- a bias is added to every position's logits;
+- a grammar's mask: position i's allowed tokens are the grammar's after the committed tokens
+  and the first i proposed ones; a proposal is cut before its first token the grammar refuses
+  (the target could never accept it); the matcher advances only on committed tokens (it is
+  walked through a proposal to compute its masks and rolled back at once), so it "rolls back
+  with the cache" for free;
+- log-probabilities are read from the same logits (before bias and mask: what the model says;
+  `post_probs`: after them and the sampling transforms), per committed token.
+
+Every rule (greedy, keyed, rejection) then sees the same biased and masked p at each position as
+`none` does, so the output stays token-identical to `none` (and in distribution at T > 0).
+
+The matcher is kept in step with the row by absolute position: `pos` tokens (prompt included)
+consumed. A step that feeds the token at position f needs the matcher at f + 1: one behind, it
+consumes the fed token; ahead (a step undone), it rolls back. So pipelined, undone or
+re-planned steps cannot desynchronize it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxspecError
+
+_LLG_TOKENIZERS: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer)
+_LOCK = threading.Lock()
+_EXECUTOR = None
+
+# JSON as llama.cpp's schema converter writes it: one space after ':' and ',', no free
+# whitespace (a model cannot then spend its budget on blank lines).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "lenient": True}
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def eos_ids(tokenizer) -> list[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return sorted(ids)
+
+
+class _ByteTable:
+    """llguidance's view of a tokenizer without a Hugging Face fast tokenizer: each id's
+    bytes (its decoded text), and encoding through the tokenizer."""
+
+    def __init__(self, tokenizer, eos: int):
+        n = len(tokenizer.get_vocab())
+        self.tokens = [tokenizer.decode([i]).encode("utf-8") for i in range(n)]
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.special_token_ids = [eos]
+        self._tok = tokenizer
+
+    def __call__(self, s):
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return list(self._tok.encode(s, add_special_tokens=False))
+
+
+def llg_tokenizer(tokenizer):
+    """The llguidance tokenizer of an engine's tokenizer (built once: ~1 s for 150 k tokens)."""
+    import llguidance
+
+    with _LOCK:
+        got = _LLG_TOKENIZERS.get(id(tokenizer))
+        if got is not None and got[0] is tokenizer:
+            return got[1]
+        eos = eos_ids(tokenizer)
+        if not eos:
+            raise MlxspecError("constrained decoding needs a tokenizer with an end-of-sequence "
+                               "token (the grammar ends the answer with it)")
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        if hasattr(hf, "backend_tokenizer"):
+            from llguidance.hf import from_tokenizer
+
+            llg = from_tokenizer(hf, eos_token=eos)
+        else:
+            from llguidance import TokenizerWrapper
+
+            llg = llguidance.LLTokenizer(TokenizerWrapper(_ByteTable(tokenizer, eos[0])),
+                                         eos_token=eos)
+        _LLG_TOKENIZERS[id(tokenizer)] = (tokenizer, llg)
+        return llg
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        import llguidance
+
+        _EXECUTOR = llguidance.LLExecutor(1)
+    return _EXECUTOR
+
+
+# ----------------------------------------------------------------------------- grammars
+
+
+def grammar_text(kind: str, spec) -> str:
+    """llguidance's grammar for a request's constraint: `kind` "json" (any JSON object; `spec`
+    an optional schema), "json_schema" (`spec` a JSON Schema, dict or text), "gbnf" (llama.cpp's
+    GBNF, or Lark), "lark", "regex". Raises MlxspecError on a malformed one."""
+    import llguidance
+
+    try:
+        if kind in ("json", "json_schema"):
+            schema = spec if spec is not None else {"type": "object"}
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise MlxspecError("a JSON Schema must be an object")
+            if schema == {}:
+                schema = {"type": "object"} if kind == "json" else {}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        if kind == "gbnf":
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
+        if kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(spec)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+    except MlxspecError:
+        raise
+    except Exception as e:  # a schema that is not JSON, a GBNF that does not convert
+        raise MlxspecError(f"invalid {kind} grammar: {e}") from None
+    raise MlxspecError(f"unknown grammar kind {kind!r} (json, json_schema, gbnf, lark, regex)")
+
+
+class Constraint:
+    """A request's grammar matcher, kept at the row's committed tokens by position."""
+
+    def __init__(self, tokenizer, kind: str, spec, start: int):
+        import llguidance
+
+        self.llg = llg_tokenizer(tokenizer)
+        grammar = grammar_text(kind, spec)
+        err = llguidance.LLMatcher.validate_grammar(grammar, self.llg)
+        if err:
+            raise MlxspecError(f"invalid {kind} grammar: {err}")
+        self.matcher = llguidance.LLMatcher(self.llg, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise MlxspecError(f"invalid {kind} grammar: {self.matcher.get_error()}")
+        self.kind = kind
+        self.words = (self.llg.vocab_size + 31) // 32
+        self.pos = start  # tokens of the sequence consumed (the prompt's count as consumed)
+        self.mask_seconds = 0.0  # time spent computing masks (the benchmark reads it)
+        self.masks = 0
+
+    def _consume(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise MlxspecError(f"the grammar refused token {int(token)}: "
+                               f"{self.matcher.get_error()}")
+        self.pos += 1
+
+    def at(self, fed: int, token) -> None:
+        """Bring the matcher to position fed + 1: after the token at `fed` (`token`: it, or a
+        callable reading it back)."""
+        need = fed + 1
+        if self.pos > need:
+            if not self.matcher.rollback(self.pos - need):
+                raise MlxspecError(f"the grammar could not roll back {self.pos - need} tokens")
+            self.pos = need
+        elif self.pos == need - 1:
+            self._consume(token() if callable(token) else token)
+        elif self.pos < need - 1:
+            raise MlxspecError(f"the grammar is {need - self.pos} tokens behind its row")
+
+    def commit(self, first: int, tokens: list[int]) -> None:
+        """Tokens committed at positions first, first + 1, ...: consume what is new."""
+        for i, t in enumerate(tokens):
+            if first + i == self.pos:
+                self._consume(t)
+            elif first + i > self.pos:
+                raise MlxspecError("the grammar missed a committed token")
+
+    def cut(self, draft: list[int]) -> int:
+        """How many leading draft tokens the grammar allows (a proposal is cut there)."""
+        if self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens([int(t) for t in draft]) if draft else 0
+
+    def bitmasks(self, draft: list[int]) -> np.ndarray:
+        """(len(draft) + 1, words) int32: the allowed tokens now and after each draft token
+        (all allowed), one bit per token."""
+        import time
+
+        start = time.perf_counter()
+        out = np.zeros((len(draft) + 1, self.words), np.int32)
+        if draft:
+            _executor().unsafe_compute_mask_ptr_with_draft_token(
+                [(self.matcher, 0, [int(t) for t in draft])], out.ctypes.data, self.words * 4,
+                len(draft) + 1)
+        else:
+            self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, self.words * 4)
+        self.mask_seconds += time.perf_counter() - start
+        self.masks += len(draft) + 1
+        return out
+
+
+def allowed(bitmask: np.ndarray, vocab: int) -> mx.array:
+    """(rows, vocab) bool from llguidance bitmasks (rows, words): ids beyond the tokenizer's
+    vocabulary (a model's padded head) are never allowed."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little").astype(bool)
+    if bits.shape[-1] >= vocab:
+        bits = bits[:, :vocab]
+    else:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[-1])))
+    return mx.array(bits)
+
+
+# ----------------------------------------------------------------------------- logit bias
+
+
+def parse_logit_bias(bias, vocab_size: int, encode=None) -> tuple:
+    """((id, bias), ...) from OpenAI's {"id": bias} or llama.cpp's [[id, bias], ...] /
+    [["text", bias], ...] (every token of the text) / {"text": bias}; a bias of `false` (or
+    -inf) bans the token. Raises ValueError naming what is wrong."""
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list):
+        items = []
+        for i, pair in enumerate(bias):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError(f"logit_bias[{i}] must be a [token, bias] pair")
+            items.append((pair[0], pair[1]))
+    else:
+        raise ValueError("logit_bias must be an object {token: bias} or a list of "
+                         "[token, bias] pairs")
+    out: dict[int, float] = {}
+    for key, value in items:
+        if value is False:
+            value = -math.inf
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"logit_bias: the bias of {key!r} must be a number or false")
+        elif math.isnan(value):
+            raise ValueError(f"logit_bias: the bias of {key!r} is not a number")
+        if isinstance(key, bool):
+            raise ValueError(f"logit_bias: {key!r} is not a token")
+        ids: list[int]
+        if isinstance(key, int):
+            ids = [key]
+        elif isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str) and encode is not None:
+            ids = list(encode(key))  # llama.cpp: a text biases each of its tokens
+        else:
+            raise ValueError(f"logit_bias: {key!r} is not a token id")
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"logit_bias: token {t} is outside the vocabulary "
+                                 f"(0..{vocab_size - 1})")
+            out[t] = out.get(t, 0.0) + float(value)
+    return tuple(sorted(out.items()))
+
+
+_BIAS_CACHE: dict[tuple, mx.array] = {}
+
+
+def bias_vector(bias: tuple, vocab: int) -> mx.array:
+    """The dense (vocab,) float32 bias of ((id, bias), ...), built once per setting."""
+    key = (bias, vocab)
+    got = _BIAS_CACHE.get(key)
+    if got is None:
+        v = np.zeros(vocab, np.float32)
+        for t, b in bias:
+            if t < vocab:
+                v[t] += b
+        got = mx.array(v)
+        if len(_BIAS_CACHE) > 256:
+            _BIAS_CACHE.clear()
+        _BIAS_CACHE[key] = got
+    return got
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+
+@dataclass
+class TokenLogprob:
+    """A committed token's log-probability (or probability, `post`) and the top
+    alternatives, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestState:
+    """What a request's row carries between steps (`SamplingParams.state`)."""
+
+    constraint: Constraint | None = None
+    # position -> TokenLogprob, until the row's output takes them (`take`)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # a first token's lazy log-probabilities, drawn outside a step (`step.draw_next`)
+    pending: tuple | None = None
+    start: int = 0  # the prompt's length: the position of the first generated token
+
+    def take(self, first: int, n: int) -> list[TokenLogprob | None]:
+        """The log-probabilities of the tokens committed at positions first .. first + n - 1
+        (each None where none was recorded), forgotten once taken."""
+        self.settle()
+        out = [self.logprobs.pop(first + i, None) for i in range(n)]
+        for p in [p for p in self.logprobs if p < first + n]:
+            del self.logprobs[p]
+        return out
+
+    def settle(self) -> None:
+        """Record the log-probabilities of a first token drawn outside a step (read back now:
+        the token itself was)."""
+        if self.pending is None:
+            return
+        pos, token, lp, top_ids, top_vals = self.pending
+        self.pending = None
+        self.logprobs[pos] = read_logprobs([int(token.item())], lp, top_ids, top_vals)[0]
+
+
+def logprob_arrays(logits: mx.array, count: int) -> tuple:
+    """Lazy (log-probabilities (T, vocab), top ids (T, count), their values) of logits (T,
+    vocab)."""
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    if count > 0:
+        count = min(count, lp.shape[-1])
+        ids = mx.argpartition(-lp, count - 1, axis=-1)[..., :count]
+        return lp, ids, mx.take_along_axis(lp, ids, axis=-1)
+    return lp, None, None
+
+
+def read_logprobs(tokens: list[int], lp: mx.array, top_ids, top_vals,
+                  post: bool = False) -> list[TokenLogprob]:
+    """TokenLogprob of tokens[i] at row i of the (evaluated) arrays of `logprob_arrays`."""
+    rows = np.asarray(lp[: len(tokens)]) if len(tokens) else np.zeros((0, 1), np.float32)
+    ids = np.asarray(top_ids) if top_ids is not None else None
+    vals = np.asarray(top_vals) if top_vals is not None else None
+    out = []
+    for i, t in enumerate(tokens):
+        v = float(rows[i, t])
+        top: list[tuple[int, float]] = []
+        if ids is not None:
+            pairs = sorted(zip(ids[i].tolist(), vals[i].tolist()), key=lambda p: (-p[1], p[0]))
+            top = [(int(a), float(b)) for a, b in pairs]
+        if post:
+            v = math.exp(v)
+            top = [(a, math.exp(b)) for a, b in top if b > -math.inf]
+        out.append(TokenLogprob(int(t), v, top))
+    return out
+
+
+def make_state(tokenizer, prompt_len: int, grammar: tuple | None,
+               logprobs: int | None) -> RequestState | None:
+    """A request's state: its grammar (kind, spec) compiled, room for log-probabilities."""
+    if grammar is None and logprobs is None:
+        return None
+    constraint = None
+    if grammar is not None:
+        constraint = Constraint(tokenizer, grammar[0], grammar[1], prompt_len)
+    return RequestState(constraint=constraint, start=prompt_len)
