@@ -28,7 +28,7 @@ PACKAGE = str(Path(mlxspec.__file__).parent)
 
 def count_calls(engine, prompt, mode: str, max_tokens: int) -> dict:
     """Calls into mlxspec per target forward for one request in `mode`, after its prefill."""
-    row = engine.open(prompt, max_tokens=max_tokens, mode=mode)
+    batch, row = engine.open(prompt, max_tokens=max_tokens, mode=mode)
     calls: Counter = Counter()
 
     def profile(frame, event, arg):
@@ -38,16 +38,16 @@ def count_calls(engine, prompt, mode: str, max_tokens: int) -> dict:
                 calls[(path[len(PACKAGE) + 1:], frame.f_code.co_name)] += 1
 
     while row.opening is not None:  # a prompt still prefilling (not counted)
-        row.batch.step()
+        batch.step()
     forwards = row.stats.target_forwards
     sys.setprofile(profile)
     try:
         while row.wants:
-            row.batch.step()
+            batch.step()
     finally:
         sys.setprofile(None)
     forwards = row.stats.target_forwards - forwards
-    row.close()
+    batch.close(row)
     modules = {path for path, _ in calls}
     total = sum(calls.values())
     return {"mode": mode, "forwards": forwards, "calls_per_forward": total / max(forwards, 1),

@@ -36,7 +36,7 @@ def ours(engine, slots, prompts, max_tokens: int) -> float:
             out = row.output(produced)
             n += len(out.tokens) if out is not None else 0
             if out is not None and out.finish_reason:
-                row.close()
+                batch.close(row)
                 live.remove(row)
     return n / (time.perf_counter() - start)
 

@@ -11,6 +11,7 @@ but the last, and its output equals the request decoded by itself. See docs/HOW_
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,12 +21,12 @@ from . import caches
 from .admission import Admission
 from .caches.rows import RaggedRows, RowCache
 from .errors import MlxspecError
-from .policy import BatchPolicy, forward_group, plan_rows
+from .policy import BatchPolicy, forward_group
 from .proposal import Proposal
-from .proposers.draft import DraftRows
+from .proposers.draft import DraftRows, draft_proposer
 from .row import BatchRow
 from .sampling import SamplingParams
-from .step import StartedStep, decode_step, finish_step, start_step
+from .step import decode_step, draw_next
 from .stopstrings import StepOutput
 
 if TYPE_CHECKING:
@@ -36,37 +37,35 @@ GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 
 @dataclass
 class QueuedPlainStep:
-    """A plain step started for `rows` (None: left since) before the previous step's tokens
-    were read; `step.out` (lazy) their next tokens."""
+    """A plain step started for `rows` (per slot; None: not fed, or left since) before the
+    previous step's tokens were read back; `tokens` (lazy) their next tokens."""
 
     rows: list
-    step: StartedStep
-
-    @property
-    def tokens(self) -> mx.array:
-        return self.step.out
+    tokens: mx.array
+    ckpt: object
 
 
 class BatchSpeculator:
     """The rows decoding together on one model; one `step()` = one target forward for all."""
 
-    def __init__(self, model, policy: BatchPolicy | None = None, row_plans: bool = False,
-                 pipeline: bool = True, sync=None):
+    def __init__(self, model, policy: BatchPolicy | None = None, pipeline: bool = True,
+                 sync=None):
         """`policy`: chooses every row's k and learns the steps' cost (default a fresh
-        `BatchPolicy`; the engine's cost model: `BatchPolicy(engine.cost)`); `row_plans`: each
-        row plans its own k (a request by itself, `Engine.open`: prefilled at `open`).
-        `pipeline`: plain stretches pipelined. `sync`: a sharded target's (rank 0's tokens on
-        every rank)."""
+        `BatchPolicy`; the engine's cost model: `BatchPolicy(engine.cost)`). `pipeline`: plain
+        stretches pipelined. `sync`: a sharded target's (rank 0's tokens on every rank)."""
         self.model = model
         self.sync = sync
         self.policy = policy or BatchPolicy()
-        self.row_plans = row_plans
         self.rows: list[BatchRow] = []
         # Row b of the cache holds slots[b]; a row leaving leaves None (fed padding, trimmed at
         # once) for the next to join: neither joining nor leaving copies the cache (`_compact`).
         self.slots: list[BatchRow | None] = []
         self.cache: RowCache | RaggedRows | None = None
         self.drafts: dict[int, DraftRows] = {}  # id(draft model) -> its rows' draft caches
+        self.speculating = 0  # rows with a proposer: only they are planned
+        self.stateful = 0  # rows whose next draw needs the last token read (no pipelining)
+        self.argmax = 0  # rows whose next token is the argmax of the logits, nothing else
+        self.trees = False  # a token tree can be verified now (`_trees_here`)
         self.steps = 0  # batched forwards run
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
         self.plain_steps = 0  # batched forwards in which no row proposed
@@ -77,52 +76,140 @@ class BatchSpeculator:
         # MLX's CPU backend `async_eval` returns near the forward's end, so nothing hides it.
         self.replan_gap = 4
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
-        self.admission = Admission(self)  # the rows opened, not decoding yet
+        self.admission = Admission(model, self.policy.cost)  # the rows opened, not decoding yet
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
-        self._trees: bool | None = None  # the model can verify token trees (`verifies_trees`)
+        self._tree_model: bool | None = None  # the model's attention can verify token trees
 
-    def verifies_trees(self) -> bool:
+    def open(self, engine: Engine, prompt, **request) -> BatchRow:
+        """A request checked (`request.prepare`) joining the batch: each `step()` commits its
+        tokens, and returns them as text; `close(row)` to leave. The batch's first row is
+        prefilled here (`progress(done, total)`); a later one's short rest of the prompt at
+        the next step with the round's other joiners, or `prefill_chunk` tokens per `step()`
+        when longer (`admission.py`). `request`: as `request.prepare`."""
+        row = self.admission.open(engine, prompt, self.rows, **request)
+        self._join(self.admission.ready)
+        self.admission.ready = []
+        return row
+
+    def start(self, row: BatchRow) -> None:
+        """A row prefilled elsewhere (its cache in `row.pc.cache`, every committed token but
+        the last) starts decoding in this batch: a tool's or a test's own row."""
+        self._join([(row, True)])
+
+    # -- joining and leaving
+    def _join(self, ready: list[tuple[BatchRow, bool]]) -> None:
+        """Prefilled rows start decoding: a first one on its own cache (any kind, no copy: the
+        fastest for one request), the others in the shared rows, their drafts in the draft's
+        rows."""
+        grouped = sum(not own for _, own in ready)
+        for row, own in ready:
+            if row.detok is not None:
+                row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
+            try:
+                if own and self.cache is None:
+                    self.cache, self.slots = RowCache(self.model, row.pc.cache), [row]
+                    row.pc.cache = None  # the batch holds it now; given back on leaving
+                else:
+                    if not row.shares or any(not r.shares for r in self.rows):
+                        raise MlxspecError("this request cannot run in the batched step")
+                    self._share(grouped, len(row.pc.cache))
+                    self._put(row)
+                    grouped = 0
+            except Exception as e:
+                row.fail(e)
+                row.pc.drop()
+                continue
+            self.rows.append(row)
+            self.speculating += row.proposer is not None
+            self.stateful += bool(getattr(row.sampling, "stateful", False))
+            self.argmax += _argmax_only(row.sampling)
+        self.trees = self._trees_here()
+
+    def _share(self, room: int, num_layers: int) -> None:
+        """The rows move into ragged rows (a row on its own cache first, a step queued for it
+        undone), with `room` empty slots for a group joining at once (growing copies every
+        buffer)."""
+        if self.cache is not None and not self.cache.shared:
+            self.drop_queued()
+            (row,) = self.slots
+            row.pc.cache = self.cache.take_row(0)
+            self.cache, self.slots = None, []
+            self._put(row)
+        need = room - self.slots.count(None)
+        if need > 0:
+            if self.cache is None:
+                self.cache = RaggedRows(num_layers)
+            self.cache.add_empty_rows(need)
+            self.slots.extend([None] * need)
+
+    def _put(self, row: BatchRow) -> None:
+        """Move a row's single-request cache (and its draft's) into the ragged rows."""
+        layers = row.pc.cache
+        if self.cache is None:
+            self.cache = RaggedRows(len(layers))
+        else:
+            # Evaluated (no wait: every caller has just waited), the buffers are written in
+            # place; otherwise MLX copies them whole, ~7 ms a join at 8 rows on the server.
+            mx.eval(self.cache.evaluate())
+        if len(layers) != len(self.cache.layers):
+            raise MlxspecError("a row of another model cannot join this batch")
+        slots = self.slots
+        b = slots.index(None) if None in slots else len(slots)
+        self.cache.put_row(b, layers)
+        if b == len(slots):
+            slots.append(row)
+        else:
+            slots[b] = row
+        mx.async_eval(self.cache.evaluate())
+        row.pc.cache = None  # the batch holds it now; given back on leaving
+        draft = draft_proposer(row.proposer)
+        if draft is not None and DraftRows.joins(draft) and not any(
+                r.draft is draft for r in self.rows):
+            self.drafts.setdefault(id(draft.model), DraftRows(draft.model)).join(draft)
+            row.draft = draft
+
+    def _trees_here(self) -> bool:
         """Whether a token tree can be verified now: a row on its own cache, of a model whose
         attention takes per-token positions and has no recurrent layers (`tree.py`)."""
         if self.cache is None or self.cache.shared:
             return False
-        if self._trees is None:
+        if self._tree_model is None:
             from .tree import rope_sites
 
             try:
                 rope_sites(self.model)
-                self._trees = not caches.has_recurrent(self.cache.layers)
+                self._tree_model = not caches.has_recurrent(self.cache.layers)
             except MlxspecError:
-                self._trees = False
-        return self._trees
+                self._tree_model = False
+        return self._tree_model
 
-    def open(self, engine: Engine, prompt, **request) -> BatchRow:
-        """A request checked (`request.prepare`) joining the batch: each `step()` commits its
-        tokens, and returns them as text; close the row to leave. A short rest of the
-        prompt prefills at the next step with the round's other joiners; a longer one here
-        (`progress(done, total)`), or `prefill_chunk` tokens per `step()` when longer still
-        (`admission.py`). `request`: as `request.prepare`."""
-        return self.admission.open(engine, prompt, **request)
-
-    # -- leaving
     def drop_queued(self) -> None:
-        """Undo a queued step: its rows' caches without the tokens it fed them."""
+        """Undo a queued step: its rows' caches without the tokens it fed them (they are drawn
+        again by the next step: the same tokens for greedy and keyed rows)."""
         q, self.queued = self.queued, None
         if q is not None and any(r is not None for r in q.rows):
-            self.cache.trim_rows([1 if r is not None and r in q.rows else 0 for r in self.slots],
-                                 ckpt=q.step.ckpt)
+            self.cache.trim_rows([1 if r is not None else 0 for r in q.rows], ckpt=q.ckpt)
 
-    def leave(self, row: BatchRow) -> None:
-        """A row leaves (`BatchRow.close`); its cache goes back to its prompt cache."""
-        self.admission.drop(row)
-        if row not in self.rows:
+    def close(self, row: BatchRow) -> None:
+        """A row leaves (whatever its state); its cache goes back to its prompt cache (every
+        committed token but the last) and its proposer is told."""
+        if row.closed:
             return
-        self.rows.remove(row)
-        b = self.slots.index(row)
+        self.admission.drop(row)
+        if row in self.rows:
+            self._leave(row)
+        row.finish()
+
+    def _leave(self, row: BatchRow) -> None:
         q = self.queued
         if q is not None and row in q.rows:  # its last token was fed by the queued step
-            self.cache.trim_rows([1 if r is row else 0 for r in self.slots], ckpt=q.step.ckpt)
+            self.cache.trim_rows([1 if r is row else 0 for r in self.slots], ckpt=q.ckpt)
             q.rows[q.rows.index(row)] = None
+        self.rows.remove(row)
+        self.speculating -= row.proposer is not None
+        self.stateful -= bool(getattr(row.sampling, "stateful", False))
+        self.argmax -= _argmax_only(row.sampling)
+        b = self.slots.index(row)
         self.slots[b] = None
         if row.draft is not None:
             batch = self.drafts[id(row.draft.model)]
@@ -136,65 +223,59 @@ class BatchSpeculator:
         else:
             row.pc.cache, row.pc.tokens = layers, row.context[:-1]
         if not self.rows:
-            self.cache, self.queued, self.slots = None, None, []
+            self.cache, self.slots = None, []
         else:
             self._compact()
+        self.trees = self._trees_here()
 
     def _compact(self) -> None:
-        """Drop the empty slots once they are half the batch (each costs a row's compute);
-        a queued step's rows and tokens follow."""
+        """Drop the empty slots once they are half the batch (each costs a row's compute)."""
         empty = self.slots.count(None)
         if not empty or empty * 2 < len(self.slots):
             return
+        self.drop_queued()
         keep = [b for b, r in enumerate(self.slots) if r is not None]
         self.cache.keep_rows(keep)
         self.slots = [self.slots[b] for b in keep]
-        q = self.queued
-        if q is not None:  # slots added since it was queued are not in it
-            kept = [b for b in keep if b < len(q.rows)]
-            q.rows = [q.rows[b] for b in kept]
-            q.step.out = q.step.out[mx.array(kept, mx.int32)]
-            q.step.fed = [q.step.fed[b] for b in kept]
 
     # -- the step
     def step(self) -> dict[BatchRow, StepOutput]:
-        """Admit the rows opened (`admit`), then one batched step for every row that wants
-        tokens (the others sit it out: fed padding, trimmed at once); returns what each row
-        produced (a row whose step failed has its `error`: `BatchRow.output` raises it)."""
-        self.admission.run()
-        self._decode()
-        return self._produced()
-
-    def admit(self) -> dict[BatchRow, StepOutput]:
-        """Prefill a chunk of every long prompt, and the rows opened since the last step
-        together; returns their first tokens. No row decodes."""
-        self.admission.run()
-        return self._produced()
-
-    def _produced(self) -> dict[BatchRow, StepOutput]:
+        """Admit the rows ready (a queued plain step delivered first), then one batched step
+        for every row that wants tokens (the others sit it out: fed padding, trimmed at once);
+        returns what each row produced (a row whose step failed has its `error`:
+        `BatchRow.output` raises it)."""
+        admission = self.admission
+        if admission.opening or admission.prefilling:
+            # a queued step is this step's forward; the joiners join the next stretch
+            delivered = self.queued is not None
+            if delivered:
+                self._deliver(again=False)
+            self._join(admission.run(not self.rows))
+            if not delivered:
+                self._decode()
+        elif self.queued is not None:
+            self._deliver()
+        else:
+            self._decode()
         produced = {}
         for r in self.rows:
-            outs, r.outputs = r.outputs, []
-            if outs:
+            if r.outputs:
+                outs, r.outputs = r.outputs, []
                 produced[r] = outs[0] if len(outs) == 1 else merged(outs)
         return produced
 
     def _decode(self) -> None:
-        if self.queued is not None:
-            self._deliver_queued()
-            return
         fed = [r if r is not None and r.wants else None for r in self.slots]
         rows = [r for r in fed if r is not None]  # in the order of the cache's rows
         if not rows:
             return
         start = time.perf_counter()
-        span = self._span()
         try:
-            plans = self._plans(rows)
+            plans = self._plans(rows) if self.speculating else [("", 0)] * len(rows)
             if not any(k for _, k in plans) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
-                self._queue_next(fed)
-                self._deliver_queued(started=start)
+                self._queue(fed)
+                self._deliver(started=start)
                 return
             proposals, forwards = self._propose(rows, plans)
             results = decode_step(
@@ -214,108 +295,115 @@ class BatchSpeculator:
         if not any(drafted):
             self.plain_steps += 1
         self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted), forwards, seconds,
-                            span)
+                            self._span())
         for r, (arm, _), res in zip(rows, plans, results):
+            if r.draft is not None and res.source == "draft":  # (before its proposer hears)
+                self.drafts[id(r.draft.model)].update(r.draft, r.context + res.tokens,
+                                                      res.accepted)
             r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
                      seconds if res.drafted else None)
 
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
-        """A plain step may queue the next: a row wants a token after this one's."""
-        return self.pipeline and any(r.wants_two for r in rows)
+        """A plain step may queue the next: a row wants a token after this one's, and no row
+        needs each token read before its next draw."""
+        return self.pipeline and not self.stateful and any(
+            len(r.context) + 2 <= r.end for r in rows)
 
-    def _queue_next(self, fed: list[BatchRow | None], inputs: mx.array | None = None,
-                    ahead: set[int] = frozenset()) -> None:
-        """A plain step feeding fed[b] its last token (or inputs[b], unread), started
-        (`mx.async_eval`; a sharded target's ranks then run the forwards' collectives in the
-        same order), not read back. A keyed row fed an unread token (its id in `ahead`) draws
-        at the position after that token's."""
-        lasts = [None if r is None else r.context[-1] for r in fed]
-        seeds = [None if r is None else r.seed_at(id(r) in ahead) for r in fed]
-        started = start_step(self.model, self.cache, lasts, [None] * len(fed),
-                             [GREEDY if r is None else r.sampling for r in fed], seeds,
-                             sync=self.sync, inputs=inputs)
-        mx.async_eval(started.out)
-        self.queued = QueuedPlainStep(fed, started)
+    def _queue(self, fed: list[BatchRow | None], inputs: mx.array | None = None) -> None:
+        """A plain step feeding fed[b] its last token (or inputs[b], the queued step's token,
+        unread), started (`mx.async_eval`; a sharded target's ranks then run the forwards'
+        collectives in the same order), not read back. A keyed row draws at the position of
+        the token after the one it is fed."""
+        ahead = inputs is not None
+        if inputs is None:
+            inputs = mx.array([0 if r is None else r.context[-1] for r in fed], mx.uint32)
+        cache = self.cache
+        ckpt = cache.checkpoint()
+        logits = self.model(inputs[:, None], cache=cache.layers)
+        if None in fed:  # a row sitting out: what it was fed goes at once
+            cache.trim_rows([1 if r is None else 0 for r in fed])
+        if self.argmax == len(self.rows):  # (greedy rows only: one argmax, as mlx-lm's)
+            tokens = mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)
+        else:
+            tokens = draw_next(
+                logits[:, -1], [GREEDY if r is None else r.sampling for r in fed],
+                [None if r is None or r.seed is None else (r.seed, len(r.context) + ahead)
+                 for r in fed])
+        if self.sync is not None:
+            tokens = self.sync(tokens)
+        mx.async_eval(tokens)
+        self.queued = QueuedPlainStep(fed, tokens, ckpt)
 
-    def _deliver_queued(self, started: float | None = None) -> None:
+    def _deliver(self, again: bool = True, started: float | None = None) -> None:
         """The queued step's tokens are its rows' next output (`started`: when a stretch's
         first step, planned and run just now, started). Before reading them back the step
-        after is queued, while the batch wants no proposal, so that its forward runs while the
-        host reads, detokenizes and plans: it feeds the queued rows their queued tokens, rows
-        that joined meanwhile their last token, so a stretch survives requests coming, leaving
-        and ending."""
+        after is queued (`again`, while every row is plain), so that its forward runs while
+        the host reads, detokenizes and plans; rows joining or leaving end the stretch."""
         q, self.queued = self.queued, None
-        cache = self.cache
-        span = self._span() - 1  # the queued step's token is cached already
+        span = self._span() - 1 if self.speculating else 0  # (its token is cached already)
         try:
-            at = {id(r): i for i, r in enumerate(q.rows) if r is not None}
-            fed = [None if r is None else (r if r.wants_two else None) if id(r) in at
-                   else (r if r.wants else None) for r in self.slots]
-            stepping = [r for r in fed if r is not None]
-            # (a row on its own cache asks every step, as cheap sources end a stretch at once)
-            replan = started is None and (
-                not cache.shared or self.pipelined % self.replan_gap == 0
-                or any(r is not None and id(r) not in at for r in fed))
-            again = (stepping and self._can_pipeline(stepping) and not (
-                replan and any(k for _, k in self._plans(stepping, commit=False))))
-            if again:
-                if fed == q.rows:
-                    inputs = q.tokens
-                else:
-                    inputs = mx.stack([
-                        mx.array(0, mx.uint32) if r is None else q.tokens[at[id(r)]]
-                        if id(r) in at else mx.array(r.context[-1], mx.uint32) for r in fed])
-                self._queue_next(fed, inputs=inputs, ahead=set(at))
-            host = finish_step(q.step)
+            fed = [r if r is not None and len(r.context) + 2 <= r.end else None
+                   for r in q.rows]
+            if again and fed.count(None) < len(fed) and not self.stateful and not (
+                    started is None and self.speculating and self._replan(fed)):
+                self._queue(fed, q.tokens)
+            tokens = q.tokens.tolist()
         except Exception as e:
             self.fail(e)
             return
         now = time.perf_counter()
         seconds, self._delivered = now - (started or self._delivered), now
-        kept = [(r, res.tokens[0]) for r, res in zip(q.rows, host)
-                if r is not None and res is not None and r.wants]
-        # a row that wants no more: the token the queued step fed it goes, not committed
-        drop = [r for r in q.rows if r is not None and not r.wants]
-        if drop:
-            cache.trim_rows([1 if r in drop else 0 for r in self.slots], ckpt=q.step.ckpt)
         self.pipelined += started is None
+        self.steps += 1
+        self.plain_steps += 1
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
-        self._commit_plain(kept, seconds if again or started else None, span, bool(started),
-                           cache.shared)
+        timed = self.queued is not None or started is not None
+        if self.speculating and timed:
+            self.policy.observe(len(self.slots), 1, 0, None, seconds, span, started is not None)
+        # (a row on its own cache learns only the steady state: not a stretch's synced first)
+        seconds = None if not timed or (started and not self.cache.shared) else seconds
+        for r, token in zip(q.rows, tokens):
+            if r is not None:
+                self.rows_stepped += 1
+                r.commit([token], seconds=seconds)
+        nxt = self.queued
+        if nxt is None:
+            return
+        for r in nxt.rows:
+            if r is not None and not r.wants:
+                # a row ended (a stop string, an end token): the token queued for it goes
+                self.cache.trim_rows([1 if r is not None and not r.wants else 0
+                                      for r in nxt.rows], ckpt=nxt.ckpt)
+                nxt.rows = [r if r is not None and r.wants else None for r in nxt.rows]
+                return
+
+    def _replan(self, rows: list[BatchRow | None]) -> bool:
+        """Whether a row of the stretch would propose now (a row on its own cache asks every
+        step, as cheap sources end a stretch at once; shared rows every `replan_gap`)."""
+        if self.cache.shared and self.pipelined % self.replan_gap:
+            return False
+        return any(k for _, k in self._plans([r for r in rows if r is not None], commit=False))
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
         plan on its own cache (by the same cost model and rule, `policy/cost.py`).
         `commit=False`: only asking (a forced probe is not counted as taken)."""
-        if self.row_plans or not self.cache.shared:
-            return [r.planner.plan(r.available(), r.context) for r in rows]
-        return plan_rows(self.policy, rows, self.steps, commit, len(self.slots), self._span(),
-                         self._can_pipeline(rows))
+        if not self.cache.shared:
+            return [r.planner.plan(r.available(self.trees), r.context) for r in rows]
+        return self.policy.plan_rows(rows, self.steps, commit, len(self.slots), self._span(),
+                                     self._can_pipeline(rows))
 
     def _span(self) -> int:
         """The longest row's cached length (what a step's queries attend, less the width)."""
         return max(self.cache.lengths, default=0) if self.cache else 0
 
-    def _commit_plain(self, kept: list[tuple[BatchRow, int]], seconds: float | None, span: int,
-                      synced: bool, shared: bool) -> None:
-        """Each (row, token) of a plain step; `seconds` None: the step is counted, its time is
-        not a cost to learn from."""
-        self.steps += 1
-        self.plain_steps += 1
-        self.rows_stepped += len(kept)
-        if seconds is not None:
-            self.policy.observe(len(self.slots), 1, 0, None, seconds, span, synced)
-        for r, token in kept:
-            # (a row on its own cache learns only the steady state: not a stretch's synced first)
-            r.commit([token], seconds=None if synced and not shared else seconds)
-
     def fail(self, e: BaseException) -> None:
         """A step failed: every row has `e` as its `error`."""
         self.queued = None
         for r in self.rows:
-            r.error = e
+            r.fail(e)
 
     def _propose(self, rows: list[BatchRow], plans: list[tuple[str, int]],
                  ) -> tuple[list[Proposal | None], dict[str, int]]:
@@ -345,6 +433,32 @@ class BatchSpeculator:
         if widest:
             forwards["draft"] = forwards.get("draft", 0) + widest
         return proposals, forwards
+
+
+def follow(batch: BatchSpeculator, row: BatchRow) -> Iterator[StepOutput | None]:
+    """Step `batch` until `row` ends, yielding the row's output of each step (None after a
+    step that only prefilled a chunk of its prompt); the row is closed at the end, however it
+    ends (its cache to its prompt cache)."""
+    pc = row.pc
+    try:
+        while True:
+            out = row.output(batch.step())
+            if out is not None or row.opening is not None:
+                yield out
+            if not row.wants:
+                return
+    finally:
+        batch.close(row)  # the cache holds every committed token but the last
+        # An exception in the middle of a step (Ctrl-C, a failing callback) can leave the
+        # cache holding other tokens than the row committed: not reused then.
+        if pc.cache is not None and any(getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
+                                        for c in caches.leaves(pc.cache)):
+            pc.drop()
+
+
+def _argmax_only(sampling: SamplingParams) -> bool:
+    """Whether a row's next token is the argmax of its logits, with nothing to adjust."""
+    return sampling == GREEDY and not getattr(sampling, "adjusted", False)
 
 
 def _spread(fed: list, values, empty=None) -> list:

@@ -1,6 +1,6 @@
 """The public `Engine` API: a loaded model and its modes, requests checked and prefilled (with
 the prompt cache). The decode loop is `batch_step.BatchSpeculator`: a request by itself is a batch
-of one on its own cache (`Engine.open`)."""
+of one on its own cache (`Engine.open`), stepped by `batch_step.follow`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 
-from . import backend, caches, policy_store
-from .batch_step import BatchSpeculator
+from . import backend, policy_store
+from .batch_step import BatchSpeculator, follow
 from .caches.prompt import PromptCache
 from .errors import MlxspecError
 from .fim import detect_fim
@@ -195,26 +195,11 @@ class Engine:
         during prefill and `prefill_chunk` (a longer prompt prefilled that many tokens a step)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
-            row = self.open(prompt, **kwargs)
-            pc = row.pc
-            try:
-                while not row.ended:
-                    out = row.output(row.batch.step())
-                    if out is not None or row.opening is not None:
-                        yield out
-            finally:
-                row.close()  # the cache holds every committed token but the last
-                # An exception in the middle of a step (Ctrl-C, a failing callback) can leave
-                # the cache holding other tokens than the row committed: not reused then.
-                if pc.cache is not None and any(
-                        getattr(c, "offset", len(pc.tokens)) != len(pc.tokens)
-                        for c in caches.leaves(pc.cache)):
-                    pc.drop()
+            yield from follow(*self.open(prompt, **kwargs))
 
-    def open(self, prompt: str | list[int], **kwargs) -> BatchRow:
-        """A request by itself, opened: a batch of one on its own cache (of any kind). Whoever
-        holds it steps `row.batch`, takes the row's outputs from what the steps return
-        (`stream_steps`, the server's worker) and closes it. Keyword arguments as `stream_steps`."""
-        return BatchSpeculator(self.model, BatchPolicy(self.cost), row_plans=True,
-                               sync=self.sync).open(self, prompt, **kwargs)
-
+    def open(self, prompt: str | list[int], **kwargs) -> tuple[BatchSpeculator, BatchRow]:
+        """A request by itself, opened: a batch of one on its own cache (of any kind), and its
+        row. Whoever holds them steps the batch (`batch_step.follow`, the server's worker) and
+        closes the row through it. Keyword arguments as `stream_steps`."""
+        batch = BatchSpeculator(self.model, BatchPolicy(self.cost), sync=self.sync)
+        return batch, batch.open(self, prompt, **kwargs)

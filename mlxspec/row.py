@@ -1,7 +1,9 @@
 """One request in the decode loop: a row of a `BatchSpeculator`. It holds what the request
 committed (`context`), its proposer and its side of the planning (`RowPolicy`), its sampling
 and seed, and the text its steps produced (detokenized as committed). The batch steps it and
-hands it back its tokens (`commit`); closing it gives its cache back to the prompt cache.
+hands it back its tokens (`commit`); it holds no reference to the batch: whoever opened it
+closes it through the batch (`BatchSpeculator.close`), which gives its cache back to the
+prompt cache.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .caches.prompt import PromptCache
-from .policy import AdaptiveK, Policy, RowOffer, RowPolicy
+from .policy import AdaptiveK, Policy, RowOffer, RowPolicy, StepCost
 from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, draft_proposer
 from .sampling import SamplingParams
@@ -20,21 +22,19 @@ from .step import draw_next
 from .stopstrings import Detokenizer, StepOutput
 
 if TYPE_CHECKING:
-    from .batch_step import BatchSpeculator
     from .engine import Engine
 
 
 class BatchRow:
     """One request in a `BatchSpeculator`: `step()` commits its tokens and returns them."""
 
-    def __init__(self, batch: BatchSpeculator, engine: Engine | None, pc: PromptCache,
-                 context: list[int], proposer: Proposer | None, policy: Policy,
-                 sampling: SamplingParams, seed: int | None, stats: Stats, end: int,
-                 num_draft: int, stops: list[str]):
-        self.batch, self.engine, self.pc = batch, engine, pc
+    def __init__(self, engine: Engine | None, pc: PromptCache, context: list[int],
+                 proposer: Proposer | None, policy: Policy, sampling: SamplingParams,
+                 seed: int | None, stats: Stats, end: int, num_draft: int, stops: list[str],
+                 cost: StepCost):
+        self.engine, self.pc = engine, pc
         self.context, self.proposer = context, proposer
-        self.planner = RowPolicy(policy, proposer, batched=not batch.row_plans,
-                                 cost=batch.policy.cost)
+        self.planner = RowPolicy(policy, proposer, cost=cost)
         # A sampled row with a seed draws by position (`sampling.keyed_draw`): the same tokens
         # whatever is proposed, accepted or batched with it. Without one: MLX's generator.
         self.seed = None if sampling.greedy else seed
@@ -50,6 +50,8 @@ class BatchRow:
         self.error: BaseException | None = None
         self.closed = False
         self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
+        # It has not ended, left or failed: kept as each of those happens (read every step)
+        self.wants = len(context) < end
 
     @property
     def ended(self) -> bool:
@@ -60,25 +62,19 @@ class BatchRow:
     def exhausted(self) -> bool:
         return len(self.context) >= self.end
 
-    @property
-    def wants(self) -> bool:
-        """It has not ended, left or failed."""
-        return not (self.closed or self.ended or self.exhausted or self.error is not None)
+    def fail(self, e: BaseException) -> None:
+        """Its step or prefill failed: `output` raises `e`."""
+        self.error, self.wants = e, False
 
-    @property
-    def wants_two(self) -> bool:
-        """It wants a token after the next one (a queued step may feed it)."""
-        return self.wants and len(self.context) + 2 <= self.end
-
-    def available(self) -> dict[str, int] | None:
+    def available(self, trees: bool = False) -> dict[str, int] | None:
         """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be); a
-        draft tree only where the row's cache can verify one."""
+        draft tree only where the row's cache can verify one (`trees`)."""
         cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
         self.planner.at(len(self.context) - 1)  # (its cache holds all but the last token)
         offered = self.proposer.available(self.context, cap)
-        if TREE in offered and not self.proposer.uses_trees and not self.batch.verifies_trees():
+        if TREE in offered and not self.proposer.uses_trees and not trees:
             offered = {s: n for s, n in offered.items() if s != TREE}
         policy, draft = self.planner.policy, draft_proposer(self.proposer)
         if "draft" in offered and isinstance(policy, AdaptiveK) and draft is not None:
@@ -90,7 +86,8 @@ class BatchRow:
         return offered
 
     def offer(self) -> tuple[str, RowOffer]:
-        """The source this row would propose from and what it offers the batch's policy."""
+        """The source this row would propose from and what it offers the batch's policy (a
+        shared batch: no trees)."""
         return self.planner.offer(self.available() or {}, self.context)
 
     def seed_at(self, ahead: int = 0) -> tuple[int, int] | None:
@@ -105,19 +102,22 @@ class BatchRow:
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
         """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's); its
-        draft, proposer, policies (not for its prefill's token) and stats are told."""
-        self.context.extend(tokens)
-        if self.draft is not None and source == "draft":
-            self.batch.drafts[id(self.draft.model)].update(self.draft, self.context, accepted)
+        proposer, policies (not for its prefill's token) and stats are told (its draft's rows
+        by the batch, `BatchSpeculator`)."""
+        context = self.context
+        context.extend(tokens)
         if self.proposer is not None:
-            self.proposer.update(self.context, accepted)
-        if observe:
-            self.planner.observe(arm, drafted, accepted, seconds, self.context)
+            self.proposer.update(context, accepted)
+            if observe:
+                self.planner.observe(arm, drafted, accepted, seconds, context)
         self.stats.record_step(source, drafted, accepted, len(tokens))
-        if self.detok is None:  # a raw row (tests, tools): tokens only
+        detok = self.detok
+        if detok is None:  # a raw row (tests, tools): tokens only
             self.outputs.append(StepOutput("", list(tokens), self.stats))
-        elif not self.detok.done:
-            self.outputs.append(self.detok.feed(tokens, last=self.exhausted))
+        elif not detok.done:
+            self.outputs.append(detok.feed(tokens, last=len(context) >= self.end))
+        self.wants = (len(context) < self.end and (detok is None or not detok.done)
+                      and not self.closed and self.error is None)
 
     def output(self, produced: dict[BatchRow, StepOutput]) -> StepOutput | None:
         """Its output in what a `step()` produced (None: none this step); raises the error of
@@ -126,11 +126,8 @@ class BatchRow:
             raise self.error
         return produced.get(self)
 
-    def close(self) -> None:
-        """Leave; the prompt cache gets the row's cache (every committed token but the last)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.batch.leave(self)
+    def finish(self) -> None:
+        """It left its batch (`BatchSpeculator.close`): its proposer is told."""
+        self.closed, self.wants = True, False
         if self.proposer is not None:
             self.proposer.finish()  # the answer is in the suffix store for the next request

@@ -10,7 +10,7 @@ from mlxspec.engine import PromptCache
 from mlxspec.policy import BatchPolicy, StepCost
 
 
-def drain(rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):
+def drain(batch, rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):
     """Read every row round robin until all finish; close_at[i] = n closes row i after n
     outputs (a client going away); join[r] = callable run before round r (a new request)."""
     live = list(range(len(rows)))
@@ -24,14 +24,14 @@ def drain(rows, outs, close_at: dict | None = None, join: dict | None = None, ro
             break
         for i in list(live):
             try:
-                out = next_output(rows[i])
+                out = next_output(batch, rows[i])
             except StopIteration:
                 live.remove(i)
                 continue
             outs[i].extend(out.tokens)
             counts[i] += 1
             if out.finish_reason or (close_at and counts[i] == close_at.get(i)):
-                rows[i].close()
+                batch.close(rows[i])
                 live.remove(i)
 
 
@@ -47,6 +47,13 @@ REQUESTS = [
     ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], "draft", 30, {"num_draft": 3}),
     ([100, 101, 102] * 5, "auto", 26, {}),
 ]
+
+
+class OwnPlans(BatchPolicy):
+    """A batch policy under which every row plans its own k, as if alone."""
+
+    def plan_rows(self, rows, *args, **kwargs):
+        return [r.planner.plan(r.available(), r.context) for r in rows]
 
 
 class FrozenPolicy(BatchPolicy):
@@ -102,7 +109,7 @@ def joins_and_leaves(pair) -> None:
 
     for i in range(5):
         opener(i)()
-    drain(rows, outs, close_at={2: 3}, join={2: opener(5), 4: opener(6), 7: opener(7)})
+    drain(batch, rows, outs, close_at={2: 3}, join={2: opener(5), 4: opener(6), 7: opener(7)})
     assert outs[2] == want[2][: len(outs[2])] and 0 < len(outs[2]) < len(want[2])
     for i in (0, 1, 3, 4, 5, 6, 7):
         assert outs[i] == want[i], f"request {i} ({REQUESTS[i][1]})"

@@ -91,45 +91,40 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     """One request on a raw cache holding `context` but its last token, through the batch's
     one scheduler: yields the tokens each step commits; `context` grows in place. When it
     ends the cache holds every committed token but the last again."""
-    from mlxspec.batch_step import BatchSpeculator
-    from mlxspec.row import BatchRow
+    from mlxspec.batch_step import BatchSpeculator, follow
     from mlxspec.engine import PromptCache
     from mlxspec.policy import BatchPolicy, StepCost
+    from mlxspec.row import BatchRow
 
     # (the batch learns the cost model an adaptive policy plans with)
     cost = getattr(policy, "cost", None) or StepCost()
-    batch = BatchSpeculator(model, BatchPolicy(cost), row_plans=True, sync=sync)
-    row = BatchRow(batch, None, PromptCache(cache), context, proposer, policy, sampling, seed,
-                   stats, len(context) + max_tokens, num_draft, [])
-    batch.admission.join(row)
-    try:
-        while row.wants:
-            out = row.output(batch.step())
-            yield [] if out is None else out.tokens
-    finally:
-        batch.leave(row)
+    batch = BatchSpeculator(model, BatchPolicy(cost), sync=sync)
+    row = BatchRow(None, PromptCache(cache), context, proposer, policy, sampling, seed, stats,
+                   len(context) + max_tokens, num_draft, [], cost)
+    batch.start(row)
+    for out in follow(batch, row):
+        yield [] if out is None else out.tokens
 
 
 _unclaimed: dict = {}  # id(batch) -> {row: outputs a step produced, not yet asked for}
 
 
-def next_output(row):
+def next_output(batch, row):
     """The row's next output, stepping its batch until there is one (StopIteration once it
     has ended or left), keeping what the steps produced for the other rows: tests read rows
     one at a time. A row still opening gets its prefill's token without a decoding step."""
     from mlxspec.batch_step import merged
 
-    kept = _unclaimed.setdefault(id(row.batch), {})
+    kept = _unclaimed.setdefault(id(batch), {})
     while True:
         if row.error is not None:
             raise row.error
         outs = kept.pop(row, None)
         if outs:
             return merged(outs)
-        if row.closed or row.ended:
+        if row.closed or not row.wants:
             raise StopIteration
-        produced = row.batch.admit() if row.opening is not None else row.batch.step()
-        for r, out in produced.items():
+        for r, out in batch.step().items():
             kept.setdefault(r, []).append(out)
 
 

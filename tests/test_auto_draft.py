@@ -193,7 +193,7 @@ def test_a_free_source_is_measured_while_the_draft_runs(batched):
     for watching in (True, False):
         policy = draft_policy(target, DraftModelProposer(same), max_k=4, dither=False)
         observe_plain(policy, 4, 4 * 0.1)
-        planner = RowPolicy(policy, Lookup(), batched=False, cost=policy.cost)
+        planner = RowPolicy(policy, Lookup(), cost=policy.cost)
         context = text[:10]
         sources = []
         while len(context) < 60:

@@ -563,7 +563,7 @@ def test_every_job_is_a_row_of_the_shared_batch_a_seeded_one_too(model_dirs):
 
     engine, worker, prompts, seeded, greedy = _opened_worker(model_dirs, 3)
     assert all(isinstance(job.row, BatchRow) for job in worker.jobs)
-    assert all(job.shared and job.row.batch is worker.spec_batch for job in worker.jobs)
+    assert all(job.batch is worker.spec_batch for job in worker.jobs)
     while worker.jobs:
         worker._step_all()
     texts = []

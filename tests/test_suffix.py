@@ -334,11 +334,11 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     while live:
         for row, answer in list(live):
             try:
-                answer.extend(next_output(row).tokens)
+                answer.extend(next_output(batch, row).tokens)
             except StopIteration:
                 live.remove((row, answer))
     for row in rows:
-        row.close()
+        batch.close(row)
     assert sorted(store.documents()) == sorted(
         [engine.encode(PROMPTS[0]) + r.tokens] +
         [engine.encode(p) + a for p, a in zip(PROMPTS[1:], answers)])

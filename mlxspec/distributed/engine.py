@@ -71,7 +71,8 @@ def _engine_class():
             """On rank 0: the request alone, opened on every rank (see `follow`)."""
             if not self.coord.leader:
                 raise MlxspecError("requests open on rank 0 only; the other ranks follow")
-            return MirroredRow(self, prompt, kwargs)
+            row = MirroredRow(self, prompt, kwargs)
+            return row, row
 
         def open_local(self, prompt, kwargs):
             """The request opened here (every rank, in step): the ranks agree on the prompt
@@ -176,13 +177,12 @@ def _policy_from(spec):
 
 class MirroredRow:
     """Rank 0's side of a request alone: a row of a batch of one (`Engine.open`) whose
-    opening, steps and closing it tells the followers to repeat. Its own batch: whoever holds
-    it steps `row.batch` and takes the row's output, as a `BatchRow`'s."""
+    opening, steps and closing it tells the followers to repeat. It is its own batch of one:
+    whoever holds it steps it and takes the row's output, as a `BatchRow`'s."""
 
     def __init__(self, engine, prompt, kwargs):
         self.engine, self.coord = engine, engine.coord
         self.gid = next(_gen_ids)
-        self.batch = self
         self.error: BaseException | None = None
         self.done = self.closed = self.released = False
         self.row = None
@@ -195,7 +195,7 @@ class MirroredRow:
             self._guard(self._send, OPEN, request)
             kwargs = dict(kwargs)
             kwargs["seed"] = request["kwargs"].get("seed", 0)
-            self.row = self._guard(engine.open_local, prompt, kwargs)
+            self.local, self.row = self._guard(engine.open_local, prompt, kwargs)
         except BaseException:  # no row to close
             self._release()
             raise
@@ -211,6 +211,10 @@ class MirroredRow:
     @property
     def ended(self) -> bool:
         return self.row.ended
+
+    @property
+    def wants(self) -> bool:
+        return not self.done and self.error is None and self.row.wants
 
     @property
     def opening(self):
@@ -254,7 +258,7 @@ class MirroredRow:
         try:
             self._guard(self._send, STEP)
             self.coord.tick()
-            out = self.row.output(self._guard(self.row.batch.step))
+            out = self.row.output(self._guard(self.local.step))
         except Exception as e:
             self.fail(e)
             return {}
@@ -278,19 +282,20 @@ class MirroredRow:
             self.coord.abandon(message)
         self.coord.broken = self.coord.broken or message
 
-    def close(self) -> None:
+    def close(self, row=None) -> None:
+        """Close the request on every rank (`row`: itself, as a batch closes its row)."""
         if self.row is None or self.closed:
             return
         self.closed = True
         if self.coord.broken:  # no collective after a lost rank: it could hang
             return
         if self.done:  # a bad request ended it on every rank: each closes its own
-            self.row.close()
+            self.local.close(self.row)
             return
         self.done = True
         try:
             self._send(CLOSE)
-            self.row.close()
+            self.local.close(self.row)
         except RuntimeError as e:
             self._lost(lost(self.coord.rank, e))
             raise DistributedFailure(lost(self.coord.rank, e)) from None
@@ -342,24 +347,25 @@ def _follow(engine, on_step) -> None:
                 if req["cache"] is not None:
                     kwargs["prompt_cache"] = held.setdefault(req["cache"], PromptCache())
                 try:
-                    rows[gid] = slot.open_local(req["prompt"], kwargs)
+                    rows[gid] = slot.open_local(req["prompt"], kwargs)  # (batch, row)
                 except MlxspecError as e:  # rank 0 hits the same error and reports it
                     if isinstance(e, DistributedFailure):
                         raise
             elif op == STEP and gid in rows:
-                row = rows[gid]
+                batch, row = rows[gid]
                 try:
-                    out = row.output(row.batch.step())
+                    out = row.output(batch.step())
                 except MlxspecError as e:  # rank 0 hits the same error, and closes its own
                     if isinstance(e, DistributedFailure):
                         raise
-                    rows.pop(gid).close()
+                    batch.close(rows.pop(gid)[1])
                     out = None
                 coord.tick()
                 if on_step is not None and out is not None:  # (None: a prefill chunk)
                     on_step(gid, out)
             elif op == CLOSE and gid in rows:
-                rows.pop(gid).close()
+                batch, row = rows.pop(gid)
+                batch.close(row)
             if not rows:
                 coord.disarm()
         except RuntimeError as e:

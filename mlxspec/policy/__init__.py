@@ -14,9 +14,9 @@ from .adaptive import (
     Policy,
     check_num_draft,
 )
-from .batch import BatchPolicy, RowPolicy, plan_rows
+from .batch import BatchPolicy, RowPolicy
 from .cost import RowOffer, StepCost, choose_ks, forward_group, survival
 
 __all__ = ["AUTO_MAX_K", "DEFAULT_NUM_DRAFT", "MAX_NUM_DRAFT", "AdaptiveK", "BatchPolicy",
            "FixedK", "Policy", "RowOffer", "RowPolicy", "StepCost", "check_num_draft",
-           "choose_ks", "forward_group", "plan_rows", "survival"]
+           "choose_ks", "forward_group", "survival"]

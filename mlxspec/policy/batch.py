@@ -60,16 +60,34 @@ class BatchPolicy:
         ks, _ = choose_ks(self.cost, hopeful, rows=rows, span=span, pipelined=pipelined)
         return offers if ks[probing[0]] else unforced
 
+    def plan_rows(self, rows: list, step: int, commit: bool, slots: int, span: int,
+                  pipelined: bool) -> list[tuple[str, int]]:
+        """Every row's (source, k) for a batched step; a row kept plain watches its source
+        unless a draft's (its tokens cost forwards). `commit=False`: only asking."""
+        offers = self.limit_probes([r.offer() for r in rows], step, commit, slots, span,
+                                   pipelined)
+        ks = self.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
+        for r, (source, offer), k in zip(rows, offers, ks):
+            planner = r.planner
+            if k and offer.group:
+                pass  # a draft runs: the watch of a free source its offer started goes on
+            elif k:
+                planner.watching = planner.watch_for = None  # measured by the step itself
+            elif not offer.group:
+                planner.watch(source, offer.cap, r.context)
+            else:
+                planner.watch_for = None
+        return [(source, k) for (source, _), k in zip(offers, ks)]
+
 
 class RowPolicy:
     """A row's side of the batch's planning: its own policy, a `shadow` AdaptiveK measuring a
     FixedK row's acceptance, and the watch of a source the batch kept plain."""
 
-    def __init__(self, policy: Policy, proposer, batched: bool, cost: StepCost):
-        self.policy, self.proposer = policy, proposer
-        # the shadow prices k with the batch's cost model (`cost`): the one that decides
-        self.shadow = None if not batched or isinstance(policy, AdaptiveK) else \
-            AdaptiveK(max_k=max(policy.max_k, 1), dither=False, cost=cost)
+    def __init__(self, policy: Policy, proposer, cost: StepCost):
+        self.policy, self.proposer, self.cost = policy, proposer, cost
+        # made at the first offer to a shared batch (`offer`): a row alone plans by its policy
+        self.shadow: AdaptiveK | None = None
         # (context length, source, tokens): what a free source kept plain would have proposed
         self.watching: tuple[int, str, list[int]] | None = None
         # (source, k) the last plan kept plain: watched after each watch ends, till the next plan
@@ -110,6 +128,10 @@ class RowPolicy:
         policy, shadow = self.policy, self.shadow
         if not available:
             return "", RowOffer([])
+        if shadow is None and not isinstance(policy, AdaptiveK):
+            # the shadow prices k with the batch's cost model (`cost`): the one that decides
+            shadow = self.shadow = AdaptiveK(max_k=max(policy.max_k, 1), dither=False,
+                                             cost=self.cost)
         if shadow is not None:
             source, k = policy.plan(available)
             if not k:
@@ -140,12 +162,15 @@ class RowPolicy:
                 context: list[int]) -> None:
         """A speculative step from `source` (`seconds`: its time, or None), or a plain one
         (drafted 0); `context`: the row's committed tokens after it."""
-        for policy in [p for p in (self.policy, self.shadow) if p is not None]:
+        for policy in (self.policy, self.shadow):
+            if policy is None:
+                continue
             if drafted:
                 policy.observe(source, drafted, accepted, seconds)
             else:
                 policy.observe_plain(1)
-        self._check_watch(context)
+        if self.watching is not None:
+            self._check_watch(context)
 
     def watch(self, source: str, k: int, context: list[int]) -> None:
         """The batch keeps this row plain although `source` offered k tokens: count how many
@@ -177,21 +202,3 @@ class RowPolicy:
         self._start_watch(context)
 
 
-def plan_rows(policy: BatchPolicy, rows: list, step: int, commit: bool, slots: int,
-              span: int, pipelined: bool) -> list[tuple[str, int]]:
-    """Every row's (source, k) for a batched step; a row kept plain watches its source unless
-    a draft's (its tokens cost forwards). `commit=False`: only asking."""
-    offers = policy.limit_probes([r.offer() for r in rows], step, commit, slots, span,
-                                 pipelined)
-    ks = policy.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
-    for r, (source, offer), k in zip(rows, offers, ks):
-        planner = r.planner
-        if k and offer.group:
-            pass  # a draft runs: the watch of a free source its offer started goes on
-        elif k:
-            planner.watching = planner.watch_for = None  # measured by the step itself
-        elif not offer.group:
-            planner.watch(source, offer.cap, r.context)
-        else:
-            planner.watch_for = None
-    return [(source, k) for (source, _), k in zip(offers, ks)]

@@ -80,7 +80,7 @@ class Job:
     # worker-side state
     # opened: its row, in the shared batch or a batch of its own (`Engine.open`)
     row: BatchRow | None = None
-    shared: bool = False  # its row is in the shared batch
+    batch: BatchSpeculator | None = None  # the batch its row is in
     # decided when it opens: over --spec-max-concurrency, it decodes plainly (k = 0)
     plain: bool | None = None
     slot: Engine | None = None
@@ -324,10 +324,10 @@ class Worker(threading.Thread):
                 and accepts(job.slot, kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
-            job.row = self.spec_batch.open(job.slot, r.prompt, **kwargs)
-            job.shared = True
+            job.batch, job.row = self.spec_batch, self.spec_batch.open(job.slot, r.prompt,
+                                                                       **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
-            job.row = job.slot.open(r.prompt, **kwargs)
+            job.batch, job.row = job.slot.open(r.prompt, **kwargs)
 
     def _live(self, job: Job) -> bool:
         """Whether the job goes on; a cancelled or ended one is closed or finished here."""
@@ -370,7 +370,7 @@ class Worker(threading.Thread):
             self._end_look_ahead()
         live = [job for job in list(self.jobs) if job.opened and self._live(job)]
         produced = {}
-        for batch in {id(job.row.batch): job.row.batch for job in live}.values():
+        for batch in {id(job.batch): job.batch for job in live}.values():
             try:
                 produced.update(batch.step())
             except Exception as e:  # its rows fail (their `output` raises), not other batches'
@@ -484,7 +484,7 @@ class Worker(threading.Thread):
     def _close_engine_job(self, job: Job) -> None:
         try:
             if job.row is not None:
-                job.row.close()  # the cache holds every committed token but the last
+                job.batch.close(job.row)  # the cache holds every committed token but the last
         except Exception:
             log.error("closing a generation failed:\n%s", traceback.format_exc())
             job.cache = None
@@ -514,7 +514,7 @@ class Worker(threading.Thread):
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = Usage.from_stats(stats)
         usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
-        usage.batched_speculative = job.shared and not job.plain
+        usage.batched_speculative = job.batch is self.spec_batch and not job.plain
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 and job not in self.jobs
