@@ -115,7 +115,10 @@ class BatchRow:
         if detok is None:  # a raw row (tests, tools): tokens only
             self.outputs.append(StepOutput("", list(tokens), self.stats))
         elif not detok.done:
-            self.outputs.append(detok.feed(tokens, last=len(context) >= self.end))
+            sampling = self.sampling
+            logprobs = None if sampling.logprobs is None else sampling.take_logprobs(
+                len(context) - len(tokens), len(tokens))
+            self.outputs.append(detok.feed(tokens, len(context) >= self.end, logprobs))
         self.wants = (len(context) < self.end and (detok is None or not detok.done)
                       and not self.closed and self.error is None)
 
