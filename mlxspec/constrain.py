@@ -15,10 +15,11 @@ positions it verifies:
 Every rule (greedy, keyed, rejection) then sees the same biased and masked p at each position as
 `none` does, so the output stays token-identical to `none` (and in distribution at T > 0).
 
-The matcher is kept in step with the row by absolute position: `pos` tokens (prompt included)
-consumed. A step that feeds the token at position f needs the matcher at f + 1: one behind, it
-consumes the fed token; ahead (a step undone), it rolls back. So pipelined, undone or
-re-planned steps cannot desynchronize it.
+The matcher is kept in step with the row by absolute position (`RequestState.align`): `pos`
+tokens (prompt included) consumed, the tokens by position as they are drawn, fed or
+committed. A draw at position p needs the matcher at p: behind, it consumes the tokens known
+since; ahead (a step undone), it rolls back. So pipelined, undone or re-planned steps cannot
+desynchronize it.
 """
 
 from __future__ import annotations
@@ -167,27 +168,6 @@ class Constraint:
                                f"{self.matcher.get_error()}")
         self.pos += 1
 
-    def at(self, fed: int, token) -> None:
-        """Bring the matcher to position fed + 1: after the token at `fed` (`token`: it, or a
-        callable reading it back)."""
-        need = fed + 1
-        if self.pos > need:
-            if not self.matcher.rollback(self.pos - need):
-                raise MlxspecError(f"the grammar could not roll back {self.pos - need} tokens")
-            self.pos = need
-        elif self.pos == need - 1:
-            self._consume(token() if callable(token) else token)
-        elif self.pos < need - 1:
-            raise MlxspecError(f"the grammar is {need - self.pos} tokens behind its row")
-
-    def commit(self, first: int, tokens: list[int]) -> None:
-        """Tokens committed at positions first, first + 1, ...: consume what is new."""
-        for i, t in enumerate(tokens):
-            if first + i == self.pos:
-                self._consume(t)
-            elif first + i > self.pos:
-                raise MlxspecError("the grammar missed a committed token")
-
     def cut(self, draft: list[int]) -> int:
         """How many leading draft tokens the grammar allows (a proposal is cut there)."""
         if self.matcher.is_stopped():
@@ -304,14 +284,54 @@ class TokenLogprob:
 
 @dataclass
 class RequestState:
-    """What a request's row carries between steps (`SamplingParams.state`)."""
+    """What a request's row carries between steps (`SamplingParams.state`): its grammar's
+    matcher, the tokens it must have consumed by position, and log-probabilities by position
+    until the row's output takes them. Positions are absolute (the prompt's count)."""
 
     constraint: Constraint | None = None
-    # position -> TokenLogprob, until the row's output takes them (`take`)
-    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
-    # a first token's lazy log-probabilities, drawn outside a step (`step.draw_next`)
-    pending: tuple | None = None
     start: int = 0  # the prompt's length: the position of the first generated token
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # drawn outside a step (`step.draw_next`): position -> (lazy token, lazy arrays, post)
+    lazy: dict[int, tuple] = field(default_factory=dict)
+    # a grammar's row: position -> its token (an int, or a lazy scalar drawn and not read yet)
+    tokens: dict[int, object] = field(default_factory=dict)
+    last: int = -1  # the last position drawn or committed
+
+    def __post_init__(self):
+        self.last = self.start - 1
+
+    def next_position(self) -> int:
+        return self.last + 1
+
+    def known(self, pos: int, token) -> None:
+        """The token at `pos` (drawn, fed or committed)."""
+        self.last = max(self.last, pos)
+        if self.constraint is not None:
+            self.tokens[pos] = token
+
+    def align(self, upto: int) -> Constraint:
+        """The matcher having consumed exactly the tokens before position `upto` (rolled back
+        past a step undone, advanced through tokens drawn since)."""
+        c = self.constraint
+        if c.pos > upto:
+            if not c.matcher.rollback(c.pos - upto):
+                raise MlxspecError(f"the grammar could not roll back {c.pos - upto} tokens")
+            c.pos = upto
+        while c.pos < upto:
+            token = self.tokens.get(c.pos)
+            if token is None:
+                raise MlxspecError(f"the grammar is {upto - c.pos} tokens behind its row")
+            c._consume(token if isinstance(token, int) else int(token.item()))
+        for p in [p for p in self.tokens if p < upto - 64]:
+            del self.tokens[p]
+        return c
+
+    def drawn(self, pos: int, token, lp: tuple | None, post: bool) -> None:
+        """A token drawn outside a step at `pos` (lazy), with its lazy log-probabilities."""
+        self.known(pos, token)
+        self.last = max(self.last, pos)
+        if lp is not None:
+            self.lazy[pos] = (token, lp, post)
 
     def take(self, first: int, n: int) -> list[TokenLogprob | None]:
         """The log-probabilities of the tokens committed at positions first .. first + n - 1
@@ -323,13 +343,11 @@ class RequestState:
         return out
 
     def settle(self) -> None:
-        """Record the log-probabilities of a first token drawn outside a step (read back now:
-        the token itself was)."""
-        if self.pending is None:
-            return
-        pos, token, lp, top_ids, top_vals = self.pending
-        self.pending = None
-        self.logprobs[pos] = read_logprobs([int(token.item())], lp, top_ids, top_vals)[0]
+        """Read the log-probabilities of the tokens drawn outside a step (their tokens are
+        read back by now)."""
+        for pos, (token, lp, post) in sorted(self.lazy.items()):
+            self.logprobs[pos] = read_logprobs([int(token.item())], *lp, post=post)[0]
+        self.lazy.clear()
 
 
 def logprob_arrays(logits: mx.array, count: int) -> tuple:

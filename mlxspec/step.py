@@ -65,26 +65,35 @@ def verify_chain(logits: mx.array, draft: mx.array, q: mx.array | None,
     return verify_sampled(probs_from_logits(logits, sampling), draft, q, None)
 
 
-def draw_next(logits: mx.array, samplings: list[SamplingParams],
-              seeds: list[SeedAt]) -> mx.array:
+def draw_next(logits: mx.array, samplings: list[SamplingParams], seeds: list[SeedAt],
+              positions: list[int | None] | None = None) -> mx.array:
     """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax,
     keyed rows their keyed draw, other sampled rows together per sampling setting from MLX's
-    global generator. A row's bias and grammar apply (its grammar at its state now: a first
-    token after the prompt); its log-probabilities wait on its state until the token is read."""
+    global generator. A row's bias and grammar apply (its grammar after every token before
+    the one drawn), and its log-probabilities are kept on its state until the token is read.
+    `positions`: of each row's token drawn (default: a keyed row's, or the one after the
+    row's last drawn or committed)."""
     if not any(s.adjusted for s in samplings):
         return _draw(logits, samplings, seeds)
-    rows, pending = [], []
+    rows, drawn = [], []
     for b, s in enumerate(samplings):
         x = logits[b]
+        state = s.state
         if s.adjusted:
+            pos = None
+            if state is not None:
+                pos = (positions[b] if positions is not None and positions[b] is not None
+                       else seeds[b][1] if seeds[b] is not None else state.next_position())
+                if state.constraint is not None:
+                    state.align(pos)
             x, lp = adjust(x[None], s, 0, None)
             x = x[0]
-            if lp is not None and s.state is not None:
-                pending.append((s.state, b, lp))
+            if state is not None:
+                drawn.append((state, b, pos, lp, s.post_probs))
         rows.append(x)
     tokens = _draw(mx.stack(rows), samplings, seeds)
-    for state, b, lp in pending:
-        state.pending = (state.start, tokens[b], *lp)
+    for state, b, pos, lp, post in drawn:
+        state.drawn(pos, tokens[b], lp, post)
     return tokens
 
 
@@ -156,8 +165,9 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
         mask = None
         if constraint is not None and last_tokens[b] is not None:
             # the matcher after the token fed (read back if a pipelined step feeds it unread)
-            constraint.at(positions[b], last_tokens[b] if inputs is None
-                          else (lambda b=b: int(inputs[b].item())))
+            state = samplings[b].state
+            state.known(positions[b], last_tokens[b] if inputs is None else inputs[b])
+            state.align(positions[b] + 1)
             draft = prop.tokens[:k].tolist() if k else []
             k = constraint.cut(draft)  # the first token the grammar refuses, and after: cut
             mask = constraint.bitmasks(draft[:k])  # llguidance's bits, one row per position
@@ -226,15 +236,16 @@ def _record(step: StartedStep, b: int, tokens: list[int]) -> list | None:
     log-probabilities are read (and kept on its state for its output)."""
     s = step.samplings[b]
     first = step.positions[b] + 1
-    constraint = getattr(s.state, "constraint", None)
-    if constraint is not None:
-        constraint.commit(first, tokens)
+    if s.state is not None:
+        for i, t in enumerate(tokens):
+            s.state.known(first + i, t)
+        if s.state.constraint is not None:
+            s.state.align(first + len(tokens))
     lp = step.lps[b]
     if lp is None:
         return None
     got = read_logprobs(tokens, *lp, post=s.post_probs)
     if s.state is not None:
-        s.state.settle()
         for i, entry in enumerate(got):
             s.state.logprobs[first + i] = entry
     return got
