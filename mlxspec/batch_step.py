@@ -319,7 +319,7 @@ class BatchSpeculator:
         if inputs is None:
             inputs = mx.array([0 if r is None else r.context[-1] for r in fed], mx.uint32)
         cache = self.cache
-        ckpt = cache.checkpoint()
+        ckpt = cache.checkpoint() if cache.recurrent else None
         logits = self.model(inputs[:, None], cache=cache.layers)
         if None in fed:  # a row sitting out: what it was fed goes at once
             cache.trim_rows([1 if r is None else 0 for r in fed])
@@ -341,7 +341,7 @@ class BatchSpeculator:
         after is queued (`again`, while every row is plain), so that its forward runs while
         the host reads, detokenizes and plans; rows joining or leaving end the stretch."""
         q, self.queued = self.queued, None
-        span = self._span() - 1 if self.speculating else 0  # (its token is cached already)
+        span = self._span() if self.speculating else 0  # (the row's length before it)
         try:
             fed = [r if r is not None and len(r.context) + 2 <= r.end else None
                    for r in q.rows]
@@ -360,7 +360,8 @@ class BatchSpeculator:
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
         timed = self.queued is not None or started is not None
-        if self.speculating and timed:
+        # (every `replan_gap`-th: a plain step's time is known well, and fitting it is not free)
+        if self.speculating and timed and self.pipelined % self.replan_gap == 0:
             self.policy.observe(len(self.slots), 1, 0, None, seconds, span, started is not None)
         # (a row on its own cache learns only the steady state: not a stretch's synced first)
         seconds = None if not timed or (started and not self.cache.shared) else seconds
@@ -396,8 +397,9 @@ class BatchSpeculator:
                                      self._can_pipeline(rows))
 
     def _span(self) -> int:
-        """The longest row's cached length (what a step's queries attend, less the width)."""
-        return max(self.cache.lengths, default=0) if self.cache else 0
+        """The longest row's cached length (what a step's queries attend, less the width):
+        each row's cache holds its committed tokens but the last."""
+        return max([len(r.context) for r in self.rows], default=1) - 1
 
     def fail(self, e: BaseException) -> None:
         """A step failed: every row has `e` as its `error`."""

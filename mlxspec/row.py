@@ -76,8 +76,9 @@ class BatchRow:
         offered = self.proposer.available(self.context, cap)
         if TREE in offered and not self.proposer.uses_trees and not trees:
             offered = {s: n for s, n in offered.items() if s != TREE}
-        policy, draft = self.planner.policy, draft_proposer(self.proposer)
-        if "draft" in offered and isinstance(policy, AdaptiveK) and draft is not None:
+        policy = self.planner.policy
+        if "draft" in offered and isinstance(policy, AdaptiveK) and (
+                draft := draft_proposer(self.proposer)) is not None:
             # (at the target's prefill time per token, as the engine last measured it)
             per_token = getattr(self.engine, "prefill_seconds_per_token", 0.0)
             if not policy.catch_up_pays(len(self.context) - len(draft.cached),

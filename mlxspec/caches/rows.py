@@ -54,6 +54,7 @@ class RaggedRows:
     """Several plain-attention rows of different lengths; row b of every layer is slot b."""
 
     shared = True
+    recurrent = False
 
     def __init__(self, num_layers: int):
         self.layers = [RaggedKVCache() for _ in range(num_layers)]

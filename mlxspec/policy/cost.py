@@ -82,6 +82,7 @@ class StepCost:
             self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
             self._coef[0] = max(self._coef[0], 0.1 * prior[0])
             self._terms = tuple(float(c) for c in self._coef)
+            self._coef_now = self._coef  # (kept past `add`, which invalidates `_coef`)
             self._unsolved = 0
         return self._coef
 
@@ -114,14 +115,14 @@ class StepCost:
         values = self._values(rows, width, proposed, forwards, span, synced)
         values += [0.0] * (BASE + len(self.groups) - len(values))
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
+            # the fit as of the last solve (at most 16 steps old): a plain stretch adds a
+            # step every few ms but asks the fit only every few steps
             if not self._terms or self._unsolved >= 16 or len(self._terms) != len(values):
                 self._coef = None
                 self.coef()
-            # the fit as of the last solve (at most 16 steps old): a plain stretch adds a
-            # step every few ms but asks the fit only every few steps
-            estimate = sum(c * v for c, v in zip(self._terms, values))
-            seconds = min(seconds, self.outlier * estimate)
         x = np.array(values)
+        if self.prior_seconds:
+            seconds = min(seconds, self.outlier * float(self._coef_now @ x))
         d = self.decay
         self.xx = self.xx * d + np.outer(x, x)
         self.xt = self.xt * d + x * seconds

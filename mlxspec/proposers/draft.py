@@ -58,10 +58,14 @@ class DraftModelProposer(Proposer):
         self._fed_drafts = 0  # draft tokens fed to the draft cache by the last propose
         self._checkpoint: caches.Checkpoint | None = None
         self._fed_tokens: mx.array | None = None  # those tokens, where a tree may branch off
+        self._own_rows: DraftRows | None = None  # (`_own`)
 
     def _own(self) -> DraftRows:
-        """A batch of one on its own draft cache."""
-        return DraftRows(self.model, RowCache(self.model, self.cache), [self])
+        """A batch of one on its own draft cache (kept while that cache is the same)."""
+        own = self._own_rows
+        if own is None or own.rows.layers is not self.cache:
+            own = self._own_rows = DraftRows(self.model, RowCache(self.model, self.cache), [self])
+        return own
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
