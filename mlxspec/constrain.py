@@ -142,6 +142,15 @@ def grammar_text(kind: str, spec) -> str:
     raise MlxspecError(f"unknown grammar kind {kind!r} (json, json_schema, gbnf, lark, regex)")
 
 
+def check_grammar(tokenizer, kind: str, spec) -> None:
+    """Raise MlxspecError, naming what is wrong, where a grammar does not compile."""
+    import llguidance
+
+    err = llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec), llg_tokenizer(tokenizer))
+    if err:
+        raise MlxspecError(f"invalid {kind} grammar: {err}")
+
+
 class Constraint:
     """A request's grammar matcher, kept at the row's committed tokens by position."""
 
@@ -296,6 +305,7 @@ class RequestState:
     # a grammar's row: position -> its token (an int, or a lazy scalar drawn and not read yet)
     tokens: dict[int, object] = field(default_factory=dict)
     last: int = -1  # the last position drawn or committed
+    sink: list | None = None  # where taken log-probabilities also go, in order (the server)
 
     def __post_init__(self):
         self.last = self.start - 1
@@ -340,6 +350,8 @@ class RequestState:
         out = [self.logprobs.pop(first + i, None) for i in range(n)]
         for p in [p for p in self.logprobs if p < first + n]:
             del self.logprobs[p]
+        if self.sink is not None:
+            self.sink.extend(out)
         return out
 
     def settle(self) -> None:

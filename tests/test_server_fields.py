@@ -1,7 +1,7 @@
 """llama-server's behaviour where it does not depend on the model's words, checked as its own
 test suite (tools/server/tests/unit in ggml-org/llama.cpp) checks it: several prompts and
 answers per request, the fields of answers and chunks, GET /slots, the errors and their
-words, fields refused until they are built, and the end-of-generation tokens."""
+words, and the end-of-generation tokens."""
 
 from __future__ import annotations
 
@@ -303,9 +303,9 @@ def test_invalid_input_extra(srv, extra):
 
 @pytest.mark.parametrize("fmt,ok", [
     ({"type": "text"}, True), ({"type": "sound"}, False),
-    ({"type": "json_object", "schema": 123}, False), ({"type": "json_object"}, False),
-    ({"type": "json_object", "schema": {"const": "42"}}, False),
-    ({"type": "json_schema", "json_schema": {"schema": {"const": "x"}}}, False),
+    ({"type": "json_object", "schema": 123}, False), ({"type": "json_object"}, True),
+    ({"type": "json_object", "schema": {"const": "42"}}, True),
+    ({"type": "json_schema", "json_schema": {"schema": {"const": "x"}}}, True),
     ({"type": "json_schema", "json_schema": {"schema": 5}}, False), ("json", False),
 ])
 def test_response_format(srv, fmt, ok):
@@ -327,13 +327,13 @@ def test_response_format(srv, fmt, ok):
     ("/completion", {"grammar": "root ::= [a-z]+"}),
     ("/infill", {"json_schema": {"type": "string"}}),
 ])
-def test_not_supported_yet(srv, path, extra):
-    """Constrained decoding, log-probabilities and logit biases are refused, never answered
-    while ignored."""
+def test_constrained_and_probability_fields_are_answered(srv, path, extra):
+    """Constrained decoding, log-probabilities and logit biases are served (what they
+    answer: tests/test_server_constrained.py)."""
     body = ({"messages": CHAT} if "chat" in path else
             {"input_prefix": "x"} if path == "/infill" else {"prompt": PROMPT})
     status, payload = call(srv, path, {**body, "max_tokens": 2, **extra})
-    assert status == 400 and "not supported yet" in payload["error"]["message"]
+    assert status == 200, payload
 
 
 def test_neutral_values_are_answered(srv):

@@ -862,6 +862,9 @@ class Handler(BaseHTTPRequestHandler):
         n_jobs = len(group.jobs)
         texts: list[list[str]] = [[] for _ in range(n_jobs)]
         ids: list[list[int]] = [[] for _ in range(n_jobs)]
+        # log-probabilities per job: all of them, and those not sent in a chunk yet
+        lps: list[list] = [[] for _ in range(n_jobs)]
+        unsent: list[list] = [[] for _ in range(n_jobs)]
         dones: list[Done | None] = [None] * n_jobs
         stream = group.req.stream
         started = False
@@ -879,9 +882,14 @@ class Handler(BaseHTTPRequestHandler):
             if isinstance(ev, Delta):
                 texts[j].append(ev.text)
                 ids[j] += ev.ids
+                got = self._logprobs_of(group, j, ev)
+                lps[j] += got
+                unsent[j] += got
                 if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
                     for i in group.answers_of(j):
-                        self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j)))
+                        self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
+                                              unsent[j], len("".join(texts[j])) - len(ev.text)))
+                    unsent[j] = []
             elif isinstance(ev, Progress):
                 if stream:
                     self._sse(self._progress_chunk(kind, group.reqs[group.answers_of(j)[0]],
@@ -897,12 +905,14 @@ class Handler(BaseHTTPRequestHandler):
                         timings = (self._usage(group, dones).timings()
                                    if last and i == answers[-1] and not group.req.include_usage
                                    else None)
-                        self._finish_answer(kind, group, i, "".join(texts[j]), ev, timings)
+                        self._finish_answer(kind, group, i, "".join(texts[j]), ev, timings,
+                                            unsent[j])
+                    unsent[j] = []
         if stream:
             self._finish_stream(kind, group, dones)
             return 200
         try:
-            self._send_json(200, self._final_body(kind, group, texts, ids, dones))
+            self._send_json(200, self._final_body(kind, group, texts, ids, dones, lps))
         except OSError:
             raise ClientGone from None
         return 200
@@ -921,25 +931,56 @@ class Handler(BaseHTTPRequestHandler):
                    for r, u in zip(group.reqs, usages)}
         return P.total_usage(usages, sum(prompts.values()))
 
+    def _logprobs_of(self, group: JobGroup, j: int, ev: Delta) -> list:
+        """The log-probabilities of a delta's tokens (`constrain.TokenLogprob`), where its
+        request asked for them: carried by the delta, or from its prompt's sink
+        (`protocol.PromptIds`), in order."""
+        req = group.reqs[group.answers_of(j)[0]]
+        if req.logprobs is None or not ev.tokens:
+            return []
+        got = getattr(ev, "logprobs", None)
+        if got is None:
+            sink = getattr(req.prompt, "sink", None)
+            if sink is None:
+                return []
+            got = sink[: ev.tokens]
+            del sink[: ev.tokens]
+        return [e for e in got if e is not None]
+
+    def _logprobs_json(self, kind: str, req, entries: list, offset: int = 0):
+        """A choice's or chunk's log-probabilities as its endpoint answers them (None where
+        none were asked)."""
+        if req.logprobs is None:
+            return None
+        piece = self.server.parser.token_bytes
+        if kind in ("chat", "fim"):
+            return P.chat_logprobs(entries, piece)
+        if kind == "completion":
+            return P.completion_logprobs(entries, piece, offset)
+        return P.token_entries(entries, piece, req.post_probs)
+
     def _llama_final(self, group: JobGroup, i: int, text: str, done: Done,
-                     tokens: list[int] | None, stream: bool) -> dict:
+                     tokens: list[int] | None, stream: bool, lps: list | None = None) -> dict:
         req = group.reqs[i]
         prompt = self.server.parser.prompt_text(req.prompt) if P.wants_prompt(req) else None
+        probs = None if stream else self._logprobs_json("llama", req, lps or [])
         return P.llama_body(req, "" if stream else text, done.finish_reason, done.usage,
                             done.stopping_word, index=req.index,
                             tokens=tokens if req.return_tokens and not stream else None,
                             prompt=prompt, id_slot=group.job_slot(group.job_of[i]),
-                            whole=text)
+                            whole=text, probs=probs)
 
-    def _final_body(self, kind: str, group: JobGroup, texts, ids, dones) -> dict | list:
+    def _final_body(self, kind: str, group: JobGroup, texts, ids, dones, lps) -> dict | list:
         reqs, job_of = group.reqs, group.job_of
         if kind in ("chat", "fim", "completion"):
-            choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason)
+            choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason,
+                        self._logprobs_json(kind, r, lps[job_of[i]]))
                        for i, r in enumerate(reqs)]
             make = P.completion_body if kind == "completion" else P.chat_body
             return make(group.req, choices, self._usage(group, dones))
         bodies = [self._llama_final(group, i, "".join(texts[job_of[i]]), dones[job_of[i]],
-                                    ids[job_of[i]], stream=False) for i in range(len(reqs))]
+                                    ids[job_of[i]], stream=False, lps=lps[job_of[i]])
+                  for i in range(len(reqs))]
         # llama.cpp: one answer is an object, several a list
         return bodies[0] if len(bodies) == 1 else bodies
 
@@ -958,15 +999,20 @@ class Handler(BaseHTTPRequestHandler):
                                            "content": "" if kind == "fim" else None},
                                        None, index=r.index))
 
-    def _chunk(self, kind: str, req, ev: Delta, slot: int) -> dict:
+    def _chunk(self, kind: str, req, ev: Delta, slot: int, lps: list | None = None,
+               offset: int = 0) -> dict:
+        """A streamed chunk of a delta; `lps`: the log-probabilities of its tokens (and of
+        tokens before it that no chunk carried), `offset`: where its text starts."""
         timings = ev.timings if req.timings_per_token else None
+        logprobs = self._logprobs_json(kind, req, lps or [], offset)
         if kind in ("chat", "fim"):
             return P.chat_chunk(req, {"content": ev.text}, None, index=req.index,
-                                timings=timings)
+                                timings=timings, logprobs=logprobs)
         if kind == "completion":
-            return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings)
+            return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings,
+                                      logprobs=logprobs)
         return P.llama_body(req, ev.text, None, None, index=req.index, tokens=ev.ids,
-                            timings=timings, id_slot=slot)
+                            timings=timings, id_slot=slot, probs=logprobs)
 
     def _progress_chunk(self, kind: str, req, ev: Progress, slot: int) -> dict:
         """llama.cpp's `prompt_progress` chunk (`return_progress`)."""
@@ -978,15 +1024,18 @@ class Handler(BaseHTTPRequestHandler):
                             id_slot=slot)
 
     def _finish_answer(self, kind: str, group: JobGroup, i: int, text: str,
-                       done: Done, timings: dict | None = None) -> None:
-        """One answer of a stream is done: its last chunk (llama.cpp: the final object)."""
+                       done: Done, timings: dict | None = None, lps: list | None = None) -> None:
+        """One answer of a stream is done: its last chunk (llama.cpp: the final object),
+        with the log-probabilities no chunk carried yet."""
         req = group.reqs[i]
+        logprobs = self._logprobs_json(kind, req, lps or [], len(text)) if lps else None
         if kind in ("chat", "fim"):
             self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
-                                   done.finish_reason, index=req.index, timings=timings))
+                                   done.finish_reason, index=req.index, timings=timings,
+                                   logprobs=logprobs))
         elif kind == "completion":
             self._sse(P.completion_chunk(req, "", done.finish_reason, index=req.index,
-                                         timings=timings))
+                                         timings=timings, logprobs=logprobs))
         else:  # llama.cpp streams end with the full final object, stop = true, no [DONE]
             self._sse(self._llama_final(group, i, text, done, None, stream=True))
 

@@ -22,6 +22,9 @@ from ..stats import Stats
 
 # llama-server's `system_fingerprint` is "b<build>-<commit>"; clients check the "b".
 SYSTEM_FINGERPRINT = f"b{__version__}-mlxspec"
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (and completions' logprobs here)
+MAX_N_PROBS = 100  # llama.cpp's n_probs
+LOWEST = -3.4028234663852886e38  # llama.cpp's log(0): the lowest float (JSON has no -inf)
 
 
 class ApiError(Exception):
@@ -49,12 +52,6 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def not_yet(field: str, what: str) -> ApiError:
-    """A field this server cannot honour yet: refused, never answered while ignored."""
-    return ApiError(400, f"'{field}' is not supported yet: this server cannot {what}; send the "
-                         f"request without '{field}'", param=field, code="not_supported")
-
-
 def _is_true(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
@@ -64,19 +61,15 @@ def _is_true(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def check_unsupported(body: dict, endpoint: str) -> None:
-    """Refuse what the decode loop cannot do yet (constrained decoding, log-probabilities,
-    logit biases) with a 400 that names the field, and malformed values of those fields as
-    llama-server does (an unknown `response_format` type, a schema that is not an object)."""
+def check_fields(body: dict, endpoint: str) -> None:
+    """The shapes of the fields that need no tokenizer, as llama-server checks them (an
+    unknown `response_format` type, a schema that is not an object, `top_logprobs` without
+    `logprobs`): 400 with a clear message."""
     grammar = body.get("grammar")
-    if grammar is not None and grammar != "":
-        if not isinstance(grammar, str):
-            raise bad("'grammar' must be a string", "grammar")
-        raise not_yet("grammar", "constrain the answer to a grammar")
-    if body.get("json_schema") is not None:
-        if not isinstance(body["json_schema"], dict):
-            raise bad("'json_schema' must be an object (a JSON Schema)", "json_schema")
-        raise not_yet("json_schema", "constrain the answer to a JSON schema")
+    if grammar is not None and not isinstance(grammar, str):
+        raise bad("'grammar' must be a string (GBNF)", "grammar")
+    if body.get("json_schema") is not None and not isinstance(body["json_schema"], dict):
+        raise bad("'json_schema' must be an object (a JSON Schema)", "json_schema")
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict):
@@ -87,8 +80,7 @@ def check_unsupported(body: dict, endpoint: str) -> None:
             if rf.get("schema") is not None and not isinstance(rf["schema"], dict):
                 raise bad("'response_format.schema' must be an object (a JSON Schema)",
                           "response_format.schema")
-            raise not_yet("response_format", "constrain the answer to JSON (type json_object)")
-        if kind == "json_schema":
+        elif kind == "json_schema":
             wrapper = rf.get("json_schema")
             if wrapper is not None and not isinstance(wrapper, dict):
                 raise bad("'response_format.json_schema' must be an object like "
@@ -97,34 +89,41 @@ def check_unsupported(body: dict, endpoint: str) -> None:
             if schema is not None and not isinstance(schema, dict):
                 raise bad("'response_format.json_schema.schema' must be an object (a JSON "
                           "Schema)", "response_format.json_schema.schema")
-            raise not_yet("response_format", "constrain the answer to a JSON schema "
-                                             "(type json_schema)")
-        if kind not in (None, "", "text"):
+        elif kind not in (None, "", "text"):
             # llama-server's message (it accepts json_schema too)
             raise bad('response_format type must be one of "text", "json_object" or '
                       f'"json_schema", but got: {kind}', "response_format.type")
     logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        if not isinstance(logprobs, (bool, int)):  # chat: a boolean; completions: a count
-            raise bad("'logprobs' must be true or false (or a count on completions)",
-                      "logprobs")
-        raise not_yet("logprobs", "return log-probabilities")
-    if body.get("top_logprobs") is not None:
-        # llama-server: top_logprobs without logprobs is an error
-        raise bad("top_logprobs requires logprobs to be set to true", "top_logprobs")
+    if logprobs is not None:
+        if endpoint in ("chat", "fim"):
+            if not isinstance(logprobs, bool):
+                raise bad("'logprobs' must be true or false", "logprobs")
+        elif endpoint == "completions":
+            if not isinstance(logprobs, (bool, int)) or (
+                    not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_LOGPROBS):
+                raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs")
+        elif logprobs is not False:  # llama.cpp's native endpoints ask with n_probs
+            raise bad("'logprobs' is an OpenAI field: this endpoint reports probabilities "
+                      "with 'n_probs'", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not logprobs:
+            # llama-server: top_logprobs without logprobs is an error
+            raise bad("top_logprobs requires logprobs to be set to true", "top_logprobs")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}",
+                      "top_logprobs")
     n_probs = body.get("n_probs")
     if n_probs is not None:
         if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
             raise bad("'n_probs' must be an integer >= 0", "n_probs")
-        if n_probs > 0:
-            raise not_yet("n_probs", "return token probabilities")
+        if n_probs > MAX_N_PROBS:
+            raise bad(f"'n_probs' must be at most {MAX_N_PROBS}", "n_probs")
+    _is_true(body, "post_sampling_probs")
     bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, (dict, list)):
-            raise bad("'logit_bias' must be an object {token: bias} or a list of "
-                      "[token, bias] pairs", "logit_bias")
-        if bias:
-            raise not_yet("logit_bias", "bias token logits")
+    if bias is not None and not isinstance(bias, (dict, list)):
+        raise bad("'logit_bias' must be an object {token: bias} or a list of "
+                  "[token, bias] pairs", "logit_bias")
     if endpoint in ("completions",):
         if _is_true(body, "echo"):
             raise bad("Only no echo is supported ('echo' must be false)", "echo")
@@ -232,9 +231,39 @@ class GenRequest:
     return_tokens: bool = False  # llama.cpp: the answer's token ids in `tokens`
     return_progress: bool = False  # llama.cpp: `prompt_progress` chunks while prefilling
     timings_per_token: bool = False  # llama.cpp: `timings` in every streamed chunk
+    # per-row work on the logits (`constrain.py`): ((id, bias), ...); the top alternatives
+    # reported with each token's log-probability (None: none asked); llama.cpp's
+    # post_sampling_probs; a grammar (kind, spec)
+    logit_bias: tuple = ()
+    logprobs: int | None = None
+    post_probs: bool = False
+    grammar: tuple | None = None
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+
+    def engine_options(self) -> dict:
+        """What `request.prepare` takes for this request's per-row work (keyword arguments
+        beside max_tokens, temperature, ...): empty when it asks for none."""
+        out: dict[str, Any] = {}
+        if self.logit_bias:
+            out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+        if self.logprobs is not None:
+            out["logprobs"], out["post_probs"] = self.logprobs, self.post_probs
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
+        return out
+
+
+class PromptIds(list):
+    """A request's prompt ids that carry its per-row options (`GenRequest.engine_options`)
+    to `request.prepare` through any path that hands the prompt on, and a `sink` where the
+    log-probabilities of its committed tokens arrive in order (read by the handler)."""
+
+    def __init__(self, ids, options: dict | None = None):
+        super().__init__(ids)
+        self.options = dict(options or {})
+        self.sink: list = []
 
 
 def _is_id(t) -> bool:
@@ -426,7 +455,7 @@ class RequestParser:
             raise bad("'response_fields' must be a list of strings", "response_fields")
         if fields == []:  # llama.cpp: an empty list means every field
             fields = None
-        return GenRequest(
+        req = GenRequest(
             endpoint=endpoint, prompt=prompt, max_tokens=max_tokens,
             temperature=_number(body, "temperature", cfg.default_temperature, float, 0.0, 100.0),
             top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
@@ -441,14 +470,77 @@ class RequestParser:
             return_tokens=_is_true(body, "return_tokens"),
             return_progress=_is_true(body, "return_progress"),
             timings_per_token=_is_true(body, "timings_per_token"))
+        self._row_options(body, endpoint, req)
+        return req
+
+    def _row_options(self, body: dict, endpoint: str, req: GenRequest) -> None:
+        """logit_bias, log-probabilities (OpenAI's logprobs / top_logprobs, llama.cpp's n_probs
+        / post_sampling_probs) and a grammar (llama.cpp's grammar and json_schema, OpenAI's
+        response_format), checked (`check_fields` checked their shapes)."""
+        from ..constrain import parse_logit_bias
+
+        try:
+            req.logit_bias = parse_logit_bias(body.get("logit_bias") or None, self.vocab_size,
+                                              self.encode)
+        except ValueError as e:
+            raise bad(str(e), "logit_bias") from None
+        if endpoint in ("chat", "fim"):
+            if body.get("logprobs") is True:
+                req.logprobs = body.get("top_logprobs") or 0
+        elif endpoint == "completions":
+            lp = body.get("logprobs")
+            if lp is not None and lp is not False:
+                req.logprobs = 0 if lp is True else lp
+        else:  # llama.cpp's native endpoints
+            n = body.get("n_probs") or 0
+            if n > 0:
+                req.logprobs = n
+                req.post_probs = _is_true(body, "post_sampling_probs")
+        req.grammar = self._grammar(body)
+        options = req.engine_options()
+        if options:
+            req.prompt = PromptIds(req.prompt, options)
+
+    def _grammar(self, body: dict) -> tuple | None:
+        """The request's grammar (kind, spec), compiled once here to answer a bad one 400."""
+        grammar = body.get("grammar") or None
+        schema = body.get("json_schema")
+        spec, param = None, None
+        if schema is not None:
+            spec, param = ("json_schema", schema), "json_schema"
+        rf = body.get("response_format")
+        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+            if schema is not None:
+                raise bad("give the JSON Schema once: 'json_schema' or 'response_format'",
+                          "response_format")
+            if rf["type"] == "json_object":
+                spec = ("json", rf.get("schema"))
+            else:
+                spec = ("json_schema", (rf.get("json_schema") or {}).get("schema") or {})
+            param = "response_format"
+        if grammar is not None:
+            if spec is not None:  # llama-server's words
+                raise bad('Either "json_schema" or "grammar" can be specified, but not both',
+                          "grammar")
+            spec, param = ("gbnf", grammar), "grammar"
+        if spec is None:
+            return None
+        from ..constrain import check_grammar
+        from ..errors import MlxspecError
+
+        try:
+            check_grammar(self.tokenizer, *spec)
+        except MlxspecError as e:
+            raise bad(str(e), param) from None
+        return spec
 
     # -- endpoints
     def requests(self, kind: str, body: dict) -> list[GenRequest]:
         """Every answer a request asks for, in the order they are answered: each prompt
         (several on the completion endpoints) times `n` / `n_cmpl`, `index` 0, 1, ... Sampled
         answers of one prompt use seeds seed, seed + 1, ... when a seed is given."""
-        check_unsupported(body, {"completion": "completions", "llama_completion": "completion"}
-                          .get(kind, kind))
+        check_fields(body, {"completion": "completions", "llama_completion": "completion"}
+                     .get(kind, kind))
         if kind == "completion":
             per_prompt = self.completions(body)
         elif kind == "llama_completion":
@@ -459,7 +551,10 @@ class RequestParser:
         for req in per_prompt:
             for j in range(req.n_cmpl):
                 seed = req.seed + j if req.seed is not None and req.temperature > 0 else req.seed
-                out.append(dataclasses.replace(req, index=len(out), seed=seed))
+                prompt = req.prompt
+                if isinstance(prompt, PromptIds):  # each answer its own log-probabilities
+                    prompt = PromptIds(prompt, prompt.options)
+                out.append(dataclasses.replace(req, index=len(out), seed=seed, prompt=prompt))
         return out
 
     def _sub_prompts(self, prompt) -> list:
@@ -876,7 +971,55 @@ def total_usage(usages: list[Usage], prompt_tokens: int | None = None) -> Usage:
     return out
 
 
-Choice = tuple[int, str, "str | None"]  # (index, text, finish_reason)
+# (index, text, finish_reason) or (index, text, finish_reason, logprobs object)
+Choice = tuple
+
+
+def _lp(v: float) -> float:
+    return v if v > LOWEST else LOWEST  # JSON has no -inf: llama.cpp's lowest float
+
+
+def token_entries(entries: list, token_bytes, post: bool = False) -> list[dict]:
+    """Per token {id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}:
+    OpenAI's chat `logprobs.content` and llama.cpp's `completion_probabilities` (with
+    `post`, llama.cpp's post_sampling_probs: prob and top_probs)."""
+    key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
+    out = []
+    for e in entries:
+        if e is None:
+            continue
+        b = token_bytes(e.token)
+        out.append({"id": e.token, "token": b.decode("utf-8", errors="ignore"),
+                    "bytes": list(b), key: e.logprob if post else _lp(e.logprob),
+                    top_key: [{"id": t, "token": token_bytes(t).decode("utf-8", errors="ignore"),
+                               "bytes": list(token_bytes(t)), key: v if post else _lp(v)}
+                              for t, v in e.top]})
+    return out
+
+
+def chat_logprobs(entries: list, token_bytes) -> dict:
+    """OpenAI's chat `choices[].logprobs`."""
+    return {"content": token_entries(entries, token_bytes), "refusal": None}
+
+
+def completion_logprobs(entries: list, token_bytes, offset: int = 0) -> dict:
+    """OpenAI's legacy `/v1/completions` `choices[].logprobs`: tokens, token_logprobs,
+    top_logprobs (the top alternatives and the chosen token), text_offset (characters from
+    the start of the answer, or `offset`)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e in entries:
+        if e is None:
+            continue
+        text = token_bytes(e.token).decode("utf-8", errors="ignore")
+        tokens.append(text)
+        values.append(_lp(e.logprob))
+        top = {token_bytes(t).decode("utf-8", errors="ignore"): _lp(v) for t, v in e.top}
+        top.setdefault(text, _lp(e.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _oai(req: GenRequest, prefix: str, obj: str) -> dict:
@@ -887,8 +1030,8 @@ def _oai(req: GenRequest, prefix: str, obj: str) -> dict:
 def completion_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> dict:
     """`/v1/completions`' answer: one choice per prompt and `n`, llama-server's `timings`."""
     body = {**_oai(req, "cmpl", "text_completion"),
-            "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}
-                        for i, text, finish in choices]}
+            "choices": [{"text": c[1], "index": c[0], "logprobs": c[3] if len(c) > 3 else None,
+                         "finish_reason": c[2]} for c in choices]}
     if usage is not None:
         body["usage"] = usage.openai()
         body["timings"] = usage.timings()
@@ -898,9 +1041,9 @@ def completion_body(req: GenRequest, choices: list[Choice], usage: Usage | None)
 def chat_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> dict:
     """`/v1/chat/completions`' answer (and `/v1/fim/completions`')."""
     body = {**_oai(req, "chatcmpl", "chat.completion"),
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}
-                        for i, text, finish in choices]}
+            "choices": [{"index": c[0], "message": {"role": "assistant", "content": c[1]},
+                         "logprobs": c[3] if len(c) > 3 else None, "finish_reason": c[2]}
+                        for c in choices]}
     if usage is not None:
         body["usage"] = usage.openai()
         body["timings"] = usage.timings()
@@ -908,12 +1051,13 @@ def chat_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> di
 
 
 def chat_chunk(req: GenRequest, delta: dict | None, finish: str | None,
-               usage: Usage | None = None, index: int = 0, timings: dict | None = None) -> dict:
+               usage: Usage | None = None, index: int = 0, timings: dict | None = None,
+               logprobs: dict | None = None) -> dict:
     """A chat stream's chunk: a delta of choice `index`, or (delta None) no choice, with the
-    usage of the whole answer when given."""
+    usage of the whole answer when given; `logprobs`: its tokens' (`chat_logprobs`)."""
     body = {**_oai(req, "chatcmpl", "chat.completion.chunk"),
             "choices": [] if delta is None else [
-                {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage.openai()
     if timings is not None:
@@ -923,10 +1067,10 @@ def chat_chunk(req: GenRequest, delta: dict | None, finish: str | None,
 
 def completion_chunk(req: GenRequest, text: str | None, finish: str | None,
                      usage: Usage | None = None, index: int = 0,
-                     timings: dict | None = None) -> dict:
+                     timings: dict | None = None, logprobs: dict | None = None) -> dict:
     body = {**_oai(req, "cmpl", "text_completion"),
             "choices": [] if text is None else [
-                {"text": text, "index": index, "logprobs": None, "finish_reason": finish}]}
+                {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage.openai()
     if timings is not None:
@@ -938,14 +1082,17 @@ def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | No
                stopping_word: str = "", index: int = 0, *, tokens: list[int] | None = None,
                prompt: str | None = None, timings: dict | None = None,
                progress: dict | None = None, id_slot: int = 0,
-               whole: str | None = None) -> dict:
+               whole: str | None = None, probs: list | None = None) -> dict:
     """llama.cpp's `/completion` and `/infill` response (final when `usage` is given).
     `tokens`: the token ids (a streamed chunk's, or the answer's with `return_tokens`);
     `prompt`: the prompt's text (final answers); `timings`: a streamed chunk's
     (`timings_per_token`); `progress`: a `prompt_progress` chunk's; `whole`: the answer's
-    whole text where `text` is not (a stream's last chunk)."""
+    whole text where `text` is not (a stream's last chunk); `probs`: `n_probs`'
+    `completion_probabilities` (`token_entries`) of a chunk's or a whole answer's tokens."""
     body: dict[str, Any] = {"index": index, "content": text, "tokens": tokens or [],
                             "id_slot": id_slot, "stop": usage is not None, "model": req.model}
+    if probs is not None:
+        body["completion_probabilities"] = probs
     if usage is None:
         if timings is not None:
             body["timings"] = timings
@@ -973,7 +1120,10 @@ def llama_body(req: GenRequest, text: str, finish: str | None, usage: Usage | No
             "n_predict": 0 if req.warmup else req.max_tokens,
             "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
             "min_p": req.min_p, "seed": req.seed, "stop": req.stop,
-            "n_indent": req.n_indent, "n_cmpl": req.n_cmpl,
+            "n_indent": req.n_indent, "n_cmpl": req.n_cmpl, "n_probs": req.logprobs or 0,
+            "post_sampling_probs": req.post_probs,
+            "logit_bias": [{"bias": _lp(b), "token": t} for t, b in req.logit_bias],
+            "grammar": req.grammar[1] if req.grammar and req.grammar[0] == "gbnf" else "",
             "speculative.mode": usage.mode},
         "timings": usage.timings(),
     })
