@@ -179,7 +179,7 @@ class BatchSpeculator:
             try:
                 rope_sites(self.model)
                 self._tree_model = not caches.has_recurrent(self.cache.layers)
-            except MlxspecError:
+            except (MlxspecError, AttributeError):  # (a wrapped model: no modules to patch)
                 self._tree_model = False
         return self._tree_model
 

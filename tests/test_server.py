@@ -582,12 +582,12 @@ def test_a_batch_whose_step_raises_fails_its_own_rows_only(model_dirs, monkeypat
 
     # (a tree source decodes on a batch of its own)
     engine, worker, prompts, seeded, (greedy,) = _opened_worker(model_dirs, 1, "lookahead")
-    assert seeded.row.batch is not greedy.row.batch
+    assert seeded.batch is not greedy.batch
 
     def broken():
         raise RuntimeError("a step that raised")
 
-    monkeypatch.setattr(seeded.row.batch, "step", broken)
+    monkeypatch.setattr(seeded.batch, "step", broken)
     while worker.jobs:
         worker._step_all()
     (failed,) = _events(seeded)
