@@ -271,30 +271,29 @@ class BatchSpeculator:
             return
         start = time.perf_counter()
         try:
-            plans = self._plans(rows) if self.speculating else [("", 0)] * len(rows)
-            if not any(k for _, k in plans) and self._can_pipeline(rows):
+            plans = self._plans(rows) if self.speculating else None
+            if (plans is None or not any(k for _, k in plans)) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
                 self._queue(fed)
                 self._deliver(started=start)
                 return
+            plans = plans or [("", 0)] * len(rows)
             proposals, forwards = self._propose(rows, plans)
-            results = decode_step(
-                self.model, self.cache, _spread(fed, [r.context[-1] for r in rows]),
-                _spread(fed, proposals), [GREEDY if r is None else r.sampling for r in fed],
-                [None if r is None else r.seed_at() for r in fed],
-                _spread(fed, [k for _, k in plans], 0), self.sync)
-            results = [res for res in results if res is not None]
+            results = self._verify(fed, rows, plans, proposals)
         except Exception as e:
             self.fail(e)
             return
         # (a draft's catch-up on skipped context is a prefill, not this step's cost)
-        seconds = time.perf_counter() - start - sum(p.setup_seconds for p in proposals if p)
+        seconds = time.perf_counter() - start
+        widest = proposed = 0
+        for p, res in zip(proposals, results):
+            if p is not None:
+                seconds -= p.setup_seconds
+            widest, proposed = max(widest, res.drafted), proposed + res.drafted
         self.steps += 1
         self.rows_stepped += len(rows)
-        drafted = [res.drafted for res in results]
-        if not any(drafted):
-            self.plain_steps += 1
-        self.policy.observe(len(self.slots), 1 + max(drafted), sum(drafted), forwards, seconds,
+        self.plain_steps += not proposed
+        self.policy.observe(len(self.slots), 1 + widest, proposed, forwards, seconds,
                             self._span())
         for r, (arm, _), res in zip(rows, plans, results):
             if r.draft is not None and res.source == "draft":  # (before its proposer hears)
@@ -302,6 +301,22 @@ class BatchSpeculator:
                                                       res.accepted)
             r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
                      seconds if res.drafted else None)
+
+    def _verify(self, fed: list[BatchRow | None], rows: list[BatchRow],
+                plans: list[tuple[str, int]], proposals: list[Proposal | None]) -> list:
+        """One forward verifying every row's proposal (`step.decode_step`); rows sitting out
+        (None in `fed`) are fed padding. Each fed row's `StepResult`, in order."""
+        lasts = [r.context[-1] for r in rows]
+        samplings = [r.sampling for r in rows]
+        seeds = [None if r.seed is None else (r.seed, len(r.context)) for r in rows]
+        ks = [k for _, k in plans]
+        if len(rows) < len(fed):
+            lasts, proposals, samplings, seeds, ks = (
+                _spread(fed, lasts), _spread(fed, proposals), _spread(fed, samplings, GREEDY),
+                _spread(fed, seeds), _spread(fed, ks, 0))
+        results = decode_step(self.model, self.cache, lasts, proposals, samplings, seeds, ks,
+                              self.sync)
+        return results if len(rows) == len(fed) else [res for res in results if res is not None]
 
     # -- pipelined plain stretches
     def _can_pipeline(self, rows: list[BatchRow]) -> bool:
