@@ -166,6 +166,7 @@ class Constraint:
         if self.matcher.is_error():
             raise MlxspecError(f"invalid {kind} grammar: {self.matcher.get_error()}")
         self.kind = kind
+        self.eos = set(eos_ids(tokenizer))
         self.words = (self.llg.vocab_size + 31) // 32
         self.pos = start  # tokens of the sequence consumed (the prompt's count as consumed)
         self.mask_seconds = 0.0  # time spent computing masks (the benchmark reads it)
@@ -178,10 +179,14 @@ class Constraint:
         self.pos += 1
 
     def cut(self, draft: list[int]) -> int:
-        """How many leading draft tokens the grammar allows (a proposal is cut there)."""
-        if self.matcher.is_stopped():
+        """How many leading draft tokens the grammar allows (a proposal is cut there), an
+        end-of-sequence token excluded (the target's own draw after the tokens before it
+        ends the answer: past it the grammar allows nothing)."""
+        if self.matcher.is_stopped() or not draft:
             return 0
-        return self.matcher.validate_tokens([int(t) for t in draft]) if draft else 0
+        draft = [int(t) for t in draft]
+        end = next((i for i, t in enumerate(draft) if t in self.eos), len(draft))
+        return self.matcher.validate_tokens(draft[:end]) if end else 0
 
     def bitmasks(self, draft: list[int]) -> np.ndarray:
         """(len(draft) + 1, words) int32: the allowed tokens now and after each draft token
