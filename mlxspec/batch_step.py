@@ -375,8 +375,7 @@ class BatchSpeculator:
         # A stretch's last step (none queued after it) was mostly computed while the host
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
         timed = self.queued is not None or started is not None
-        # (every `replan_gap`-th: a plain step's time is known well, and fitting it is not free)
-        if self.speculating and timed and self.pipelined % self.replan_gap == 0:
+        if self.speculating and timed:
             self.policy.observe(len(self.slots), 1, 0, None, seconds, span, started is not None)
         # (a row on its own cache learns only the steady state: not a stretch's synced first)
         seconds = None if not timed or (started and not self.cache.shared) else seconds

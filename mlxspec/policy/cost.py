@@ -102,9 +102,21 @@ class StepCost:
         """Predicted seconds; `forwards`: per group, the sequential forwards its proposals ran;
         `span`: the longest row's cached length. Plain Python: numpy's per-call cost is larger
         than this arithmetic."""
-        values = self._values(rows, width, proposed, forwards, span, synced)
-        self.coef()
-        return sum(c * v for c, v in zip(self._terms, values))
+        for group in forwards or ():
+            if group and group not in self.groups:  # new columns first
+                self._values(rows, width, proposed, forwards, span, synced)
+                break
+        if self._coef is None:
+            self.coef()
+        c = self._terms
+        queries = rows * width
+        t = (c[0] + c[1] * synced + c[2] * queries + c[3] * queries * (span + width) / 1024
+             + c[PROPOSED] * proposed)
+        if forwards:
+            for group, n in forwards.items():
+                if group:
+                    t += c[BASE + self.groups.index(group)] * n
+        return t
 
     def plain(self, span: int = 0) -> float:
         """Seconds of a pipelined plain step of one row."""
@@ -203,7 +215,7 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     plain = len(offers) / seconds(1, 0, None, not pipelined)
     # E_b(k) = 1 + s_1 + ... + s_k
     expected = [list(accumulate(o.survive, initial=1.0)) for o in offers]
-    if not any(forced) and sum(x[-1] for x in expected) / seconds(2, 0, None, True) <= plain:
+    if not any(forced) and sum([x[-1] for x in expected]) / seconds(2, 0, None, True) <= plain:
         return [0] * len(offers), plain  # no width can pay: every term only adds time
     widest = 1 + max(caps)
     narrowest = 1 + max(forced)
@@ -213,12 +225,12 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     # Dinkelbach's iteration for a ratio, started from the last step's rate; two rounds).
     for _ in range(2 if e > 0 else 1):
         threshold = e * best_rate
-        worth = [sum(1 for x in o.survive if x > threshold) for o in offers]  # non-increasing
+        worth = [len([x for x in o.survive if x > threshold]) for o in offers]  # non-increasing
         round_ks, round_rate, seen = None, 0.0, set()
         for width in range(narrowest, widest + 1):
             for proposing in ((False, True) if costly else (False,)):
-                ks = tuple(max(min(cap, width - 1, w) if proposing or not o.group else 0, f)
-                           for o, cap, w, f in zip(offers, caps, worth, forced))
+                ks = tuple([max(min(cap, width - 1, w) if proposing or not o.group else 0, f)
+                            for o, cap, w, f in zip(offers, caps, worth, forced)])
                 if ks in seen:
                     continue
                 seen.add(ks)
@@ -227,7 +239,7 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
                     if o.group and k:
                         forwards[o.group] = max(forwards.get(o.group, 0), k)
                 t = seconds(1 + max(ks), sum(ks), forwards, not pipelined or any(ks))
-                rate = sum(x[k] for x, k in zip(expected, ks)) / t
+                rate = sum([x[k] for x, k in zip(expected, ks)]) / t
                 if round_ks is None or rate > round_rate * (1.0 + margin) * 1.0001:
                     round_ks, round_rate = ks, rate
         if best_ks is None or round_rate >= best_rate:
