@@ -71,6 +71,8 @@ class TextStream:
 
     def add(self, token: int) -> tuple[str, bool]:
         self.detok.add_token(token)
+        if not self.matcher.stops:  # (nothing to hold back or cut: the text as it comes)
+            return self.detok.last_segment, False
         return self._emit(self.detok.last_segment)
 
     def finish(self) -> str:
@@ -128,7 +130,9 @@ class Detokenizer:
             if t in self.eos:
                 break
             emitted.append(t)
-        pieces = [self.text.add(t)[0] for t in emitted]
+        pieces = []
+        for t in emitted:
+            pieces.append(self.text.add(t)[0])
         finish = "stop" if self.text.stopping_word else None
         if len(emitted) < len(tokens):  # an end-of-sequence token
             self.stats.generated_tokens -= len(tokens) - len(emitted)
