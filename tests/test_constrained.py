@@ -106,6 +106,20 @@ def test_constrained_output_is_nones_in_every_mode(pair, mode, options):
         assert drafted > 0  # speculation ran on constrained rows
 
 
+def test_quantspec_constrained_is_its_references():
+    """QuantSpec's chains are cut like any other: the same tokens as `none` on the
+    hierarchical cache, with a grammar, greedy and seeded."""
+    target = build("qwen2", seed=5, scale=3.0, vocab_size=VOCAB)
+    ref = engine(target, kv="hierarchical", kv_group_size=32)
+    eng = engine(target, "quantspec", group_size=32)
+    for kind, spec in GRAMMARS[:2]:
+        for settings in (dict(), dict(temperature=1.0, seed=2)):
+            want, _, _ = run(ref, PROMPT, max_tokens=40, **grammar_kw(kind, spec), **settings)
+            got, _, stats = run(eng, PROMPT, max_tokens=40, **grammar_kw(kind, spec),
+                                **settings)
+            assert got == want, (kind, settings)
+
+
 def test_a_json_answer_parses_and_the_unconstrained_one_does_not(pair):
     target, _ = pair
     eng = engine(target, "ngram")
