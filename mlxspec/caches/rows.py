@@ -24,6 +24,8 @@ class RowCache:
     def __init__(self, model, layers: list):
         self.model, self.layers = model, layers
         self.recurrent = has_recurrent(layers)  # (a plain step then checkpoints nothing)
+        # mlx-lm's plain KV cache in every layer: a trim is exact whatever its length
+        self.plain = all(type(c) is KVCache for c in layers)
 
     @property
     def lengths(self) -> list[int]:
@@ -38,6 +40,10 @@ class RowCache:
         """Remove the last drop[0] tokens; `fed`: the tokens fed since `ckpt` was taken (a
         recurrent state is restored and the kept ones fed again)."""
         (n,) = drop
+        if self.plain:
+            for c in self.layers:
+                c.trim(n)
+            return
         tokens = fed[0] if fed is not None else [0] * n
         rollback(self.model, self.layers, ckpt, tokens, len(tokens) - n)
 

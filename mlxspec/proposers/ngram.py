@@ -69,7 +69,8 @@ class NgramProposer(Proposer):
         hit = self._looked_up
         if hit is not None and hit[0] == len(context) and hit[1] >= num:
             return hit[2] and (hit[2][0], hit[2][1][:num], hit[2][2])
-        self._catch_up(context)
+        if len(context) > len(self.index.tokens):
+            self._catch_up(context)
         tail = context[-self.max_ngram :]
         found = None
         if self.prediction is not None:
@@ -105,7 +106,9 @@ class NgramProposer(Proposer):
         return list(found[1][:num_draft]) if found else None
 
     def update(self, context: list[int], num_accepted: int) -> None:
-        self._catch_up(context)
+        index = self.index
+        if len(context) > len(index.tokens):
+            index.extend(context[len(index.tokens) :])
 
     def _catch_up(self, context: list[int]) -> None:
         if len(context) > len(self.index.tokens):
