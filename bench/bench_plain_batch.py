@@ -1,4 +1,4 @@
-"""#43 (speed unchanged for plain batching at 1/4/8 rows against mlx-lm's `BatchGenerator`):
+"""Plain batching at 1/4/8 rows against mlx-lm's `BatchGenerator` (a change must keep it):
 the batched step with k = 0 (`BatchSpeculator`, rows in mode `none`, what
 `mlxspec serve` runs over --spec-max-concurrency) against mlx-lm's `BatchGenerator` (what it
 ran before), on the same prompts, B rows at a time, paired and interleaved; greedy, prefill

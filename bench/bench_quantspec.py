@@ -1,4 +1,4 @@
-"""#42 (QuantSpec's acceptance, memory and the hierarchical cache's own cost, at length).
+"""QuantSpec's acceptance, memory and the hierarchical cache's own cost, at length.
 QuantSpec on the bundled model: acceptance (by draft position) within the model's trained
 positions, step times of every cache at longer contexts, the bytes each step reads (fp16 weights
 and fp16 KV as on Apple silicon, next to what this CPU run used), KV memory, and how far the

@@ -1,4 +1,4 @@
-"""#43 (speed unchanged for the server at 1/4/8 clients): `mlxspec serve`'s aggregate tokens/s
+"""The server at 1/4/8 clients (a change must keep its speed): `mlxspec serve`'s aggregate tokens/s
 and mean latency against the number of concurrent clients, each configuration against plain
 batched decoding; run it on both checkouts, in both orders.
 

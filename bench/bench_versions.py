@@ -1,5 +1,5 @@
-"""#43 (speed unchanged for a request alone, measured both orders against the commit before):
-a single request on this checkout against another (a refactor must not slow the loop):
+"""A single request on this checkout against another (a refactor must not slow the loop;
+run it both orders against the commit before):
 `Engine.generate` per mode over the same prompts, each checkout in its own process, the two
 alternating round by round; prints each mode's decode tok/s per checkout and the median of the
 per-round ratios (this / other), and the target forwards each round took (the same count

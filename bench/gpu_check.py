@@ -1,4 +1,4 @@
-"""#42 and #40 on a GPU (MLX's CUDA or Metal backend): what a step costs there, the
+"""On a GPU (MLX's CUDA or Metal backend): what a step costs there, the
 roofline that predicts it, and whether every mode stays exact in half precision.
 
     bash bench/gpu_check.sh                # installs mlx[cuda], then runs this

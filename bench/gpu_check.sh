@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# #42: the GPU check, on a machine with an NVIDIA GPU (MLX's CUDA backend) or a Mac (Metal).
+# The GPU check, on a machine with an NVIDIA GPU (MLX's CUDA backend) or a Mac (Metal).
 # Installs MLX's GPU backend and this project, runs the exactness tests on the GPU, then
 # bench/gpu_check.py (step costs, roofline, projection, end-to-end runs checked identical).
 #
