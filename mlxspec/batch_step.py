@@ -2,11 +2,10 @@
 
 Each row proposes with its own source and k (possibly 0), one forward runs over the rows padded
 to 1 + max k (`step.py`, the same kernel for k = 0), each row keeps its own accepted tokens;
-where no row proposes, plain steps run pipelined. The batch's cache is rows (`caches.rows`):
-a first request keeps its own cache of any kind (`RowCache`, no copy), and plain-attention
-rows move into `RaggedRows` when a second joins. Each row's cache holds every committed token
-but the last, and its output equals the request decoded by itself. See docs/HOW_IT_WORKS.md,
-"Several requests".
+where no row proposes, plain steps run pipelined. The batch's cache is `caches.rows.Rows`: a
+first request's own cache of any kind (no copy), plain-attention requests' ragged rows once a
+second joins. Each row's cache holds every committed token but the last, and its output equals
+the request decoded by itself. See docs/HOW_IT_WORKS.md, "The loop" and "Several requests".
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import mlx.core as mx
 
 from . import caches
 from .admission import Admission
-from .caches.rows import RaggedRows, RowCache
+from .caches.rows import Rows
 from .errors import MlxspecError
 from .policy import BatchPolicy, forward_group
 from .proposal import Proposal
@@ -60,7 +59,7 @@ class BatchSpeculator:
         # Row b of the cache holds slots[b]; a row leaving leaves None (fed padding, trimmed at
         # once) for the next to join: neither joining nor leaving copies the cache (`_compact`).
         self.slots: list[BatchRow | None] = []
-        self.cache: RowCache | RaggedRows | None = None
+        self.cache = Rows(model)
         self.drafts: dict[int, DraftRows] = {}  # id(draft model) -> its rows' draft caches
         self.speculating = 0  # rows with a proposer: only they are planned
         self.stateful = 0  # rows whose next draw needs the last token read (no pipelining)
@@ -106,13 +105,14 @@ class BatchSpeculator:
             if row.detok is not None:
                 row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
             try:
-                if own and self.cache is None:
-                    self.cache, self.slots = RowCache(self.model, row.pc.cache), [row]
+                if own and not self.slots:
+                    self.cache.put_row(0, row.pc.cache)
+                    self.slots = [row]
                     row.pc.cache = None  # the batch holds it now; given back on leaving
                 else:
                     if not row.shares or any(not r.shares for r in self.rows):
                         raise MlxspecError("this request cannot run in the batched step")
-                    self._share(grouped, len(row.pc.cache))
+                    self._make_room(grouped, len(row.pc.cache))
                     self._put(row)
                     grouped = 0
             except Exception as e:
@@ -125,34 +125,31 @@ class BatchSpeculator:
             self.argmax += _argmax_only(row.sampling)
         self.trees = self._trees_here()
 
-    def _share(self, room: int, num_layers: int) -> None:
-        """The rows move into ragged rows (a row on its own cache first, a step queued for it
-        undone), with `room` empty slots for a group joining at once (growing copies every
-        buffer)."""
-        if self.cache is not None and not self.cache.shared:
+    def _sharing(self) -> None:
+        """The row alone is about to share the cache's rows: a step queued for it undone, its
+        draft into the draft's rows."""
+        if self.cache.alone and self.slots:
             self.drop_queued()
-            (row,) = self.slots
-            row.pc.cache = self.cache.take_row(0)
-            self.cache, self.slots = None, []
-            self._put(row)
+            self._join_draft(self.slots[0])
+
+    def _make_room(self, room: int, num_layers: int) -> None:
+        """`room` empty slots for a group joining at once (growing copies every buffer)."""
         need = room - self.slots.count(None)
         if need > 0:
-            if self.cache is None:
-                self.cache = RaggedRows(num_layers)
-            self.cache.add_empty_rows(need)
+            self._sharing()
+            self.cache.add_empty_rows(need, num_layers)
             self.slots.extend([None] * need)
 
     def _put(self, row: BatchRow) -> None:
-        """Move a row's single-request cache (and its draft's) into the ragged rows."""
+        """A row's single-request cache (and its draft's) into the shared rows."""
         layers = row.pc.cache
-        if self.cache is None:
-            self.cache = RaggedRows(len(layers))
-        else:
+        if self.slots:
+            if len(layers) != len(self.cache.layers):
+                raise MlxspecError("a row of another model cannot join this batch")
+            self._sharing()
             # Evaluated (no wait: every caller has just waited), the buffers are written in
             # place; otherwise MLX copies them whole, ~7 ms a join at 8 rows on the server.
             mx.eval(self.cache.evaluate())
-        if len(layers) != len(self.cache.layers):
-            raise MlxspecError("a row of another model cannot join this batch")
         slots = self.slots
         b = slots.index(None) if None in slots else len(slots)
         self.cache.put_row(b, layers)
@@ -162,16 +159,20 @@ class BatchSpeculator:
             slots[b] = row
         mx.async_eval(self.cache.evaluate())
         row.pc.cache = None  # the batch holds it now; given back on leaving
+        self._join_draft(row)
+
+    def _join_draft(self, row: BatchRow) -> None:
+        """A shared row's draft model drafts in the draft's rows, with the other rows'."""
         draft = draft_proposer(row.proposer)
         if draft is not None and DraftRows.joins(draft) and not any(
-                r.draft is draft for r in self.rows):
+                r.draft is draft for r in self.rows if r is not row):
             self.drafts.setdefault(id(draft.model), DraftRows(draft.model)).join(draft)
             row.draft = draft
 
     def _trees_here(self) -> bool:
         """Whether a token tree can be verified now: a row on its own cache, of a model whose
         attention takes per-token positions and has no recurrent layers (`tree.py`)."""
-        if self.cache is None or self.cache.shared:
+        if not self.slots or not self.cache.alone:
             return False
         if self._tree_model is None:
             from .tree import rope_sites
@@ -223,7 +224,7 @@ class BatchSpeculator:
         else:
             row.pc.cache, row.pc.tokens = layers, row.context[:-1]
         if not self.rows:
-            self.cache, self.slots = None, []
+            self.cache, self.slots = Rows(self.model), []
         else:
             self._compact()
         self.trees = self._trees_here()
@@ -378,7 +379,7 @@ class BatchSpeculator:
         if self.speculating and timed:
             self.policy.observe(len(self.slots), 1, 0, None, seconds, span, started is not None)
         # (a row on its own cache learns only the steady state: not a stretch's synced first)
-        seconds = None if not timed or (started and not self.cache.shared) else seconds
+        seconds = None if not timed or (started and self.cache.alone) else seconds
         for r, token in zip(q.rows, tokens):
             if r is not None:
                 self.rows_stepped += 1
@@ -397,7 +398,7 @@ class BatchSpeculator:
     def _replan(self, rows: list[BatchRow | None]) -> bool:
         """Whether a row of the stretch would propose now (a row on its own cache asks every
         step, as cheap sources end a stretch at once; shared rows every `replan_gap`)."""
-        if self.cache.shared and self.pipelined % self.replan_gap:
+        if not self.cache.alone and self.pipelined % self.replan_gap:
             return False
         return any(k for _, k in self._plans([r for r in rows if r is not None], commit=False))
 
@@ -405,7 +406,7 @@ class BatchSpeculator:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
         plan on its own cache (by the same cost model and rule, `policy/cost.py`).
         `commit=False`: only asking (a forced probe is not counted as taken)."""
-        if not self.cache.shared:
+        if self.cache.alone:
             return [r.planner.plan(r.available(self.trees), r.context) for r in rows]
         return self.policy.plan_rows(rows, self.steps, commit, len(self.slots), self._span(),
                                      self._can_pipeline(rows))

@@ -150,8 +150,8 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     tokens already on the device (a pipelined step feeds the previous one's, unread). `sync`
     (a sharded target) maps the result to rank 0's, so every rank commits the same tokens."""
     rows = as_rows(model, cache)
-    if not rows.shared and len(last_tokens) != 1:
-        raise ValueError("several rows need ragged rows (`caches.rows.RaggedRows`)")
+    if rows.alone and len(last_tokens) != 1:
+        raise ValueError("several rows need ragged rows (`caches.rows.Rows`)")
     max_accepts = max_accepts or [None] * len(last_tokens)
     adjusted = any(s.adjusted for s, last in zip(samplings, last_tokens) if last is not None)
     positions = rows.lengths if adjusted else None  # of the token each row is fed
@@ -310,7 +310,7 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
         from .tree import tree_step
 
         rows = as_rows(model, cache)
-        if rows.shared:
+        if not rows.alone:
             raise ValueError("token trees run one row at a time, on its own cache")
         tokens, n = tree_step(model, rows.layers, last_tokens[0], first, samplings[0], seeds[0],
                               max_accept=max_accepts[0], sync=sync)

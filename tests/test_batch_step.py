@@ -173,7 +173,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     pc = PromptCache()
     row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
     outs = [list(next_output(batch, row).tokens)]  # alone in its round: prefilled as the engine does
-    assert not batch.cache.shared and pc.cache is None  # on its own cache, held by the batch
+    assert batch.cache.alone and pc.cache is None  # on its own cache, held by the batch
     drain(batch, [row], outs)
     assert outs[0] == want
     assert row.stats.target_forwards == alone.stats.target_forwards
@@ -197,10 +197,10 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     outs = [[], []]
     for _ in range(5):
         outs[0].extend(next_output(batch, rows[0]).tokens)
-    assert batch.slots == rows[:1] and not batch.cache.shared  # on its own cache
+    assert batch.slots == rows[:1] and batch.cache.alone  # on its own cache
     rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next_output(batch, rows[1]).tokens)  # its prefill; the lone row moves in
-    assert batch.cache.shared
+    assert not batch.cache.alone
     assert batch.slots == rows  # two rows wide: no empty slot fed padding every step
     drain(batch, rows, outs)
     assert outs == want

@@ -1,9 +1,9 @@
 """A small draft model with the target's tokenizer proposes k tokens autoregressively.
 
 One implementation for one request and for many: `DraftRows` drafts for every member of a
-batch of draft caches (rows, `caches.rows`) in k forwards. A request by itself drafts in a
-batch of one on its own draft cache of any kind (`RowCache`); requests of a target batch that
-draft with the same model share `RaggedRows` (one forward for all of them). Each member keeps
+batch of draft caches (`caches.rows.Rows`) in k forwards. A request by itself drafts in a
+batch of one on its own draft cache of any kind; requests of a target batch that draft with
+the same model share its ragged rows (one forward for all of them). Each member keeps
 `cached`, the tokens its draft cache holds, so a step feeds only what the draft has not seen
 (the target's last token, plus the last drafted one when all k were accepted), and a
 rejection is a trim (a recurrent draft: its state restored and the accepted tokens fed again).
@@ -19,7 +19,7 @@ import mlx.nn as nn
 from .. import caches
 from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
-from ..caches.rows import RaggedRows, RowCache
+from ..caches.rows import Rows
 from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
 from ..sampling import SamplingParams, draft_draw
 from .base import Proposal, Proposer
@@ -64,7 +64,7 @@ class DraftModelProposer(Proposer):
         """A batch of one on its own draft cache (kept while that cache is the same)."""
         own = self._own_rows
         if own is None or own.rows.layers is not self.cache:
-            own = self._own_rows = DraftRows(self.model, RowCache(self.model, self.cache), [self])
+            own = self._own_rows = DraftRows(self.model, Rows(self.model, self.cache), [self])
         return own
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
@@ -136,7 +136,7 @@ class DraftRows:
 
     def __init__(self, model, rows=None, members: list[DraftModelProposer] | None = None):
         self.model = model
-        self.rows = rows  # RowCache (one member) or RaggedRows; None: no member yet
+        self.rows = rows  # the members' draft caches (`Rows`); None: no member yet
         self.members = members or []
 
     # -- membership (ragged rows: requests of a target batch)
@@ -148,7 +148,7 @@ class DraftRows:
 
     def join(self, proposer: DraftModelProposer) -> None:
         if self.rows is None:
-            self.rows = RaggedRows(len(proposer.cache))
+            self.rows = Rows(self.model)
         self.rows.put_row(len(self.members), proposer.cache)
         # Started, not waited for: a queued step may still be running; the copy joins it.
         mx.async_eval(self.rows.evaluate())
@@ -175,10 +175,13 @@ class DraftRows:
         if n <= 0:
             return
         p = self.members[b]
-        if self.rows.shared:
+        if not self.rows.alone:
             self.rows.trim_rows([n if i == b else 0 for i in range(len(self.members))])
         elif not caches.trim_exact(self.rows.layers, n):
-            p.cache = self.rows.layers = caches.make_cache(self.model)
+            fresh = caches.make_cache(self.model)
+            if p.cache is self.rows.layers:  # (its own rows: the proposer holds them too)
+                p.cache = fresh
+            self.rows.layers = fresh
             p.cached = []
             return
         del p.cached[len(p.cached) - n :]
