@@ -38,10 +38,11 @@ _LLG_TOKENIZERS: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (toke
 _LOCK = threading.Lock()
 _EXECUTOR = None
 
-# JSON as llama.cpp's schema converter writes it: one space after ':' and ',', no free
-# whitespace (a model cannot then spend its budget on blank lines).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                "lenient": True}
+# JSON whitespace as llama.cpp's schema converter allows it between tokens: nothing, a space,
+# or one or two newlines and an indentation of up to 20 spaces or tabs (a model may write
+# pretty-printed JSON, but cannot spend its budget on blank lines).
+JSON_OPTIONS = {"whitespace_flexible": True, "item_separator": ",", "key_separator": ":",
+                "whitespace_pattern": r"[ ]?|\n{1,2}[ \t]{0,20}", "lenient": True}
 
 
 # ----------------------------------------------------------------------------- tokenizer
