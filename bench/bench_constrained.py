@@ -37,17 +37,17 @@ SCHEMA = {"type": "object", "properties": {"users": {"type": "array", "items": {
     "type": "object", "properties": {
         "name": {"type": "string"}, "email": {"type": "string"},
         "role": {"enum": ["admin", "editor", "viewer"]}, "active": {"type": "boolean"}},
-    "required": ["name", "email", "role", "active"], "additionalProperties": False}}},
+    "required": ["name", "email", "role", "active"], "additionalProperties": False},
+    "minItems": len(RECORDS), "maxItems": len(RECORDS)}},
     "required": ["users"], "additionalProperties": False}
 
 
 def request(engine: Engine) -> str:
-    table = "\n".join(f"{r['name']} | {r['email']} | {r['role']} | {r['team']}" for r in RECORDS)
+    lines = "\n".join(json.dumps(r) for r in RECORDS)
     return render_chat(engine.tokenizer, [{"role": "user", "content": (
-        "Here are our users (name | email | role | team):\n" + table + "\n\n"
-        "Return them as JSON: {\"users\": [{\"name\", \"email\", \"role\", \"active\": true}]}, "
-        "every user, in this order, without the team. Answer with the JSON only, on one "
-        "line.")}])
+        "Here are our users, one JSON object a line:\n" + lines + "\n\n"
+        "Return them as one JSON object {\"users\": [...]}: every user, in this order, with "
+        "their name, email and role, \"active\": true, and without the team.")}])
 
 
 def run(loaded, mode: str, num_draft: int, prompt: str, max_tokens: int, **kw) -> dict:
