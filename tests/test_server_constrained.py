@@ -51,7 +51,7 @@ def stream(srv, path, body):
     {"type": "json_object", "schema": SCHEMA},
 ])
 def test_response_format_constrains_a_chat_answer(srv, fmt):
-    status, body = call(srv, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 80,
+    status, body = call(srv, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 400,
                                                       "response_format": fmt})
     assert status == 200, body
     choice = body["choices"][0]
@@ -74,14 +74,14 @@ def test_llama_grammar_and_json_schema(srv, mode):
     assert status == 200, body
     assert body["content"][:3] in ("yes", "no ") and body["stop_type"] == "eos"
     assert body["generation_settings"]["grammar"].startswith("root ::=")
-    status, body = call(srv, "/completion", {"prompt": PROMPT, "n_predict": 80, **spec,
+    status, body = call(srv, "/completion", {"prompt": PROMPT, "n_predict": 400, **spec,
                                              "json_schema": SCHEMA})
     assert status == 200, body
     jsonschema.validate(json.loads(body["content"]), SCHEMA)
 
 
 def test_a_constrained_answer_streams_the_same_text(srv):
-    req = {"prompt": PROMPT, "n_predict": 80, "json_schema": SCHEMA}
+    req = {"prompt": PROMPT, "n_predict": 400, "json_schema": SCHEMA}
     whole = call(srv, "/completion", req)[1]["content"]
     events = stream(srv, "/completion", req)
     assert "".join(e["content"] for e in events) == whole
