@@ -207,6 +207,39 @@ class Constraint:
         return out
 
 
+class DraftGuide:
+    """A drafter's walk through a row's grammar: its logits masked by the grammar's state after
+    the committed tokens and what it drafted so far (so it proposes only what the target could
+    accept); the matcher is rolled back when the draft is done (`close`). Each drafted token is
+    read back (a sync per token, for constrained rows only)."""
+
+    def __init__(self, state: RequestState, context_len: int):
+        self.c = state.align(context_len)
+        self.consumed = 0
+        self.done = False
+
+    def mask(self, logits: mx.array) -> mx.array:
+        if self.done:
+            return logits
+        keep = allowed(self.c.bitmasks([]), logits.shape[-1])[0]
+        return mx.where(keep, logits, -mx.inf)
+
+    def take(self, token) -> None:
+        if self.done:
+            return
+        t = int(token.item()) if not isinstance(token, int) else token
+        if t in self.c.eos or not self.c.matcher.validate_tokens([t]):
+            self.done = True  # the rest of the draft is cut before verification
+            return
+        self.c.matcher.consume_token(t)
+        self.consumed += 1
+
+    def close(self) -> None:
+        if self.consumed:
+            self.c.matcher.rollback(self.consumed)
+            self.consumed = 0
+
+
 def allowed(bitmask: np.ndarray, vocab: int) -> mx.array:
     """(rows, vocab) bool from llguidance bitmasks (rows, words): ids beyond the tokenizer's
     vocabulary (a model's padded head) are never allowed."""

@@ -106,6 +106,26 @@ def test_constrained_output_is_nones_in_every_mode(pair, mode, options):
         assert drafted > 0  # speculation ran on constrained rows
 
 
+def test_the_draft_model_drafts_within_the_grammar(pair, monkeypatch):
+    """A constrained row's draft is masked by the grammar as it drafts: verification never
+    has to cut it (but at an end-of-sequence token), and the matcher is left as it was."""
+    target, draft = pair
+    seen = []
+    cut = constrain.Constraint.cut
+
+    def watch(self, tokens):
+        n = cut(self, tokens)
+        seen.append((list(tokens), n))
+        return n
+
+    monkeypatch.setattr(constrain.Constraint, "cut", watch)
+    eng = engine(target, "draft", draft)
+    for settings in (dict(), dict(temperature=1.0, seed=3), dict(temperature=1.0)):
+        run(eng, PROMPT, max_tokens=40, json_schema=SCHEMA, **settings)
+    drafted = [(d, n) for d, n in seen if d]
+    assert drafted and all(n == len(d) or EOS in d for d, n in drafted)
+
+
 def test_quantspec_constrained_is_its_references():
     """QuantSpec's chains are cut like any other: the same tokens as `none` on the
     hierarchical cache, with a grammar, greedy and seeded."""

@@ -20,6 +20,7 @@ from .. import caches
 from ..caches.prompt import common_prefix_len
 from ..caches.ragged import plain_attention
 from ..caches.rows import Rows
+from ..constrain import DraftGuide
 from ..proposal import DRAFT_TREE, LOOKUP_DRAFT
 from ..sampling import SamplingParams, draft_draw
 from .base import Proposal, Proposer
@@ -246,29 +247,39 @@ class DraftRows:
         ckpt = self.rows.checkpoint()  # (ragged rows: None, a trim undoes anything)
         for p, _, _, _ in requests:
             p._checkpoint = ckpt
-        # 2. the drafted tokens, k_max - 1 more forwards
+        # 2. the drafted tokens, k_max - 1 more forwards; a row with a grammar drafts within it
         tokens = [[] for _ in requests]
         probs = [[] for _ in requests]
-        for i in range(max(k for _, _, k, _ in requests)):
-            feed = [None] * len(self.members)
-            for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
-                if i >= k:
-                    continue
-                if widths[j] > 1:  # the top tokens; the first one is continued
-                    q = _top(logits[b], widths[j])
-                    token = q[0]
-                else:
-                    token, q = draft_draw(logits[b], p.sampling, seed, len(context) + i)
-                tokens[j].append(token)
-                probs[j].append(q)
-                if i + 1 < k:
-                    feed[b] = token
-            if any(t is not None for t in feed):
-                out = self._forward(feed)
-                for b, t in enumerate(feed):
-                    if t is not None:
-                        logits[b] = out[b, 0]
-            mx.async_eval([t[-1] for t in tokens if len(t) > i])
+        guides = {j: DraftGuide(p.sampling.state, len(context))
+                  for j, (p, context, _, _) in enumerate(requests)
+                  if getattr(p.sampling, "stateful", False)}
+        try:
+            for i in range(max(k for _, _, k, _ in requests)):
+                feed = [None] * len(self.members)
+                for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
+                    if i >= k:
+                        continue
+                    row_logits = guides[j].mask(logits[b]) if j in guides else logits[b]
+                    if widths[j] > 1:  # the top tokens; the first one is continued
+                        q = _top(row_logits, widths[j])
+                        token = q[0]
+                    else:
+                        token, q = draft_draw(row_logits, p.sampling, seed, len(context) + i)
+                    if j in guides:
+                        guides[j].take(token)
+                    tokens[j].append(token)
+                    probs[j].append(q)
+                    if i + 1 < k:
+                        feed[b] = token
+                if any(t is not None for t in feed):
+                    out = self._forward(feed)
+                    for b, t in enumerate(feed):
+                        if t is not None:
+                            logits[b] = out[b, 0]
+                mx.async_eval([t[-1] for t in tokens if len(t) > i])
+        finally:
+            for guide in guides.values():
+                guide.close()
         proposals = []
         for (p, _, k, _), toks, qs, width in zip(requests, tokens, probs, widths):
             # the draft cache now also holds toks[:-1]; their fate is known after verify
