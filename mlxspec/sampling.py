@@ -41,8 +41,9 @@ class SamplingParams:
     @property
     def stateful(self) -> bool:
         """A row's next draw needs its previous token read back first (a grammar's mask
-        depends on it): its plain steps must not be pipelined."""
-        return getattr(self.state, "constraint", None) is not None
+        depends on it; log-probabilities are kept by the position of the token drawn, which
+        a queued step undone would shift): its plain steps must not be pipelined."""
+        return getattr(self.state, "constraint", None) is not None or self.logprobs is not None
 
     @property
     def adjusted(self) -> bool:

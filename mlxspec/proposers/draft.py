@@ -252,7 +252,7 @@ class DraftRows:
         probs = [[] for _ in requests]
         guides = {j: DraftGuide(p.sampling.state, len(context))
                   for j, (p, context, _, _) in enumerate(requests)
-                  if getattr(p.sampling, "stateful", False)}
+                  if getattr(p.sampling.state, "constraint", None) is not None}
         try:
             for i in range(max(k for _, _, k, _ in requests)):
                 feed = [None] * len(self.members)
