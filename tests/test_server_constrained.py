@@ -244,3 +244,33 @@ def test_malformed_logit_bias_is_400(srv, bias, words):
     payload = json.loads(payload)
     assert status == 400, payload
     assert words in payload["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- in a batch
+
+
+def test_rows_with_per_row_work_answer_the_same_in_a_batch(srv):
+    """A constrained row, a row with log-probabilities and a biased one, decoded together
+    (ragged rows of one batch, each at its own position) answer as each does alone."""
+    import threading
+
+    reqs = [{"prompt": PROMPT, "n_predict": 120, "json_schema": SCHEMA},
+            {"prompt": PROMPT * 2, "n_predict": 40, "n_probs": 2},
+            {"prompt": "import os\n", "n_predict": 40, "logit_bias": [[5, False]],
+             "temperature": 1.0, "seed": 8},
+            {"prompt": "x = [", "n_predict": 40}]
+    alone = [call(srv, "/completion", r)[1] for r in reqs]
+    together: list = [None] * len(reqs)
+
+    def ask(i):
+        together[i] = call(srv, "/completion", reqs[i])[1]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(alone, together):
+        assert a["content"] == b["content"]
+    for a, b in zip(alone[1]["completion_probabilities"], together[1]["completion_probabilities"]):
+        assert a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
