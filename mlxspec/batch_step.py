@@ -487,5 +487,7 @@ def _spread(fed: list, values, empty=None) -> list:
 def merged(outs: list[StepOutput]) -> StepOutput:
     """Consecutive outputs of one row as one."""
     last = outs[-1]
+    logprobs = (None if any(o.logprobs is None for o in outs)
+                else [e for o in outs for e in o.logprobs])
     return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
-                      last.stats, last.finish_reason, last.stop_string)
+                      last.stats, last.finish_reason, last.stop_string, logprobs)

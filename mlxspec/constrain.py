@@ -344,7 +344,6 @@ class RequestState:
     # a grammar's row: position -> its token (an int, or a lazy scalar drawn and not read yet)
     tokens: dict[int, object] = field(default_factory=dict)
     last: int = -1  # the last position drawn or committed
-    sink: list | None = None  # where taken log-probabilities also go, in order (the server)
 
     def __post_init__(self):
         self.last = self.start - 1
@@ -389,8 +388,6 @@ class RequestState:
         out = [self.logprobs.pop(first + i, None) for i in range(n)]
         for p in [p for p in self.logprobs if p < first + n]:
             del self.logprobs[p]
-        if self.sink is not None:
-            self.sink.extend(out)
         return out
 
     def settle(self) -> None:

@@ -66,15 +66,7 @@ def prepare(engine: Engine, prompt: str | list[int], *, max_tokens: int = 128,
     Schema, or True for any JSON object), `regex`, or `grammar` (GBNF or Lark text, or a
     (kind, spec) pair of `constrain.grammar_text`)."""
     tokens = engine.encode(prompt)
-    options = getattr(prompt, "options", None)  # the server's (`protocol.PromptIds`)
-    if options:
-        logit_bias = logit_bias if logit_bias is not None else options.get("logit_bias")
-        logprobs = logprobs if logprobs is not None else options.get("logprobs")
-        post_probs = post_probs or bool(options.get("post_probs"))
-        grammar = grammar if grammar is not None else options.get("grammar")
     extra = _per_row(engine, tokens, logit_bias, logprobs, grammar, json_schema, regex)
-    if "state" in extra:
-        extra["state"].sink = getattr(prompt, "sink", None)
     sampling = SamplingParams(temperature, top_p, top_k, min_p, post_probs=bool(post_probs),
                               **extra)
     try:

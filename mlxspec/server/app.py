@@ -933,19 +933,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _logprobs_of(self, group: JobGroup, j: int, ev: Delta) -> list:
         """The log-probabilities of a delta's tokens (`constrain.TokenLogprob`), where its
-        request asked for them: carried by the delta, or from its prompt's sink
-        (`protocol.PromptIds`), in order."""
+        request asked for them."""
         req = group.reqs[group.answers_of(j)[0]]
-        if req.logprobs is None or not ev.tokens:
+        if req.logprobs is None or not ev.tokens or ev.logprobs is None:
             return []
-        got = getattr(ev, "logprobs", None)
-        if got is None:
-            sink = getattr(req.prompt, "sink", None)
-            if sink is None:
-                return []
-            got = sink[: ev.tokens]
-            del sink[: ev.tokens]
-        return [e for e in got if e is not None]
+        return [e for e in ev.logprobs if e is not None]
 
     def _logprobs_json(self, kind: str, req, entries: list, offset: int = 0):
         """A choice's or chunk's log-probabilities as its endpoint answers them (None where

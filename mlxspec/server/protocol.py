@@ -255,17 +255,6 @@ class GenRequest:
         return out
 
 
-class PromptIds(list):
-    """A request's prompt ids that carry its per-row options (`GenRequest.engine_options`)
-    to `request.prepare` through any path that hands the prompt on, and a `sink` where the
-    log-probabilities of its committed tokens arrive in order (read by the handler)."""
-
-    def __init__(self, ids, options: dict | None = None):
-        super().__init__(ids)
-        self.options = dict(options or {})
-        self.sink: list = []
-
-
 def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
@@ -497,9 +486,6 @@ class RequestParser:
                 req.logprobs = n
                 req.post_probs = _is_true(body, "post_sampling_probs")
         req.grammar = self._grammar(body)
-        options = req.engine_options()
-        if options:
-            req.prompt = PromptIds(req.prompt, options)
 
     def _grammar(self, body: dict) -> tuple | None:
         """The request's grammar (kind, spec), compiled once here to answer a bad one 400."""
@@ -551,10 +537,7 @@ class RequestParser:
         for req in per_prompt:
             for j in range(req.n_cmpl):
                 seed = req.seed + j if req.seed is not None and req.temperature > 0 else req.seed
-                prompt = req.prompt
-                if isinstance(prompt, PromptIds):  # each answer its own log-probabilities
-                    prompt = PromptIds(prompt, prompt.options)
-                out.append(dataclasses.replace(req, index=len(out), seed=seed, prompt=prompt))
+                out.append(dataclasses.replace(req, index=len(out), seed=seed))
         return out
 
     def _sub_prompts(self, prompt) -> list:

@@ -43,6 +43,7 @@ class Delta:
     tokens: int
     ids: list[int] = field(default_factory=list)  # the tokens' ids
     timings: dict | None = None  # llama.cpp's timings so far (`timings_per_token`)
+    logprobs: list | None = None  # per token its `constrain.TokenLogprob` (asked for)
 
 
 @dataclass
@@ -309,7 +310,7 @@ class Worker(threading.Thread):
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
-                      cache_reuse=r.cache_reuse)
+                      cache_reuse=r.cache_reuse, **r.engine_options())
         if r.return_progress:
             # the last prompt token is always processed (the first step feeds it)
             job.prompt_cached = min(self._cached(job), len(r.prompt) - 1)
@@ -422,7 +423,8 @@ class Worker(threading.Thread):
             job.text_so_far += text
             timings = (Usage.from_stats(out.stats).timings() if job.req.timings_per_token
                        else None)
-            job.events.put(Delta(text, len(out.tokens), list(out.tokens), timings))
+            job.events.put(Delta(text, len(out.tokens), list(out.tokens), timings,
+                                 out.logprobs))
         if cut:  # n_indent: llama.cpp reports it as a limit
             self._finish_engine(job, "length", out.stats)
         elif out.finish_reason:
