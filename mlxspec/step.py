@@ -155,6 +155,35 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     max_accepts = max_accepts or [None] * len(last_tokens)
     adjusted = any(s.adjusted for s, last in zip(samplings, last_tokens) if last is not None)
     positions = rows.lengths if adjusted else None  # of the token each row is fed
+    drafts, qs, sizes, masks = _drafts(proposals, max_accepts, samplings, last_tokens,
+                                       positions, inputs)
+    width = 1 + max(sizes)
+    if inputs is None:
+        heads = [mx.array([0 if last is None else last], mx.uint32) for last in last_tokens]
+        inputs = mx.stack([mx.concatenate([h, d, mx.repeat(h, width - 1 - k)])  # pad: trimmed
+                           for h, d, k in zip(heads, drafts, sizes)])
+    ckpt = rows.checkpoint()
+    logits = model(inputs.reshape(len(last_tokens), width), cache=rows.layers)
+    if None in last_tokens:  # a row sitting out: everything it was fed goes at once
+        rows.trim_rows([width if last is None else 0 for last in last_tokens])
+    lps = None
+    if adjusted:
+        logits, lps = _adjust_rows(logits, samplings, last_tokens, sizes, masks)
+    if width == 1:  # plain: every slot's next token, read back by slot
+        out = _draw(logits[:, 0], samplings, seeds)
+    else:
+        out = _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens)
+    if sync is not None:
+        out = sync(out)
+    sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
+    matched = [s.greedy or seed_at is not None for s, seed_at in zip(samplings, seeds)]
+    return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt,
+                       list(samplings) if adjusted else None, positions, lps)
+
+
+def _drafts(proposals, max_accepts, samplings, last_tokens, positions, inputs):
+    """Each row's draft tokens (k of them, cut where its grammar refuses one), their q, k, and
+    its grammar's masks over the positions verified (None: no grammar)."""
     drafts, qs, sizes, masks = [], [], [], []
     for b, (prop, cap) in enumerate(zip(proposals, max_accepts)):
         k = len(prop) if prop is not None else 0
@@ -175,46 +204,29 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
         sizes.append(k)
         drafts.append(prop.tokens[:k] if k else mx.array([], mx.uint32))
         qs.append(prop.draft_probs[:k] if k and prop.draft_probs is not None else None)
-    width = 1 + max(sizes)
-    if inputs is None:
-        heads = [mx.array([0 if last is None else last], mx.uint32) for last in last_tokens]
-        inputs = mx.stack([mx.concatenate([h, d, mx.repeat(h, width - 1 - k)])  # pad: trimmed
-                           for h, d, k in zip(heads, drafts, sizes)])
-    ckpt = rows.checkpoint()
-    logits = model(inputs.reshape(len(last_tokens), width), cache=rows.layers)
-    if None in last_tokens:  # a row sitting out: everything it was fed goes at once
-        rows.trim_rows([width if last is None else 0 for last in last_tokens])
-    lps = None
-    if adjusted:
-        logits, lps = _adjust_rows(logits, samplings, last_tokens, sizes, masks)
-    if width == 1:  # plain: every slot's next token, read back by slot
-        out = _draw(logits[:, 0], samplings, seeds)
-    else:
-        # greedy rows: one argmax over the batch; greedy and keyed rows' draws are compared
-        # with the draft on the host
-        argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
-                  if any(s.greedy for s in samplings) else None)
-        outs = []
-        for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
-            if last_tokens[b] is None:
-                continue
-            if samplings[b].greedy:
-                outs.append(mx.concatenate([argmax[b, : k + 1], draft]))
-            elif seeds[b] is not None:
-                drawn = keyed_draw(logits[b, : k + 1], samplings[b], *seeds[b])
-                outs.append(mx.concatenate([drawn, draft]))
-            elif not k:
-                outs.append(_draw(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
-            else:
-                n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
-                outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
-        out = mx.concatenate(outs)
-    if sync is not None:
-        out = sync(out)
-    sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
-    matched = [s.greedy or seed_at is not None for s, seed_at in zip(samplings, seeds)]
-    return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt,
-                       list(samplings) if adjusted else None, positions, lps)
+    return drafts, qs, sizes, masks
+
+
+def _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens) -> mx.array:
+    """Flat per fed row: greedy and keyed rows their draws[:k+1] + draft (compared on the
+    host), other sampled rows the rejection rule's (n, next) + draft (k = 0: next)."""
+    argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
+              if any(s.greedy for s in samplings) else None)
+    outs = []
+    for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
+        if last_tokens[b] is None:
+            continue
+        if samplings[b].greedy:
+            outs.append(mx.concatenate([argmax[b, : k + 1], draft]))
+        elif seeds[b] is not None:
+            drawn = keyed_draw(logits[b, : k + 1], samplings[b], *seeds[b])
+            outs.append(mx.concatenate([drawn, draft]))
+        elif not k:
+            outs.append(_draw(logits[b : b + 1, 0], samplings[b : b + 1], [None]))
+        else:
+            n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
+            outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
+    return mx.concatenate(outs)
 
 
 def _adjust_rows(logits: mx.array, samplings, last_tokens, sizes, masks):
