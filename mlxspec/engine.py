@@ -40,10 +40,17 @@ class GenerationResult:
     tokens: list[int]
     stats: Stats
     finish_reason: str = "length"  # "stop" (EOS or a stop string) or "length"
+    # per token its `constrain.TokenLogprob` (the request asked for `logprobs`), else None
+    logprobs: list | None = None
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+               "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [None if e is None else
+                               {"token": e.token, "logprob": e.logprob, "top": e.top}
+                               for e in self.logprobs]
+        return out
 
 
 class Engine:
@@ -177,11 +184,14 @@ class Engine:
     # -- generation
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
         """Generate a whole completion. Keyword arguments as `stream_steps`."""
-        text, tokens, out = [], [], None
+        text, tokens, logprobs, out = [], [], [], None
         for out in self.stream_steps(prompt, **kwargs):
             text.append(out.text)
             tokens.extend(out.tokens)
-        return GenerationResult("".join(text), tokens, out.stats, out.finish_reason or "length")
+            if out.logprobs is not None:
+                logprobs.extend(out.logprobs)
+        return GenerationResult("".join(text), tokens, out.stats, out.finish_reason or "length",
+                                logprobs if kwargs.get("logprobs") is not None else None)
 
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as they are decoded."""

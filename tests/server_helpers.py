@@ -28,6 +28,19 @@ def sse_events(payload: bytes) -> list:
             for line in payload.decode().splitlines() if line.startswith("data: ")]
 
 
+def call(srv, path: str, body) -> tuple[int, dict]:
+    """(status, JSON answer) of one POST to a server started by `start`."""
+    status, payload, _ = post(srv.url, path, body)
+    return status, json.loads(payload)
+
+
+def stream(srv, path: str, body) -> list:
+    """The events of one streamed POST (`"stream": true` added) that answers 200."""
+    status, payload, _ = post(srv.url, path, {**body, "stream": True})
+    assert status == 200, payload
+    return sse_events(payload)
+
+
 def start(engine, **options):
     """`make_server` on a free loopback port, serving from a daemon thread."""
     srv = make_server(engine, "127.0.0.1", 0, **options)

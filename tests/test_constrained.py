@@ -248,3 +248,16 @@ def test_logprobs_equal_nones_in_every_mode(pair, mode, options):
     _, post, _ = run(ref, PROMPT, max_tokens=6, logprobs=2, post_probs=True, top_k=1,
                      temperature=1.0)
     assert all(e.logprob == pytest.approx(1.0) for e in post)  # top_k 1: probability 1
+
+
+def test_generate_returns_the_log_probabilities(pair):
+    """`Engine.generate` hands them back per token (and in `to_dict`, as JSON), the same as
+    the step outputs carry; a request that asked for none has None."""
+    target, draft = pair
+    eng = engine(target, "draft", draft)
+    _, want, _ = run(engine(target), PROMPT, max_tokens=10, logprobs=2)
+    result = eng.generate(PROMPT, max_tokens=10, logprobs=2)
+    assert [(e.token, round(e.logprob, 4)) for e in result.logprobs] == [
+        (e.token, round(e.logprob, 4)) for e in want]
+    assert json.loads(json.dumps(result.to_dict()))["logprobs"][0]["token"] == want[0].token
+    assert eng.generate(PROMPT, max_tokens=4).logprobs is None

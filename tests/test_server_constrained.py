@@ -11,7 +11,8 @@ import math
 
 import jsonschema
 import pytest
-from server_helpers import post, sse_events, start, stop
+from server_helpers import call, post, start, stop
+from server_helpers import stream as server_stream
 
 import mlxspec
 
@@ -32,15 +33,8 @@ def srv(model_dirs):
     stop(srv)
 
 
-def call(srv, path, body):
-    status, payload, _ = post(srv.url, path, body)
-    return status, json.loads(payload)
-
-
 def stream(srv, path, body):
-    status, payload, _ = post(srv.url, path, {**body, "stream": True})
-    assert status == 200, payload
-    return [e for e in sse_events(payload) if e != "[DONE]"]
+    return [e for e in server_stream(srv, path, body) if e != "[DONE]"]
 
 
 # ----------------------------------------------------------------------------- grammars

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from server_helpers import post, sse_events, start, stop
+from server_helpers import call, start, stop, stream
 
 import mlxspec
 from mlxspec.gguf.tokenizer import eog_token_ids
@@ -38,17 +38,6 @@ def setup(model_dirs):
 @pytest.fixture(scope="module")
 def srv(setup):
     return setup[0]
-
-
-def call(srv, path, body):
-    status, payload, _ = post(srv.url, path, body)
-    return status, json.loads(payload)
-
-
-def stream(srv, path, body):
-    status, payload, _ = post(srv.url, path, {**body, "stream": True})
-    assert status == 200, payload
-    return sse_events(payload)
 
 
 def get(srv, path):
