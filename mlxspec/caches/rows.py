@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache
 
+from ..errors import MlxspecError
 from . import Checkpoint, checkpoint, has_recurrent, offset, rollback
 from .ragged import RaggedKVCache
 
@@ -66,7 +67,8 @@ class Rows:
         (n,) = drop
         if self.plain:
             for c in self.layers:
-                c.trim(n)
+                if c.trim(n) != n:
+                    raise MlxspecError(f"cannot roll back {n} tokens of a {c.offset}-token cache")
             return
         tokens = fed[0] if fed is not None else [0] * n
         rollback(self.model, self.layers, ckpt, tokens, len(tokens) - n)
