@@ -58,10 +58,6 @@ class BatchRow:
         """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
 
-    @property
-    def exhausted(self) -> bool:
-        return len(self.context) >= self.end
-
     def fail(self, e: BaseException) -> None:
         """Its step or prefill failed: `output` raises `e`."""
         self.error, self.wants = e, False
@@ -91,14 +87,10 @@ class BatchRow:
         shared batch: no trees)."""
         return self.planner.offer(self.available() or {}, self.context)
 
-    def seed_at(self, ahead: int = 0) -> tuple[int, int] | None:
-        """(seed, position of its next token) for a keyed row, else None (`step.SeedAt`);
-        `ahead`: tokens fed to it that are not read back yet."""
-        return None if self.seed is None else (self.seed, len(self.context) + ahead)
-
     def first_draw(self, logits: mx.array) -> mx.array:
         """The row's first token (lazy, shape (1,)), drawn as a plain step draws it."""
-        return draw_next(logits[None], [self.sampling], [self.seed_at()])
+        seed_at = None if self.seed is None else (self.seed, len(self.context))  # `step.SeedAt`
+        return draw_next(logits[None], [self.sampling], [seed_at])
 
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
