@@ -26,7 +26,7 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 PACKAGE = str(Path(mlxspec.__file__).parent)
 
 
-def count_calls(engine, prompt, mode: str, max_tokens: int) -> dict:
+def count_calls(engine, prompt, mode: str, max_tokens: int, top: int = 8) -> dict:
     """Calls into mlxspec per target forward for one request in `mode`, after its prefill."""
     batch, row = engine.open(prompt, max_tokens=max_tokens, mode=mode)
     calls: Counter = Counter()
@@ -51,7 +51,7 @@ def count_calls(engine, prompt, mode: str, max_tokens: int) -> dict:
     modules = {path for path, _ in calls}
     total = sum(calls.values())
     return {"mode": mode, "forwards": forwards, "calls_per_forward": total / max(forwards, 1),
-            "modules": len(modules), "top": calls.most_common(8)}
+            "modules": len(modules), "top": calls.most_common(top)}
 
 
 def tiny_llama():
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--speed", action="store_true", help="also none vs mlx-lm's stream_generate")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--speed-tokens", type=int, default=256)
+    ap.add_argument("--top", type=int, default=8, help="functions listed per mode (stderr)")
     args = ap.parse_args(argv)
 
     engine = mlxspec.load(None, mode="draft")
@@ -116,9 +117,10 @@ def main(argv=None) -> int:
     print("| mode | target forwards | mlxspec calls per forward | modules entered |")
     print("|---|---|---|---|")
     for mode in args.modes.split(","):
-        r = count_calls(engine, prompt, mode, args.max_tokens)
+        r = count_calls(engine, prompt, mode, args.max_tokens, args.top)
         print(f"| {mode} | {r['forwards']} | {r['calls_per_forward']:.0f} | {r['modules']} |")
-        print("  most entered: " + ", ".join(f"{p}:{f} {n}" for (p, f), n in r["top"]),
+        print("  most entered: " + ", ".join(f"{p}:{f} {n / r['forwards']:.1f}"
+                                           for (p, f), n in r["top"]),
               file=sys.stderr)
     if args.speed:
         s = speed(args.runs, args.speed_tokens)

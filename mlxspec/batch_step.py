@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -266,14 +267,18 @@ class BatchSpeculator:
         return produced
 
     def _decode(self) -> None:
-        fed = [r if r is not None and r.wants else None for r in self.slots]
-        rows = [r for r in fed if r is not None]  # in the order of the cache's rows
+        fed, rows = [], []  # rows: in the order of the cache's rows
+        for r in self.slots:
+            wants = r is not None and r.wants
+            fed.append(r if wants else None)
+            if wants:
+                rows.append(r)
         if not rows:
             return
         start = time.perf_counter()
         try:
             plans = self._plans(rows) if self.speculating else None
-            if (plans is None or not any(k for _, k in plans)) and self._can_pipeline(rows):
+            if (plans is None or not any(map(itemgetter(1), plans))) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
                 self._queue(fed)
                 self._deliver(started=start)
@@ -307,10 +312,12 @@ class BatchSpeculator:
                 plans: list[tuple[str, int]], proposals: list[Proposal | None]) -> list:
         """One forward verifying every row's proposal (`step.decode_step`); rows sitting out
         (None in `fed`) are fed padding. Each fed row's `StepResult`, in order."""
-        lasts = [r.context[-1] for r in rows]
-        samplings = [r.sampling for r in rows]
-        seeds = [None if r.seed is None else (r.seed, len(r.context)) for r in rows]
-        ks = [k for _, k in plans]
+        lasts, samplings, seeds, ks = [], [], [], []
+        for r, (_, k) in zip(rows, plans):
+            lasts.append(r.context[-1])
+            samplings.append(r.sampling)
+            seeds.append(None if r.seed is None else (r.seed, len(r.context)))
+            ks.append(k)
         if len(rows) < len(fed):
             lasts, proposals, samplings, seeds, ks = (
                 _spread(fed, lasts), _spread(fed, proposals), _spread(fed, samplings, GREEDY),
@@ -414,6 +421,8 @@ class BatchSpeculator:
     def _span(self) -> int:
         """The longest row's cached length (what a step's queries attend, less the width):
         each row's cache holds its committed tokens but the last."""
+        if len(self.rows) == 1:
+            return len(self.rows[0].context) - 1
         return max([len(r.context) for r in self.rows], default=1) - 1
 
     def fail(self, e: BaseException) -> None:

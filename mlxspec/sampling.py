@@ -34,9 +34,9 @@ class SamplingParams:
     post_probs: bool = False
     state: object = field(default=None, compare=False, hash=False, repr=False)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def __post_init__(self) -> None:
+        # asked several times per drafted token: an attribute, not a property
+        object.__setattr__(self, "greedy", self.temperature == 0.0)
 
     @property
     def stateful(self) -> bool:

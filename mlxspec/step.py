@@ -10,6 +10,7 @@ the last.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,15 +154,21 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     if rows.alone and len(last_tokens) != 1:
         raise ValueError("several rows need ragged rows (`caches.rows.Rows`)")
     max_accepts = max_accepts or [None] * len(last_tokens)
-    adjusted = any(s.adjusted for s, last in zip(samplings, last_tokens) if last is not None)
+    adjusted = False
+    for s, last in zip(samplings, last_tokens):
+        if last is not None and s.adjusted:
+            adjusted = True
+            break
     positions = rows.lengths if adjusted else None  # of the token each row is fed
     drafts, qs, sizes, masks = _drafts(proposals, max_accepts, samplings, last_tokens,
                                        positions, inputs)
     width = 1 + max(sizes)
     if inputs is None:
-        heads = [mx.array([0 if last is None else last], mx.uint32) for last in last_tokens]
-        inputs = mx.stack([mx.concatenate([h, d, mx.repeat(h, width - 1 - k)])  # pad: trimmed
-                           for h, d, k in zip(heads, drafts, sizes)])
+        fed = []
+        for last, d, k in zip(last_tokens, drafts, sizes):
+            head = mx.array([0 if last is None else last], mx.uint32)
+            fed.append(mx.concatenate([head, d, mx.repeat(head, width - 1 - k)]))  # pad: trimmed
+        inputs = mx.stack(fed)
     ckpt = rows.checkpoint()
     logits = model(inputs.reshape(len(last_tokens), width), cache=rows.layers)
     if None in last_tokens:  # a row sitting out: everything it was fed goes at once
@@ -175,8 +182,10 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
         out = _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens)
     if sync is not None:
         out = sync(out)
-    sources = [prop.source if k else "" for prop, k in zip(proposals, sizes)]
-    matched = [s.greedy or seed_at is not None for s, seed_at in zip(samplings, seeds)]
+    sources, matched = [], []
+    for prop, k, s, seed_at in zip(proposals, sizes, samplings, seeds):
+        sources.append(prop.source if k else "")
+        matched.append(s.greedy or seed_at is not None)
     return StartedStep(rows, list(last_tokens), sizes, matched, sources, width, out, ckpt,
                        list(samplings) if adjusted else None, positions, lps)
 
@@ -186,8 +195,8 @@ def _drafts(proposals, max_accepts, samplings, last_tokens, positions, inputs):
     its grammar's masks over the positions verified (None: no grammar)."""
     drafts, qs, sizes, masks = [], [], [], []
     for b, (prop, cap) in enumerate(zip(proposals, max_accepts)):
-        k = len(prop) if prop is not None else 0
-        if k and prop.is_tree:
+        k = prop.tokens.size if prop is not None else 0
+        if k and prop.parents is not None:
             raise ValueError("token trees run one row at a time, on its own cache")
         k = min(k, cap) if cap is not None else k
         constraint = getattr(samplings[b].state, "constraint", None)
@@ -211,7 +220,7 @@ def _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens) -> mx
     """Flat per fed row: greedy and keyed rows their draws[:k+1] + draft (compared on the
     host), other sampled rows the rejection rule's (n, next) + draft (k = 0: next)."""
     argmax = (mx.argmax(logits, axis=-1).astype(mx.uint32)
-              if any(s.greedy for s in samplings) else None)
+              if any(map(attrgetter("greedy"), samplings)) else None)
     outs = []
     for b, (draft, q, k) in enumerate(zip(drafts, qs, sizes)):
         if last_tokens[b] is None:
@@ -313,12 +322,13 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
     """One whole step (`start_step` then `finish_step`); a token tree on one row's own cache
     runs the tree step (`tree.py`)."""
     first = proposals[0]
-    if (len(last_tokens) == 1 and first is not None and len(first) and first.is_tree
-            and samplings[0].adjusted):
+    tree = (len(last_tokens) == 1 and first is not None and first.parents is not None
+            and first.tokens.size > 0)
+    if tree and samplings[0].adjusted:
         # a grammar, a bias or log-probabilities on a tree: its first chain, as a chain
         proposals = [first_chain(first)]
-        first = proposals[0]
-    if len(last_tokens) == 1 and first is not None and len(first) and first.is_tree:
+        tree = False
+    if tree:
         from .tree import tree_step
 
         rows = as_rows(model, cache)

@@ -26,7 +26,10 @@ def greedy_accepted(target: list[int], draft: list[int]) -> int:
     """Temperature 0: the draft tokens accepted, while each equals the target's argmax
     (`target`: the argmax over [last token] + draft, read back; the next token is
     target[accepted])."""
-    return next((i for i, (t, d) in enumerate(zip(target, draft)) if t != d), len(draft))
+    for i, d in enumerate(draft):
+        if target[i] != d:
+            return i
+    return len(draft)
 
 
 def verify_sampled(

@@ -68,8 +68,13 @@ class StepCost:
         return BASE + self.groups.index(group)
 
     def _prior(self) -> np.ndarray:
-        forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
-        return np.array(list(self.prior[:BASE]) + forwards)
+        # (kept while the groups and their priors are the same: asked at every step's `add`)
+        key = (len(self.groups), tuple(self.forward_prior.items()))
+        memo = self.__dict__.get("_prior_memo")
+        if memo is None or memo[0] != key:
+            forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
+            memo = self._prior_memo = (key, np.array(list(self.prior[:BASE]) + forwards))
+        return memo[1]
 
     def coef(self) -> np.ndarray:
         if self._coef is None:
@@ -204,6 +209,8 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     (a row alone is one offer). Plain Python: asked every step, over a few rows."""
     if not offers:
         return [], 0.0
+    if len(offers) == 1 and not rows and not offers[0].forced:
+        return _choose_alone(cost, offers[0], span, pipelined, margin)
     rows = max(rows or 0, len(offers))
     e = float(cost.coef()[PROPOSED])
 
@@ -245,3 +252,24 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
         if best_ks is None or round_rate >= best_rate:
             best_ks, best_rate = round_ks, round_rate
     return list(best_ks), best_rate
+
+
+def _choose_alone(cost: StepCost, offer: RowOffer, span: int, pipelined: bool,
+                  margin: float) -> tuple[list[int], float]:
+    """`choose_ks` for one row by itself: every k in one pass of plain arithmetic (asked
+    every step a row plans; the same choice as the general rule's exhaustive first round)."""
+    group = offer.group
+    cost.time(1, 1, 0, {group: 1} if group else None, span)  # the fit solved, its column made
+    c = cost._terms
+    per_token = c[PROPOSED] + (c[BASE + cost.groups.index(group)] if group else 0.0)
+    best_k = 0
+    best_rate = 1.0 / max(c[0] + c[1] * (not pipelined) + c[2] + c[3] * (span + 1) / 1024, 1e-12)
+    expected = 1.0
+    for k, survive in enumerate(offer.survive, 1):
+        expected += survive
+        width = 1 + k
+        t = c[0] + c[1] + c[2] * width + c[3] * width * (span + width) / 1024 + per_token * k
+        rate = expected / max(t, 1e-12)
+        if rate > best_rate * (1.0 + margin) * 1.0001:
+            best_k, best_rate = k, rate
+    return [best_k], best_rate

@@ -190,6 +190,8 @@ class DraftRows:
     def _forward(self, tokens: list[mx.array | None]) -> mx.array:
         """Logits (B, width, vocab) of one forward feeding row b tokens[b] (None: sits out);
         the padding is trimmed again at once."""
+        if len(tokens) == 1:  # one row (a request by itself): nothing to pad
+            return self.model(tokens[0].reshape(1, -1).astype(mx.uint32), cache=self.rows.layers)
         sizes = [0 if t is None else t.size for t in tokens]
         width = max(sizes)
         empty = mx.array([], mx.uint32)
@@ -204,9 +206,9 @@ class DraftRows:
         """Row b's `pending[b]` tokens into its draft cache, `chunk` a forward; the logits
         after each row's last one."""
         logits = {}
-        longest = max((len(t) for t in pending), default=0)
+        longest = max(map(len, pending), default=0)
         for start in range(0, longest, chunk):
-            part = [t[start : start + chunk] for t in pending]
+            part = pending if longest <= chunk else [t[start : start + chunk] for t in pending]
             out = self._forward([mx.array(t, mx.uint32) if t else None for t in part])
             for b, t in enumerate(part):
                 if t and start + len(t) == len(pending[b]):
@@ -225,19 +227,19 @@ class DraftRows:
         generator, with q for the rejection rule.
         widths[j] > 1: a tree instead, k deep (`_tree`)."""
         widths = widths or [1] * len(requests)
-        at = {id(p): i for i, p in enumerate(self.members)}
-        rows = [at[id(p)] for p, _, _, _ in requests]
         # 1. what each row's draft has not seen yet (at least one token, for its logits)
-        for (p, context, _, _), b in zip(requests, rows):
+        rows, pending, longest = [], [[]] * len(self.members), 0
+        for p, context, _, _ in requests:
+            b = self.members.index(p) if len(self.members) > 1 else 0
+            rows.append(b)
             if len(p.cached) >= len(context):
                 self.forget(b, len(p.cached) - len(context) + 1)
-        pending = [[] for _ in self.members]
-        for (p, context, _, _), b in zip(requests, rows):
             pending[b] = context[len(p.cached) :]
+            longest = max(longest, len(pending[b]))
         # Usually one or two tokens; more where `auto` kept a row off the draft a while: that
         # catch-up is a prefill, timed apart so that the step is not charged with it.
         setup = 0.0
-        if max(len(t) for t in pending) > CATCH_UP_APART:
+        if longest > CATCH_UP_APART:
             start = time.perf_counter()
             self.feed([t[:-1] for t in pending], self.members[0].prefill_step_size)
             mx.eval(self.rows.evaluate())
@@ -245,38 +247,48 @@ class DraftRows:
             pending = [t[-1:] for t in pending]
         logits = self.feed(pending, self.members[0].prefill_step_size)
         ckpt = self.rows.checkpoint()  # (ragged rows: None, a trim undoes anything)
-        for p, _, _, _ in requests:
-            p._checkpoint = ckpt
         # 2. the drafted tokens, k_max - 1 more forwards; a row with a grammar drafts within it
-        tokens = [[] for _ in requests]
-        probs = [[] for _ in requests]
-        guides = {j: DraftGuide(p.sampling.state, len(context))
-                  for j, (p, context, _, _) in enumerate(requests)
-                  if getattr(p.sampling.state, "constraint", None) is not None}
+        # per request: (j, its row, k, seed, position of its first drafted token, greedy)
+        tokens, probs, guides, drafting, deepest = [], [], {}, [], 0
+        for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
+            p._checkpoint = ckpt
+            tokens.append([])
+            probs.append([])
+            if getattr(p.sampling.state, "constraint", None) is not None:
+                guides[j] = DraftGuide(p.sampling.state, len(context))
+            drafting.append((j, b, k, seed, len(context),
+                             p.sampling.greedy and widths[j] == 1 and j not in guides))
+            deepest = max(deepest, k)
         try:
-            for i in range(max(k for _, _, k, _ in requests)):
+            for i in range(deepest):
                 feed = [None] * len(self.members)
-                for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
+                drawn, feeding = [], False
+                for j, b, k, seed, position, greedy in drafting:
                     if i >= k:
                         continue
-                    row_logits = guides[j].mask(logits[b]) if j in guides else logits[b]
-                    if widths[j] > 1:  # the top tokens; the first one is continued
-                        q = _top(row_logits, widths[j])
-                        token = q[0]
+                    if greedy:
+                        token, q = mx.argmax(logits[b], axis=-1), None
                     else:
-                        token, q = draft_draw(row_logits, p.sampling, seed, len(context) + i)
-                    if j in guides:
-                        guides[j].take(token)
+                        row_logits = guides[j].mask(logits[b]) if j in guides else logits[b]
+                        if widths[j] > 1:  # the top tokens; the first one is continued
+                            q = _top(row_logits, widths[j])
+                            token = q[0]
+                        else:
+                            token, q = draft_draw(row_logits, requests[j][0].sampling, seed,
+                                                  position + i)
+                        if j in guides:
+                            guides[j].take(token)
                     tokens[j].append(token)
                     probs[j].append(q)
+                    drawn.append(token)
                     if i + 1 < k:
-                        feed[b] = token
-                if any(t is not None for t in feed):
+                        feed[b], feeding = token, True
+                if feeding:
                     out = self._forward(feed)
                     for b, t in enumerate(feed):
                         if t is not None:
                             logits[b] = out[b, 0]
-                mx.async_eval([t[-1] for t in tokens if len(t) > i])
+                mx.async_eval(drawn)
         finally:
             for guide in guides.values():
                 guide.close()
