@@ -35,21 +35,18 @@ class SamplingParams:
     state: object = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        # asked several times per drafted token: an attribute, not a property
+        # Read several times per step: attributes set once (the settings are frozen, and a
+        # request's state has its grammar from the start).
+        stateful = (getattr(self.state, "constraint", None) is not None
+                    or self.logprobs is not None)
+        # greedy: the argmax; stateful: a row's next draw needs its previous token read back
+        # first (a grammar's mask depends on it; log-probabilities are kept by the position of
+        # the token drawn, which a queued step undone would shift): its plain steps are not
+        # pipelined; adjusted: the step does per-row work on its logits (a bias, a grammar's
+        # mask, log-probabilities)
         object.__setattr__(self, "greedy", self.temperature == 0.0)
-
-    @property
-    def stateful(self) -> bool:
-        """A row's next draw needs its previous token read back first (a grammar's mask
-        depends on it; log-probabilities are kept by the position of the token drawn, which
-        a queued step undone would shift): its plain steps must not be pipelined."""
-        return getattr(self.state, "constraint", None) is not None or self.logprobs is not None
-
-    @property
-    def adjusted(self) -> bool:
-        """The step does per-row work on this row's logits (a bias, a grammar's mask,
-        log-probabilities)."""
-        return bool(self.logit_bias) or self.logprobs is not None or self.stateful
+        object.__setattr__(self, "stateful", stateful)
+        object.__setattr__(self, "adjusted", bool(self.logit_bias) or stateful)
 
     def take_logprobs(self, first: int, n: int) -> list | None:
         """The log-probabilities (`constrain.TokenLogprob`, None where unknown) of the n

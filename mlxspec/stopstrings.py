@@ -142,7 +142,8 @@ class Detokenizer:
             pieces.append(self.text.finish())
             finish = "length"
         self.stats.decode_seconds = time.perf_counter() - self.start
-        self.stats.peak_memory_gb = backend.peak_memory_gb()
         self.done = finish is not None
+        if self.done:  # (once per answer: reading it is a call into MLX)
+            self.stats.peak_memory_gb = backend.peak_memory_gb()
         return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word,
                           None if logprobs is None else list(logprobs[: len(emitted)]))
