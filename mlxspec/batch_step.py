@@ -83,12 +83,15 @@ class BatchSpeculator:
     def open(self, engine: Engine, prompt, **request) -> BatchRow:
         """A request checked (`request.prepare`) joining the batch: each `step()` commits its
         tokens, and returns them as text; `close(row)` to leave. The batch's first row is
-        prefilled here (`progress(done, total)`); a later one's short rest of the prompt at
-        the next step with the round's other joiners, or `prefill_chunk` tokens per `step()`
-        when longer (`admission.py`). `request`: as `request.prepare`."""
+        prefilled here (`progress(done, total)`) and decodes at once; a later one's short rest
+        of the prompt at the next step with the round's other joiners, `prefill_chunk` tokens
+        per `step()` when longer, else here; it joins at the start of a step (a plain step
+        queued for the others is read first: `admission.py`). `request`: as
+        `request.prepare`."""
         row = self.admission.open(engine, prompt, self.rows, **request)
-        self._join(self.admission.ready)
-        self.admission.ready = []
+        if not self.rows:  # the first row decodes at once; others join at a step's start
+            self._join(self.admission.ready)
+            self.admission.ready = []
         return row
 
     def start(self, row: BatchRow) -> None:
@@ -225,7 +228,7 @@ class BatchSpeculator:
         else:
             row.pc.cache, row.pc.tokens = layers, row.context[:-1]
         if not self.rows:
-            self.cache, self.slots = Rows(self.model), []
+            self.cache, self.slots, self.queued = Rows(self.model), [], None
         else:
             self._compact()
         self.trees = self._trees_here()
@@ -247,7 +250,7 @@ class BatchSpeculator:
         returns what each row produced (a row whose step failed has its `error`:
         `BatchRow.output` raises it)."""
         admission = self.admission
-        if admission.opening or admission.prefilling:
+        if admission.opening or admission.prefilling or admission.ready:
             # a queued step is this step's forward; the joiners join the next stretch
             delivered = self.queued is not None
             if delivered:

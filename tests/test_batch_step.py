@@ -916,3 +916,22 @@ def test_serve_batch_spec_answers_equal_single_requests():
         assert srv.worker.spec_batch is not None  # the batched step really ran
     finally:
         stop(srv)
+
+
+def test_a_long_prompt_opened_while_a_plain_step_is_queued_joins_at_the_next_step(pair):
+    """A request with a long prompt (prefilled at `open`, no chunks) opened while a plain
+    step is queued for the batch's rows joins at the next step, after that step is read: it
+    used to join at once, the queued step then fed one row fewer than the cache held (a
+    failed step for every row: the server at 8 clients)."""
+    target, _ = pair
+    base = make_engine(target, mode="none")
+    reqs = [([7, 1, 9, 4], "none", 24, {}), ([50, 60, 70], "none", 24, {}),
+            ([11, 12], "none", 24, {}), (list(range(3, 83)), "none", 12, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    rows = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:3]]
+    outs = [[] for _ in reqs]
+    drain(batch, rows, outs, rounds=3)
+    rows.append(batch.open(base.clone(), reqs[3][0], max_tokens=reqs[3][2]))
+    drain(batch, rows, outs)
+    assert outs == want
