@@ -219,15 +219,9 @@ class DraftRows:
             p.cached += t
         return logits
 
-    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, int | None]],
-                widths: list[int] | None = None) -> list[Proposal]:
-        """Per (member, context, k >= 1, seed), k drafted tokens: a keyed row (a seed, T > 0)
-        draws each with the target's keyed noise at its position, over the draft's q (a
-        deterministic proposal, `sampling.keyed_draw`); other sampled rows from MLX's global
-        generator, with q for the rejection rule.
-        widths[j] > 1: a tree instead, k deep (`_tree`)."""
-        widths = widths or [1] * len(requests)
-        # 1. what each row's draft has not seen yet (at least one token, for its logits)
+    def _read_context(self, requests) -> tuple[list[int], dict[int, mx.array], float]:
+        """Each request's row, the logits after what its draft had not seen yet (at least one
+        token: the target's last), and the seconds of a catch-up on skipped context."""
         rows, pending, longest = [], [[]] * len(self.members), 0
         for p, context, _, _ in requests:
             b = self.members.index(p) if len(self.members) > 1 else 0
@@ -245,9 +239,19 @@ class DraftRows:
             mx.eval(self.rows.evaluate())
             setup = time.perf_counter() - start
             pending = [t[-1:] for t in pending]
-        logits = self.feed(pending, self.members[0].prefill_step_size)
+        return rows, self.feed(pending, self.members[0].prefill_step_size), setup
+
+    def propose(self, requests: list[tuple[DraftModelProposer, list[int], int, int | None]],
+                widths: list[int] | None = None) -> list[Proposal]:
+        """Per (member, context, k >= 1, seed), k drafted tokens: a keyed row (a seed, T > 0)
+        draws each with the target's keyed noise at its position, over the draft's q (a
+        deterministic proposal, `sampling.keyed_draw`); other sampled rows from MLX's global
+        generator, with q for the rejection rule.
+        widths[j] > 1: a tree instead, k deep (`_tree`)."""
+        widths = widths or [1] * len(requests)
+        rows, logits, setup = self._read_context(requests)
         ckpt = self.rows.checkpoint()  # (ragged rows: None, a trim undoes anything)
-        # 2. the drafted tokens, k_max - 1 more forwards; a row with a grammar drafts within it
+        # the drafted tokens, k_max - 1 more forwards; a row with a grammar drafts within it
         # per request: (j, its row, k, seed, position of its first drafted token, greedy)
         tokens, probs, guides, drafting, deepest = [], [], {}, [], 0
         for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
