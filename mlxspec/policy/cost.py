@@ -57,6 +57,7 @@ class StepCost:
     _coef: np.ndarray | None = None
     _terms: tuple[float, ...] = ()  # _coef as floats: `time` is asked ~10 times a step
     _unsolved: int = 0  # steps added since the last solve
+    _prior_memo: tuple | None = field(default=None, repr=False)  # (key, `_prior()`)
 
     def _column(self, group: str) -> int:
         if group not in self.groups:
@@ -70,7 +71,7 @@ class StepCost:
     def _prior(self) -> np.ndarray:
         # (kept while the groups and their priors are the same: asked at every step's `add`)
         key = (len(self.groups), tuple(self.forward_prior.items()))
-        memo = self.__dict__.get("_prior_memo")
+        memo = self._prior_memo
         if memo is None or memo[0] != key:
             forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
             memo = self._prior_memo = (key, np.array(list(self.prior[:BASE]) + forwards))
@@ -256,19 +257,15 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
 
 def _choose_alone(cost: StepCost, offer: RowOffer, span: int, pipelined: bool,
                   margin: float) -> tuple[list[int], float]:
-    """`choose_ks` for one row by itself: every k in one pass of plain arithmetic (asked
-    every step a row plans; the same choice as the general rule's exhaustive first round)."""
+    """`choose_ks` for one row by itself: every k in one pass (asked every step a row plans;
+    the same choice as the general rule's exhaustive first round)."""
     group = offer.group
-    cost.time(1, 1, 0, {group: 1} if group else None, span)  # the fit solved, its column made
-    c = cost._terms
-    per_token = c[PROPOSED] + (c[BASE + cost.groups.index(group)] if group else 0.0)
     best_k = 0
-    best_rate = 1.0 / max(c[0] + c[1] * (not pipelined) + c[2] + c[3] * (span + 1) / 1024, 1e-12)
+    best_rate = 1.0 / max(cost.time(1, 1, span=span, synced=not pipelined), 1e-12)
     expected = 1.0
     for k, survive in enumerate(offer.survive, 1):
         expected += survive
-        width = 1 + k
-        t = c[0] + c[1] + c[2] * width + c[3] * width * (span + width) / 1024 + per_token * k
+        t = cost.time(1, 1 + k, k, {group: k} if group else None, span)
         rate = expected / max(t, 1e-12)
         if rate > best_rate * (1.0 + margin) * 1.0001:
             best_k, best_rate = k, rate
