@@ -302,7 +302,7 @@ class BatchSpeculator:
         self.steps += 1
         self.rows_stepped += len(rows)
         self.plain_steps += not proposed
-        self.policy.observe(len(self.slots), 1 + widest, proposed, forwards, seconds,
+        self.policy.cost.add(len(self.slots), 1 + widest, proposed, forwards, seconds,
                             self._span())
         for r, (arm, _), res in zip(rows, plans, results):
             if r.draft is not None and res.source == "draft":  # (before its proposer hears)
@@ -387,7 +387,7 @@ class BatchSpeculator:
         # planned: its wait is not what a plain token costs (11 ms against 64 on SmolLM2).
         timed = self.queued is not None or started is not None
         if self.speculating and timed:
-            self.policy.observe(len(self.slots), 1, 0, None, seconds, span, started is not None)
+            self.policy.cost.add(len(self.slots), 1, 0, None, seconds, span, started is not None)
         # (a row on its own cache learns only the steady state: not a stretch's synced first)
         seconds = None if not timed or (started and self.cache.alone) else seconds
         for r, token in zip(q.rows, tokens):
@@ -414,7 +414,7 @@ class BatchSpeculator:
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
-        plan on its own cache (by the same cost model and rule, `policy/cost.py`).
+        plan on its own cache (by the same cost model and rule, `policy.choose_ks`).
         `commit=False`: only asking (a forced probe is not counted as taken)."""
         if self.cache.alone:
             return [r.planner.plan(r.available(self.trees), r.context) for r in rows]
@@ -447,7 +447,10 @@ class BatchSpeculator:
             if source == "draft" and r.draft is not None:
                 by_draft.setdefault(id(r.draft.model), []).append(i)
                 continue
-            proposals[i] = r.proposer.propose(r.context, k, r.seed, source=source)
+            p = proposals[i] = r.proposer.propose(r.context, k, r.seed, source=source)
+            if p is not None and (not isinstance(p.tokens, mx.array)
+                                  or p.tokens.dtype != mx.uint32):  # (a proposer's own list)
+                p.tokens = mx.array(p.tokens, mx.uint32)
             group = forward_group(source)
             if group:  # a draft (or QuantSpec's pass) on its own: k forwards
                 forwards[group] = forwards.get(group, 0) + k

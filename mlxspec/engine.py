@@ -25,8 +25,8 @@ from .policy import (
     Policy,
     StepCost,
     check_num_draft,
+    draft_policy,
 )
-from .policy.adaptive import draft_policy
 from .proposers import check_mode, make_proposer
 from .proposers.base import Proposer
 from .row import BatchRow

@@ -16,7 +16,8 @@ DRAFT_TREE, LOOKUP_DRAFT = "draft-tree", "lookup+draft"
 class Proposal:
     """Tokens proposed for the target to verify in one forward pass.
 
-    `tokens` (1-D uint32, possibly lazy) is a chain unless `parents` is given: then a tree in
+    `tokens` (1-D uint32 array, possibly lazy; a proposer may give a list: the loop makes it
+    an array, `BatchSpeculator._propose`) is a chain unless `parents` is given: then a tree in
     topological order, parents[i] the index of node i's parent (-1: the last committed token).
     `draft_probs` is q per token after the same sampling transforms as p, (len, vocab); None
     means a deterministic proposal (q one-hot).
@@ -37,12 +38,6 @@ class Proposal:
     want_argmax: tuple[int, ...] = ()
     on_result: Callable[[list[int], list[int]], None] | None = None
     setup_seconds: float = 0.0
-
-    def __post_init__(self):
-        if not isinstance(self.tokens, mx.array):
-            self.tokens = mx.array([int(t) for t in self.tokens], mx.uint32)
-        elif self.tokens.dtype != mx.uint32:
-            self.tokens = self.tokens.astype(mx.uint32)
 
     def __len__(self) -> int:
         return int(self.tokens.size)

@@ -103,7 +103,7 @@ class BatchRow:
             self.proposer.update(context, accepted)
             if observe:
                 self.planner.observe(arm, drafted, accepted, seconds, context)
-        self.stats.record_step(source, drafted, accepted, len(tokens))
+        record_step(self.stats, source, drafted, accepted, len(tokens))
         detok = self.detok
         if detok is None:  # a raw row (tests, tools): tokens only
             self.outputs.append(StepOutput("", list(tokens), self.stats))
@@ -127,3 +127,24 @@ class BatchRow:
         self.closed, self.wants = True, False
         if self.proposer is not None:
             self.proposer.finish()  # the answer is in the suffix store for the next request
+
+
+def record_step(stats: Stats, source: str, drafted: int, accepted: int, emitted: int) -> None:
+    """A step's target forward, tokens, and drafted and accepted tokens (by position and by
+    source) in a request's `stats`."""
+    stats.target_forwards += 1
+    stats.generated_tokens += emitted
+    if not drafted:
+        return
+    stats.drafted += drafted
+    stats.accepted += accepted
+    grow = drafted - len(stats.drafted_by_position)
+    if grow > 0:
+        stats.drafted_by_position += [0] * grow
+        stats.accepted_by_position += [0] * grow
+    for i in range(drafted):
+        stats.drafted_by_position[i] += 1
+    for i in range(accepted):
+        stats.accepted_by_position[i] += 1
+    stats.drafted_by_source[source] = stats.drafted_by_source.get(source, 0) + drafted
+    stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + accepted

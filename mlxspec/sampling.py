@@ -1,7 +1,7 @@
 """Temperature, top-k, top-p and min-p: logits -> the distribution that is sampled and verified.
 
 The target's p and a draft's q go through the same transforms, so the rejection rule in
-`verify.py` compares like with like.
+`step.py` compares like with like.
 """
 
 from __future__ import annotations

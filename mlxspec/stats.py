@@ -72,24 +72,6 @@ class Stats:
                 mine += theirs
             setattr(self, f.name, mine)
 
-    def record_step(self, source: str, drafted: int, accepted: int, emitted: int) -> None:
-        self.target_forwards += 1
-        self.generated_tokens += emitted
-        if not drafted:
-            return
-        self.drafted += drafted
-        self.accepted += accepted
-        grow = drafted - len(self.drafted_by_position)
-        if grow > 0:
-            self.drafted_by_position += [0] * grow
-            self.accepted_by_position += [0] * grow
-        for i in range(drafted):
-            self.drafted_by_position[i] += 1
-        for i in range(accepted):
-            self.accepted_by_position[i] += 1
-        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
-        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
-
     def to_dict(self) -> dict:
         d = asdict(self)
         for name in (

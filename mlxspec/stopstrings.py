@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import backend
+import mlx.core as mx
+
 from .stats import Stats
 
 
@@ -144,6 +145,6 @@ class Detokenizer:
         self.stats.decode_seconds = time.perf_counter() - self.start
         self.done = finish is not None
         if self.done:  # (once per answer: reading it is a call into MLX)
-            self.stats.peak_memory_gb = backend.peak_memory_gb()
+            self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word,
                           None if logprobs is None else list(logprobs[: len(emitted)]))

@@ -56,10 +56,10 @@ class OwnPlans(BatchPolicy):
         return [r.planner.plan(r.available(), r.context) for r in rows]
 
 
-class FrozenPolicy(BatchPolicy):
-    """A batch policy that does not learn costs: decisions independent of timing."""
+class FrozenCost(StepCost):
+    """A cost model that does not learn: decisions independent of timing."""
 
-    def observe(self, *args, **kwargs) -> None:
+    def add(self, *args, **kwargs) -> None:
         pass
 
 
@@ -70,7 +70,7 @@ CHEAP_WIDTH = (1.0, 0.3, 0.01, 0.0, 0.01, 0.3)
 def frozen_batch(target, engine, prior=CHEAP_WIDTH) -> BatchSpeculator:
     """A batch whose frozen cost model is also `engine`'s (and its clones'), as the server's
     batch shares its engine's: every row's policy decides by these costs, never by timing."""
-    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=prior)))
+    batch = BatchSpeculator(target, policy=BatchPolicy(FrozenCost(prior=prior)))
     engine.cost = batch.policy.cost
     return batch
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import build_model, make_engine, observe_plain, observe_step
 
 from mlxspec import policy_store
-from mlxspec.policy.adaptive import (
+from mlxspec.policy import (
     SAME_FAMILY_ACCEPT,
     AdaptiveK,
     draft_policy,

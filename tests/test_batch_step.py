@@ -13,7 +13,7 @@ import pytest
 from batch_helpers import (
     CHEAP_WIDTH,
     REQUESTS,
-    FrozenPolicy,
+    FrozenCost,
     OwnPlans,
     alone,
     drain,
@@ -558,7 +558,7 @@ def test_plain_steps_alone_teach_the_batch_the_price_of_width():
     for _ in range(10):
         for b in (2, 4, 6, 8):
             for span in (100, 400, 800, 1600):
-                learned.observe(b, 1, 0, None, seconds(b, 1, span), span, synced=False)
+                learned.cost.add(b, 1, 0, None, seconds(b, 1, span), span, synced=False)
     assert learned.cost.time(4, 3, 8, span=800, synced=False) == pytest.approx(
         seconds(4, 3, 800), rel=0.1)
     assert learned.decide(offers(0.6, 4), span=800, pipelined=True) == [0, 0, 0, 0]
@@ -744,12 +744,12 @@ def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
     others = [("ngram", RowOffer(survival([0.1] * 4, 4))) for _ in range(7)]
     dear = (1.0, 0.3, 1.0, 2.0, 0.01, 3.0)
     for prior, forced in ((CHEAP_WIDTH, 4), (dear, 0)):
-        policy = FrozenPolicy(StepCost(prior=prior))
+        policy = BatchPolicy(FrozenCost(prior=prior))
         offers = policy.limit_probes([probe] + others, step=0, rows=8, span=100)
         assert offers[0][1].forced == forced and offers[1:] == others
         again = policy.limit_probes([probe] + others, step=1, rows=8, span=100)
         assert again[0][1].forced == 0  # the gap
-    policy = FrozenPolicy(StepCost(prior=CHEAP_WIDTH))
+    policy = BatchPolicy(FrozenCost(prior=CHEAP_WIDTH))
     lone_draft = ("draft", RowOffer(probe[1].survive, group="draft", forced=4, probe=True))
     assert policy.limit_probes([lone_draft] + others, step=0, rows=8,
                                span=100)[0][1].forced == 0
@@ -767,7 +767,7 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
     prompt = [5, 9, 2, 7, 11, 3]
     answer = base.clone().generate(prompt, max_tokens=24, mode="none").tokens
     dear = (1.0, 0.3, 3.0, 2.0, 0.01, 3.0)  # width never pays
-    batch = BatchSpeculator(target, policy=FrozenPolicy(StepCost(prior=dear)))
+    batch = BatchSpeculator(target, policy=BatchPolicy(FrozenCost(prior=dear)))
     right, wrong = AdaptiveK(max_k=4, dither=False), AdaptiveK(max_k=4, dither=False)
     rows = [batch.open(base.clone(), prompt, max_tokens=24, prediction=answer, policy=right),
             batch.open(base.clone(), prompt, max_tokens=24,
@@ -811,7 +811,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
     companions = [([2, 1, 0, 3, 2, 1], "ngram", 7), ([3, 3, 3], "draft", 4)]
     slots = [base.clone() for _ in range(3)]
     # costs under which width is nearly free: every row proposes its k (a sharp test)
-    cost = FrozenPolicy(StepCost(prior=CHEAP_WIDTH)).cost
+    cost = BatchPolicy(FrozenCost(prior=CHEAP_WIDTH)).cost
     for s in slots:
         s.cost = cost
     drafted = []
@@ -822,7 +822,7 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
         # 0..1499 give p 0.14): a fixed draw like any other, taken from 1000 on
         for seed in range(1000, 1000 + runs):
             mx.random.seed(seed)  # (the unseeded row's generator: a fixed draw too)
-            batch = BatchSpeculator(target, policy=FrozenPolicy(cost))
+            batch = BatchSpeculator(target, policy=BatchPolicy(cost))
             rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N,
                                seed=seed if seeded else None, **ex.SAMPLING,
                                **kwargs)]

@@ -1,6 +1,6 @@
 """`draft` at temperature 1 keeps the target's distribution on real models (issue 45): at the
 positions where target and draft are both uncertain and disagree most, the draft samples its
-proposal from q, the project's acceptance rule (`verify.verify_sampled`) verifies it against the
+proposal from q, the project's acceptance rule (`step.verify_sampled`) verifies it against the
 target's p, and the emitted tokens are counted: the first must follow p, the bonus after an
 accepted proposal p given it (chi-square). The same test must reject a deliberately broken rule
 (on a rejection, resampling from p instead of the residual max(0, p - q)).
@@ -18,7 +18,7 @@ import pytest
 import mlxspec
 from mlxspec.gguf import sources
 from mlxspec.sampling import SamplingParams, probs_from_logits
-from mlxspec.verify import _leading_true, verify_sampled
+from mlxspec.step import _leading_true, verify_sampled
 
 SAMPLING = SamplingParams(temperature=1.0, top_k=3)
 RUNS = 3000

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal, Proposer
+from mlxspec.row import BatchRow
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
 
@@ -269,13 +270,13 @@ def test_stretches_hand_back_to_ngram_and_stay_exact(arch, mode, monkeypatch):
     drafts, and gets tokens accepted, right after stretches."""
     _, target, _ = arch
     steps = []
-    record = Stats.record_step
+    commit = BatchRow.commit
 
-    def spy(self, source, drafted, accepted, emitted):
+    def spy(self, tokens, arm="", source="", drafted=0, accepted=0, *args, **kwargs):
         steps.append((source, drafted, accepted))
-        record(self, source, drafted, accepted, emitted)
+        commit(self, tokens, arm, source, drafted, accepted, *args, **kwargs)
 
-    monkeypatch.setattr(Stats, "record_step", spy)
+    monkeypatch.setattr(BatchRow, "commit", spy)
     plain = make_engine(target, "none")
     spec = make_engine(target, mode, num_draft=4, min_ngram=2)
     handed_back = accepted = 0

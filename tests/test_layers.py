@@ -8,7 +8,7 @@ from pathlib import Path
 import mlxspec
 
 PACKAGE = Path(mlxspec.__file__).parent
-LOOP = ["engine", "batch_step", "admission", "row", "request", "prefill", "step", "verify",
+LOOP = ["engine", "batch_step", "admission", "row", "request", "prefill", "step", "policy",
         "policy_store", "loading"]
 
 

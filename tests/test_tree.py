@@ -171,7 +171,7 @@ def test_tree_step_greedy_cap_and_sync_free_result():
     for cap, want in [(None, 4), (2, 2), (0, 0)]:
         cache = prefill(model, prompt)
         seen = []
-        prop = Proposal(tokens, parents=parents, want_argmax=(1,),
+        prop = Proposal(mx.array(tokens, mx.uint32), parents=parents, want_argmax=(1,),
                         on_result=lambda a, p, s=seen: s.append((a, p)))
         new, n = tree_step(model, cache, 8, prop, SamplingParams(), None, max_accept=cap)
         assert n == want and new == ref[: want + 1]

@@ -10,7 +10,7 @@ from conftest import build_model, make_engine
 from scipy.stats import chisquare
 
 from mlxspec.sampling import SamplingParams, probs_from_logits, sample
-from mlxspec.verify import greedy_accepted, verify_sampled
+from mlxspec.step import greedy_accepted, verify_sampled
 
 RNG = np.random.default_rng(0)
 V = 6

@@ -33,6 +33,8 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
+import mlx.core as mx
+
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
 from .base import Proposal, Proposer
@@ -181,7 +183,7 @@ class LookaheadProposer(Proposer):
         verify = None
         if not self.verify_window:
             verify = [i in on_candidates for i in range(len(trie))]
-        return Proposal(tokens=trie.tokens, parents=trie.parents, source="lookahead",
+        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents, source="lookahead",
                         verify=verify, want_argmax=tuple(cells[-1] if cells else ()),
                         on_result=self._on_result)
 

@@ -11,6 +11,8 @@ its n-grams are looked up first, since it is what the answer is expected to copy
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
 
@@ -99,7 +101,9 @@ class NgramProposer(Proposer):
         if num_draft < 1:
             return None
         found = self._lookup(context, num_draft)
-        return Proposal(tokens=found[1][:num_draft], source=found[0]) if found else None
+        if not found:
+            return None
+        return Proposal(tokens=mx.array(found[1][:num_draft], mx.uint32), source=found[0])
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
         found = self._lookup(context, num_draft) if num_draft > 0 else None

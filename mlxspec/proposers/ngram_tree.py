@@ -10,6 +10,8 @@ budget lasts. Verification is `tree_verify`'s, through `mlxspec.tree.tree_step`.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ..sampling import SamplingParams
 from ..tree import TrieBuilder
 from .base import Proposal, Proposer
@@ -112,7 +114,7 @@ class TreeNgramProposer(Proposer):
                 break
         if not len(trie):
             return None
-        return Proposal(tokens=trie.tokens, parents=trie.parents, source="ngram-tree")
+        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents, source="ngram-tree")
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self._catch_up(context)

@@ -28,6 +28,8 @@ import heapq
 import math
 from collections import Counter
 
+import mlx.core as mx
+
 from ..sampling import SamplingParams
 from ..suffix_store import MAX_MATCH, SuffixIndex
 from .base import Proposal, Proposer
@@ -221,8 +223,8 @@ class SuffixProposer(Proposer):
         if self.uses_trees:
             depth = min(num_draft, len(max(conts, key=len)))
             tokens, parents = best_tree(conts, depth, self.min_prob, self.budget)
-            return Proposal(tokens=tokens, parents=parents, source="suffix")
-        return Proposal(tokens=chain[:num_draft], source="suffix")
+            return Proposal(tokens=mx.array(tokens, mx.uint32), parents=parents, source="suffix")
+        return Proposal(tokens=mx.array(chain[:num_draft], mx.uint32), source="suffix")
 
     def peek(self, context: list[int], num_draft: int, source: str) -> list[int] | None:
         if num_draft < 1:

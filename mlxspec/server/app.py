@@ -613,10 +613,10 @@ class Handler(BaseHTTPRequestHandler):
             text = srv.metrics.render({
                 "mlxspec_requests_active": ("Requests being generated.", w.active()),
                 "mlxspec_requests_speculative_active": (
-                    "Requests speculating.", sum(j.plain is False for j in w.jobs)),
+                    "Requests speculating.", sum(j.mode not in (None, "none") for j in w.jobs)),
                 "mlxspec_requests_batched_active": (
                     "Requests decoded plainly (over --spec-max-concurrency).",
-                    sum(bool(j.plain) for j in w.jobs)),
+                    sum(w.over_limit(j) for j in w.jobs)),
                 "mlxspec_requests_queued": ("Requests waiting for the worker.", w.inbox.qsize()),
                 "mlxspec_connections_open": ("Open HTTP connections (--max-connections).",
                                              srv.open_connections()),

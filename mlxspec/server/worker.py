@@ -82,8 +82,9 @@ class Job:
     # opened: its row, in the shared batch or a batch of its own (`Engine.open`)
     row: BatchRow | None = None
     batch: BatchSpeculator | None = None  # the batch its row is in
-    # decided when it opens: over --spec-max-concurrency, it decodes plainly (k = 0)
-    plain: bool | None = None
+    # the mode its row decodes in, decided when it opens: "none" (k = 0) over
+    # --spec-max-concurrency, else the request's (or the server's default)
+    mode: str | None = None
     slot: Engine | None = None
     cache: PromptCache | None = None
     stats: Stats | None = None
@@ -300,8 +301,9 @@ class Worker(threading.Thread):
     def _open_job(self, job: Job) -> None:
         """Open the job as a row, speculating unless spec_max_concurrency requests do."""
         r = job.req
-        speculating = sum(1 for j in self.jobs if j.plain is False)
-        job.plain = self.batchable and not r.warmup and speculating >= self.spec_max_concurrency
+        speculating = sum(1 for j in self.jobs if j.mode not in (None, "none"))
+        over = self.batchable and not r.warmup and speculating >= self.spec_max_concurrency
+        job.mode = "none" if over else r.mode or job.slot.mode
         used = {j.slot_id for j in self.jobs if j.slot_id is not None}
         job.slot_id = next(i for i in range(len(used) + 1) if i not in used)
         job.opened_at = time.perf_counter()
@@ -309,7 +311,7 @@ class Worker(threading.Thread):
         kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
-                      mode="none" if job.plain else r.mode, prefill_chunk=self.prefill_chunk,
+                      mode=job.mode, prefill_chunk=self.prefill_chunk,
                       cache_reuse=r.cache_reuse, **r.engine_options())
         if r.return_progress:
             # the last prompt token is always processed (the first step feeds it)
@@ -321,7 +323,7 @@ class Worker(threading.Thread):
 
             kwargs["progress"] = progress
         # (a seeded request draws the same tokens in the shared batch as alone: by position)
-        if ((self.batch_spec or job.plain) and not r.warmup
+        if ((self.batch_spec or over) and not r.warmup
                 and accepts(job.slot, kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
@@ -329,6 +331,10 @@ class Worker(threading.Thread):
                                                                        **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
             job.batch, job.row = job.slot.open(r.prompt, **kwargs)
+
+    def over_limit(self, job: Job) -> bool:
+        """Whether the job decodes plainly because --spec-max-concurrency requests speculate."""
+        return job.mode == "none" != (job.req.mode or self.engine.mode)
 
     def _live(self, job: Job) -> bool:
         """Whether the job goes on; a cancelled or ended one is closed or finished here."""
@@ -450,7 +456,7 @@ class Worker(threading.Thread):
         it is in the scope's store, and the follow-up's suffix source proposes it whole."""
         r = job.req
         return (self.follow_ahead and r.use_suffix and r.suffix_scope is not None
-                and not job.plain and len(job.row.context) + 1 < job.row.end)
+                and job.row.proposer is not None and len(job.row.context) + 1 < job.row.end)
 
     def _look_ahead_step(self, job: Job, produced: dict) -> None:
         try:
@@ -475,7 +481,7 @@ class Worker(threading.Thread):
     def _bind_suffix(self, job: Job) -> None:
         """The store of the request's scope for its suffix source (none: opted out)."""
         try:
-            proposer = job.slot.proposer_of("none" if job.plain else job.req.mode)
+            proposer = job.slot.proposer_of(job.mode)
         except Exception:  # the engine reports a bad mode itself
             return
         if hasattr(proposer, "set_store"):
@@ -493,7 +499,8 @@ class Worker(threading.Thread):
         if job.opened and job.slot is not None:
             try:  # the proposer put the prompt and answer into the scope's store
                 r = job.req
-                if job.plain and r.use_suffix and r.suffix_scope is not None:  # no proposer kept it
+                if (job.row.proposer is None and r.use_suffix  # no proposer kept it
+                        and r.suffix_scope is not None):
                     self.suffix.get(r.suffix_scope).add(job.row.context)
                 self.suffix.evict_to_budget()
             except Exception:
@@ -515,8 +522,8 @@ class Worker(threading.Thread):
         """The request's last event (its row may decode on: `_looks_ahead`)."""
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = Usage.from_stats(stats)
-        usage.batched = bool(job.plain)  # decoded plainly, over --spec-max-concurrency
-        usage.batched_speculative = job.batch is self.spec_batch and not job.plain
+        usage.batched = self.over_limit(job)  # decoded plainly, over --spec-max-concurrency
+        usage.batched_speculative = job.batch is self.spec_batch and not usage.batched
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 and job not in self.jobs
