@@ -15,7 +15,6 @@ from typing import Protocol
 
 import numpy as np
 
-from .caches.prompt import common_prefix_len
 from .errors import MlxspecError
 from .proposal import DRAFT_TREE, LOOKUP_DRAFT
 
@@ -360,6 +359,7 @@ class AdaptiveK:
     probe_budget: float = 0.005
     probe_k: int = 2
     switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
+    trusted_k: int = DEFAULT_NUM_DRAFT  # k proposed before deeper positions are measured
     dither: bool = True  # every other step, k +- 1 around the best (flat there; see `plan`)
     # arm -> a variant of it (the draft -> its tree) taken every `explore_every`-th step while
     # the variant has been measured fewer than `explore_until` times: a variant that costs
@@ -391,6 +391,21 @@ class AdaptiveK:
             probs.append(previous)
         return probs
 
+    def reach(self, source: str) -> int:
+        """The most tokens worth proposing from `source`: max_k, but at most one position past
+        the deepest one measured lately (and at least `trusted_k`). A position never reached
+        borrows the estimate of the one before: a step of several of them stakes its time on
+        an estimate nothing measured (on chat a draft carried to k = 8 from answers that
+        accepted all of k = 4 accepted 1 or 2 of 8 in the next)."""
+        est = self.sources.get(source)
+        depth = 0
+        if est is not None:
+            for reached in est.reached:
+                if reached < 0.5:
+                    break
+                depth += 1
+        return min(self.max_k, max(self.trusted_k, depth + 1))
+
     def expected_tokens(self, source: str, k: int) -> float:
         total, survive = 1.0, 1.0
         for a in self.accept_probs(source)[:k]:
@@ -410,7 +425,8 @@ class AdaptiveK:
     def choose(self, source: str, limit: int | None = None) -> int:
         """The k <= limit with the highest expected tokens per second (0: do not speculate):
         the batch's rule (`choose_ks`) for a row alone."""
-        limit = self.max_k if limit is None else min(limit, self.max_k)
+        reach = self.reach(source)
+        limit = reach if limit is None else min(limit, reach)
         # Kept while the estimates hold: asked every step of a plain stretch, where only the
         # cost moves, a little (a full re-plan per source cost ~35 us a step)
         plain, (memo_plain, memo_span) = self._plain(), self._memo_at
@@ -486,7 +502,7 @@ class AdaptiveK:
             return variant, min(best_k, available[variant])
         if best_k and self.dither:  # spread k a little, so the cost line has two ends to fit
             phase = self._steps % 4
-            if phase == 1 and best_k < min(available[best_source], self.max_k):
+            if phase == 1 and best_k < min(available[best_source], self.reach(best_source)):
                 best_k += 1
             elif phase == 3 and best_k > 1:
                 best_k -= 1
@@ -778,11 +794,11 @@ class RowPolicy:
             return source, RowOffer(survival(policy.accept_probs(source), k),
                                     forward_group(source), forced=k, probe=True)
         if not k:  # arms off or t_plain due: its best offer, taken only where it pays
-            offered = {s: min(n, policy.max_k) for s, n in available.items() if n > 0}
+            offered = {s: min(n, policy.reach(s)) for s, n in available.items() if n > 0}
             if not offered:
                 return "", RowOffer([])
             source = max(offered, key=lambda s: policy.expected_tokens(s, offered[s]))
-        n = min(available[source], policy.max_k)
+        n = min(available[source], policy.reach(source))
         if context is not None and policy is self.policy and forward_group(source):
             self._watch_free(available, source, context)  # (a free one: the batch's to watch)
         return source, RowOffer(survival(policy.accept_probs(source), n), forward_group(source))
@@ -828,7 +844,7 @@ class RowPolicy:
             return  # (no lookup per step: a source that offered nothing waits for a plan)
         start, source, tokens = self.watching
         seen = context[start : start + len(tokens)]
-        n = common_prefix_len(seen, tokens)
+        n = next((i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b), len(seen))
         if n == len(seen) < len(tokens):
             return  # all matched so far, not all seen yet
         self.watching = None
