@@ -392,12 +392,15 @@ class AdaptiveK:
         return probs
 
     def reach(self, source: str) -> int:
-        """The most tokens worth proposing from `source`: max_k, but at most one position past
-        the deepest one measured lately (and at least `trusted_k`). A position never reached
-        borrows the estimate of the one before: a step of several of them stakes its time on
-        an estimate nothing measured (on chat a draft carried to k = 8 from answers that
-        accepted all of k = 4 accepted 1 or 2 of 8 in the next)."""
+        """The most tokens worth proposing from `source`: max_k, but for a source that runs a
+        model per token at most one position past the deepest one measured lately (and at
+        least `trusted_k`). A position never reached borrows the estimate of the one before:
+        a step of several of them stakes a forward each on an estimate nothing measured (on
+        chat a draft carried to k = 8 from answers that accepted all of k = 4 accepted 1 or 2
+        of 8 in the next). A free source's extra positions cost only the verifying width."""
         est = self.sources.get(source)
+        if not forward_group(source):
+            return self.max_k
         depth = 0
         if est is not None:
             for reached in est.reached:
