@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .caches.prompt import common_prefix_len
 from .errors import MlxspecError
 from .proposal import DRAFT_TREE, LOOKUP_DRAFT
 
@@ -398,9 +399,9 @@ class AdaptiveK:
         a step of several of them stakes a forward each on an estimate nothing measured (on
         chat a draft carried to k = 8 from answers that accepted all of k = 4 accepted 1 or 2
         of 8 in the next). A free source's extra positions cost only the verifying width."""
-        est = self.sources.get(source)
         if not forward_group(source):
             return self.max_k
+        est = self.sources.get(source)
         depth = 0
         if est is not None:
             for reached in est.reached:
@@ -847,7 +848,7 @@ class RowPolicy:
             return  # (no lookup per step: a source that offered nothing waits for a plan)
         start, source, tokens = self.watching
         seen = context[start : start + len(tokens)]
-        n = next((i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b), len(seen))
+        n = common_prefix_len(seen, tokens)
         if n == len(seen) < len(tokens):
             return  # all matched so far, not all seen yet
         self.watching = None

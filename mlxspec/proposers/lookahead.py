@@ -183,9 +183,9 @@ class LookaheadProposer(Proposer):
         verify = None
         if not self.verify_window:
             verify = [i in on_candidates for i in range(len(trie))]
-        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents, source="lookahead",
-                        verify=verify, want_argmax=tuple(cells[-1] if cells else ()),
-                        on_result=self._on_result)
+        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents,
+                        source="lookahead", verify=verify,
+                        want_argmax=tuple(cells[-1] if cells else ()), on_result=self._on_result)
 
     def _on_result(self, argmax: list[int], path: list[int]) -> None:
         self._result = argmax if self.window.levels else None

@@ -114,7 +114,8 @@ class TreeNgramProposer(Proposer):
                 break
         if not len(trie):
             return None
-        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents, source="ngram-tree")
+        return Proposal(tokens=mx.array(trie.tokens, mx.uint32), parents=trie.parents,
+                        source="ngram-tree")
 
     def update(self, context: list[int], num_accepted: int) -> None:
         self._catch_up(context)

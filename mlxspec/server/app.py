@@ -613,7 +613,7 @@ class Handler(BaseHTTPRequestHandler):
             text = srv.metrics.render({
                 "mlxspec_requests_active": ("Requests being generated.", w.active()),
                 "mlxspec_requests_speculative_active": (
-                    "Requests speculating.", sum(j.mode not in (None, "none") for j in w.jobs)),
+                    "Requests speculating.", w.speculating()),
                 "mlxspec_requests_batched_active": (
                     "Requests decoded plainly (over --spec-max-concurrency).",
                     sum(w.over_limit(j) for j in w.jobs)),

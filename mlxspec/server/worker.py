@@ -301,8 +301,8 @@ class Worker(threading.Thread):
     def _open_job(self, job: Job) -> None:
         """Open the job as a row, speculating unless spec_max_concurrency requests do."""
         r = job.req
-        speculating = sum(1 for j in self.jobs if j.mode not in (None, "none"))
-        over = self.batchable and not r.warmup and speculating >= self.spec_max_concurrency
+        over = (self.batchable and not r.warmup
+                and self.speculating() >= self.spec_max_concurrency)
         job.mode = "none" if over else r.mode or job.slot.mode
         used = {j.slot_id for j in self.jobs if j.slot_id is not None}
         job.slot_id = next(i for i in range(len(used) + 1) if i not in used)
@@ -331,6 +331,10 @@ class Worker(threading.Thread):
                                                                        **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
             job.batch, job.row = job.slot.open(r.prompt, **kwargs)
+
+    def speculating(self) -> int:
+        """Open jobs decoding in a speculative mode (what --spec-max-concurrency bounds)."""
+        return sum(1 for j in self.jobs if j.mode not in (None, "none"))
 
     def over_limit(self, job: Job) -> bool:
         """Whether the job decodes plainly because --spec-max-concurrency requests speculate."""
