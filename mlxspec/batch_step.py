@@ -27,7 +27,7 @@ from .proposers.draft import DraftRows, draft_proposer
 from .row import BatchRow
 from .sampling import SamplingParams
 from .step import decode_step, draw_next
-from .stopstrings import StepOutput
+from .stopstrings import StepOutput, merged
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -90,20 +90,16 @@ class BatchSpeculator:
         `request.prepare`."""
         row = self.admission.open(engine, prompt, self.rows, **request)
         if not self.rows:  # the first row decodes at once; others join at a step's start
-            self._join(self.admission.ready)
+            self.join(self.admission.ready)
             self.admission.ready = []
         return row
 
-    def start(self, row: BatchRow) -> None:
-        """A row prefilled elsewhere (its cache in `row.pc.cache`, every committed token but
-        the last) starts decoding in this batch: a tool's or a test's own row."""
-        self._join([(row, True)])
-
     # -- joining and leaving
-    def _join(self, ready: list[tuple[BatchRow, bool]]) -> None:
-        """Prefilled rows start decoding: a first one on its own cache (any kind, no copy: the
-        fastest for one request), the others in the shared rows, their drafts in the draft's
-        rows."""
+    def join(self, ready: list[tuple[BatchRow, bool]]) -> None:
+        """Prefilled rows (each with its cache in `row.pc.cache`, every committed token but the
+        last; and whether it may decode on that cache) start decoding: a first one on its own
+        cache (any kind, no copy: the fastest for one request), the others in the shared rows,
+        their drafts in the draft's rows (`Admission.run` hands them over)."""
         grouped = sum(not own for _, own in ready)
         for row, own in ready:
             if row.detok is not None:
@@ -255,7 +251,7 @@ class BatchSpeculator:
             delivered = self.queued is not None
             if delivered:
                 self._deliver(again=False)
-            self._join(admission.run(not self.rows))
+            self.join(admission.run(not self.rows))
             if not delivered:
                 self._decode()
         elif self.queued is not None:
@@ -497,12 +493,3 @@ def _spread(fed: list, values, empty=None) -> list:
     """`values` (one per row fed, in order) at the rows' places in `fed`, `empty` elsewhere."""
     it = iter(values)
     return [next(it) if r is not None else empty for r in fed]
-
-
-def merged(outs: list[StepOutput]) -> StepOutput:
-    """Consecutive outputs of one row as one."""
-    last = outs[-1]
-    logprobs = (None if any(o.logprobs is None for o in outs)
-                else [e for o in outs for e in o.logprobs])
-    return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
-                      last.stats, last.finish_reason, last.stop_string, logprobs)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from . import sampling
 from .errors import MlxspecError
 
 _LLG_TOKENIZERS: dict[int, tuple[object, object]] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer)
@@ -390,6 +391,21 @@ class RequestState:
             del self.logprobs[p]
         return out
 
+    def committed(self, first: int, tokens: list[int], lp: tuple | None,
+                  post: bool) -> list[TokenLogprob] | None:
+        """`tokens` committed at positions first..: the grammar advances through them; their
+        log-probabilities (`lp`: a step's lazy arrays, evaluated) are read and kept."""
+        for i, t in enumerate(tokens):
+            self.known(first + i, t)
+        if self.constraint is not None:
+            self.align(first + len(tokens))
+        if lp is None:
+            return None
+        got = read_logprobs(tokens, *lp, post=post)
+        for i, entry in enumerate(got):
+            self.logprobs[first + i] = entry
+        return got
+
     def settle(self) -> None:
         """Read the log-probabilities of the tokens drawn outside a step (their tokens are
         read back by now)."""
@@ -428,6 +444,33 @@ def read_logprobs(tokens: list[int], lp: mx.array, top_ids, top_vals,
             top = [(a, math.exp(b)) for a, b in top if b > -math.inf]
         out.append(TokenLogprob(int(t), v, top))
     return out
+
+
+def adjust(logits: mx.array, s, k: int, mask) -> tuple[mx.array, tuple | None]:
+    """One row's logits (T, vocab) over its 1 + k verified positions (and padding): the bias
+    added, the grammar's mask (rows 0..k; None: its state now) applied; and the lazy
+    log-probability arrays of rows 0..k (before bias and mask, or after them and the sampling
+    transforms with `post_probs`) where asked."""
+    lp = None
+    if s.logprobs is not None and not s.post_probs:
+        lp = logprob_arrays(logits[: k + 1], s.logprobs)
+    vocab = logits.shape[-1]
+    if s.logit_bias:
+        logits = logits + bias_vector(s.logit_bias, vocab)
+    constraint = getattr(s.state, "constraint", None)
+    if constraint is not None:
+        if mask is None:
+            mask = allowed(constraint.bitmasks([]), vocab)
+        if mask.shape[0] < logits.shape[0]:  # padding positions: anything
+            mask = mx.concatenate([mask, mx.ones((logits.shape[0] - mask.shape[0], vocab),
+                                                 mx.bool_)])
+        logits = mx.where(mask, logits, -mx.inf)
+    if s.logprobs is not None and s.post_probs:
+        head = logits[: k + 1]
+        post = (mx.log(mx.softmax(head.astype(mx.float32), axis=-1)) if s.greedy
+                else mx.log(sampling.probs_from_logits(head, s)))
+        lp = logprob_arrays(post, s.logprobs)
+    return logits, lp
 
 
 def make_state(tokenizer, prompt_len: int, grammar: tuple | None,

@@ -25,9 +25,9 @@ from .policy import (
     Policy,
     StepCost,
     check_num_draft,
-    draft_policy,
 )
 from .proposers import check_mode, make_proposer
+from .proposers.auto import draft_policy
 from .proposers.base import Proposer
 from .row import BatchRow
 from .stats import Stats

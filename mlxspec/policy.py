@@ -28,6 +28,10 @@ PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
 PROPOSED = 4  # index of K in the features
 BASE = 5  # features before the groups' forward columns
+# Where speculating pays, the deepest k whose expected rate is within this fraction of the best:
+# acceptance runs above and below its estimate from step to step, and a deeper k gains more in
+# the first case than it loses in the second (on coder-pair chat, docs/PERFORMANCE.md)
+DEEPER = 0.03
 # source groups (a source's name up to ':') whose proposals cost no model forward of their own
 # (lookahead's window rides in the verifying forward)
 FREE_GROUPS = frozenset({"", "ngram", "prediction", "ngram-tree", "suffix", "lookahead"})
@@ -60,12 +64,11 @@ class StepCost:
     xt: np.ndarray = field(default_factory=lambda: np.zeros(BASE))
     seconds: float = 0.0  # decayed sum of measured times
     prior_seconds: float = 0.0  # decayed sum of the prior's unit-scale predictions for them
-    plain_weight: float = 0.0  # decayed count of pipelined plain steps measured
     since_plain: int = 0  # synced steps measured since the last pipelined plain one
-    _coef: np.ndarray | None = None
-    _terms: tuple[float, ...] = ()  # _coef as floats: `time` is asked ~10 times a step
+    # the fit, as floats (`time` is asked ~10 times a step); `_stale`: steps added since
+    _terms: tuple[float, ...] = ()
+    _stale: bool = True
     _unsolved: int = 0  # steps added since the last solve
-    _prior_memo: tuple | None = field(default=None, repr=False)  # (key, `_prior()`)
 
     def _column(self, group: str) -> int:
         if group not in self.groups:
@@ -73,32 +76,26 @@ class StepCost:
             n = BASE + len(self.groups)
             xx, xt = np.zeros((n, n)), np.zeros(n)
             xx[: n - 1, : n - 1], xt[: n - 1] = self.xx, self.xt
-            self.xx, self.xt, self._coef = xx, xt, None
+            self.xx, self.xt, self._stale = xx, xt, True
         return BASE + self.groups.index(group)
 
     def _prior(self) -> np.ndarray:
-        # (kept while the groups and their priors are the same: asked at every step's `add`)
-        key = (len(self.groups), tuple(self.forward_prior.items()))
-        memo = self._prior_memo
-        if memo is None or memo[0] != key:
-            forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
-            memo = self._prior_memo = (key, np.array(list(self.prior[:BASE]) + forwards))
-        return memo[1]
+        forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
+        return np.array(list(self.prior[:BASE]) + forwards)
 
-    def coef(self) -> np.ndarray:
-        if self._coef is None:
+    def coef(self) -> tuple[float, ...]:
+        """The fitted coefficients of the features (solved again after steps were added)."""
+        if self._stale:
             # the prior in seconds (1 per unit before any step: only ratios matter then)
             scale = self.seconds / self.prior_seconds if self.prior_seconds else 1.0
             prior = scale * self._prior()
             at = list(PRIOR_AT[:BASE]) + [PRIOR_AT[BASE]] * len(self.groups)
             ridge = self.prior_weight * np.square(at)
-            coef = np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior)
-            self._coef = np.maximum(coef, 0.0)  # no term makes a step faster
-            self._coef[0] = max(self._coef[0], 0.1 * prior[0])
-            self._terms = tuple(float(c) for c in self._coef)
-            self._coef_now = self._coef  # (kept past `add`, which invalidates `_coef`)
-            self._unsolved = 0
-        return self._coef
+            coef = np.maximum(np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior),
+                              0.0)  # no term makes a step faster
+            coef[0] = max(coef[0], 0.1 * prior[0])
+            self._terms, self._stale, self._unsolved = tuple(float(c) for c in coef), False, 0
+        return self._terms
 
     def _values(self, rows, width, proposed, forwards, span, synced) -> list[float]:
         queries = rows * width
@@ -108,7 +105,7 @@ class StepCost:
                 column = self._column(group)
                 values += [0.0] * (column + 1 - len(values))
                 values[column] += n
-        return values
+        return values + [0.0] * (BASE + len(self.groups) - len(values))
 
     def time(self, rows: int, width: int, proposed: int = 0,
              forwards: dict[str, int] | None = None, span: int = 0,
@@ -120,9 +117,7 @@ class StepCost:
             if group and group not in self.groups:  # new columns first
                 self._values(rows, width, proposed, forwards, span, synced)
                 break
-        if self._coef is None:
-            self.coef()
-        c = self._terms
+        c = self.coef()
         queries = rows * width
         t = (c[0] + c[1] * synced + c[2] * queries + c[3] * queries * (span + width) / 1024
              + c[PROPOSED] * proposed)
@@ -139,56 +134,27 @@ class StepCost:
     def add(self, rows: int, width: int, proposed: int, forwards: dict[str, int] | None,
             seconds: float, span: int = 0, synced: bool = True) -> None:
         values = self._values(rows, width, proposed, forwards, span, synced)
-        values += [0.0] * (BASE + len(self.groups) - len(values))
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
             # the fit as of the last solve (at most 16 steps old): a plain stretch adds a
             # step every few ms but asks the fit only every few steps
             if not self._terms or self._unsolved >= 16 or len(self._terms) != len(values):
-                self._coef = None
                 self.coef()
-        x = np.array(values)
-        if self.prior_seconds:
-            seconds = min(seconds, self.outlier * float(self._coef_now @ x))
-        d = self.decay
+            estimate = sum([c * x for c, x in zip(self._terms, values)])
+            seconds = min(seconds, self.outlier * estimate)
+        x, d = np.array(values), self.decay
         self.xx = self.xx * d + np.outer(x, x)
         self.xt = self.xt * d + x * seconds
         self.seconds = self.seconds * d + seconds
         self.prior_seconds = self.prior_seconds * d + float(np.dot(self._prior(), x))
-        if synced or proposed:
-            self.since_plain += 1
-        else:
-            self.plain_weight = self.plain_weight * d + 1.0
-            self.since_plain = 0
-        self._coef = None
-        self._unsolved += 1
+        self.since_plain = self.since_plain + 1 if synced or proposed else 0
+        self._stale, self._unsolved = True, self._unsolved + 1
 
-    STATE_VERSION = 1
-
-    def snapshot(self) -> dict:
-        """What was measured, as JSON-able data for `resume` in a later process."""
-        return {"version": self.STATE_VERSION, "groups": list(self.groups),
-                "xx": self.xx.tolist(), "xt": self.xt.tolist(),
-                "seconds": [self.seconds, self.prior_seconds, self.plain_weight]}
-
-    def resume(self, state: dict, weight: float = 8.0) -> bool:
-        """Start from an earlier `snapshot`, scaled down to at most `weight` steps so that this
-        process's measurements soon take over. False, nothing changed, on a bad shape."""
-        try:
-            if state.get("version") != self.STATE_VERSION:
-                return False
-            groups = [str(g) for g in state["groups"]]
-            xx, xt = np.array(state["xx"], dtype=float), np.array(state["xt"], dtype=float)
-            n = BASE + len(groups)
-            seconds, prior_seconds, plain_weight = (float(x) for x in state["seconds"])
-            if xx.shape != (n, n) or xt.shape != (n,) or not np.isfinite(xx).all():
-                return False
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return False
-        scale = min(1.0, weight / xx[0, 0]) if xx[0, 0] > 0 else 1.0
-        self.groups, self.xx, self.xt = groups, xx * scale, xt * scale
-        self.seconds, self.prior_seconds = seconds * scale, prior_seconds * scale
-        self.plain_weight, self.since_plain, self._coef = min(plain_weight, 1.0), 0, None
-        return True
+    def restore(self, groups: list[str], xx: np.ndarray, xt: np.ndarray, seconds: float,
+                prior_seconds: float) -> None:
+        """Start from measurements kept by an earlier process (`policy_store`)."""
+        self.groups, self.xx, self.xt = groups, xx, xt
+        self.seconds, self.prior_seconds, self.since_plain, self._stale = (
+            seconds, prior_seconds, 0, True)
 
 
 @dataclass
@@ -211,7 +177,7 @@ def survival(accept_probs: list[float], cap: int) -> list[float]:
 
 
 def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
-              margin: float = 0.0, rows: int | None = None, span: int = 0,
+              rows: int | None = None, span: int = 0,
               pipelined: bool = False) -> tuple[list[int], float]:
     """The per-row k maximising expected tokens per second, and that rate, over every width
     from the forced minimum to 1 + the largest cap, rows that cost forwards proposing or not
@@ -219,9 +185,9 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     if not offers:
         return [], 0.0
     if len(offers) == 1 and not rows and not offers[0].forced:
-        return _choose_alone(cost, offers[0], span, pipelined, margin)
+        return _choose_alone(cost, offers[0], span, pipelined)
     rows = max(rows or 0, len(offers))
-    e = float(cost.coef()[PROPOSED])
+    e = cost.coef()[PROPOSED]
 
     def seconds(width: int, proposed: int, forwards: dict | None, synced: bool) -> float:
         return max(cost.time(rows, width, proposed, forwards, span, synced), 1e-12)
@@ -242,7 +208,7 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     for _ in range(2 if e > 0 else 1):
         threshold = e * best_rate
         worth = [len([x for x in o.survive if x > threshold]) for o in offers]  # non-increasing
-        round_ks, round_rate, seen = None, 0.0, set()
+        round_ks, round_rate, top, seen = None, 0.0, 0.0, set()
         for width in range(narrowest, widest + 1):
             for proposing in ((False, True) if costly else (False,)):
                 ks = tuple([max(min(cap, width - 1, w) if proposing or not o.group else 0, f)
@@ -256,27 +222,30 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
                         forwards[o.group] = max(forwards.get(o.group, 0), k)
                 t = seconds(1 + max(ks), sum(ks), forwards, not pipelined or any(ks))
                 rate = sum([x[k] for x, k in zip(expected, ks)]) / t
-                if round_ks is None or rate > round_rate * (1.0 + margin) * 1.0001:
+                if (round_ks is None or rate > round_rate * 1.0001
+                        or (any(round_ks) and rate >= top * (1.0 - DEEPER))):
                     round_ks, round_rate = ks, rate
+                top = max(top, rate)
         if best_ks is None or round_rate >= best_rate:
             best_ks, best_rate = round_ks, round_rate
     return list(best_ks), best_rate
 
 
-def _choose_alone(cost: StepCost, offer: RowOffer, span: int, pipelined: bool,
-                  margin: float) -> tuple[list[int], float]:
+def _choose_alone(cost: StepCost, offer: RowOffer, span: int,
+                  pipelined: bool) -> tuple[list[int], float]:
     """`choose_ks` for one row by itself: every k in one pass (asked every step a row plans;
     the same choice as the general rule's exhaustive first round)."""
     group = offer.group
     best_k = 0
-    best_rate = 1.0 / max(cost.time(1, 1, span=span, synced=not pipelined), 1e-12)
+    best_rate = top = 1.0 / max(cost.time(1, 1, span=span, synced=not pipelined), 1e-12)
     expected = 1.0
     for k, survive in enumerate(offer.survive, 1):
         expected += survive
         t = cost.time(1, 1 + k, k, {group: k} if group else None, span)
         rate = expected / max(t, 1e-12)
-        if rate > best_rate * (1.0 + margin) * 1.0001:
+        if rate > best_rate * 1.0001 or (best_k and rate >= top * (1.0 - DEEPER)):
             best_k, best_rate = k, rate
+        top = max(top, rate)
     return [best_k], best_rate
 
 
@@ -359,9 +328,7 @@ class AdaptiveK:
     probe_max: int = 256
     probe_budget: float = 0.005
     probe_k: int = 2
-    switch_margin: float = 0.0  # a proposal must beat plain decoding by this fraction
     trusted_k: int = DEFAULT_NUM_DRAFT  # k proposed before deeper positions are measured
-    dither: bool = True  # every other step, k +- 1 around the best (flat there; see `plan`)
     # arm -> a variant of it (the draft -> its tree) taken every `explore_every`-th step while
     # the variant has been measured fewer than `explore_until` times: a variant that costs
     # more by its priors would otherwise never be measured
@@ -417,13 +384,13 @@ class AdaptiveK:
             total += survive
         return total
 
-    def _plain(self) -> float:
+    def plain_time(self) -> float:
         return self.cost.plain(self.span)
 
     def step_time(self, source: str, k: int) -> float:
         """Predicted seconds of a step proposing k from `source` (0: a pipelined plain one)."""
         if k == 0:
-            return self._plain()
+            return self.plain_time()
         return self.cost.time(1, 1 + k, k, {forward_group(source): k}, self.span)
 
     def choose(self, source: str, limit: int | None = None) -> int:
@@ -433,51 +400,16 @@ class AdaptiveK:
         limit = reach if limit is None else min(limit, reach)
         # Kept while the estimates hold: asked every step of a plain stretch, where only the
         # cost moves, a little (a full re-plan per source cost ~35 us a step)
-        plain, (memo_plain, memo_span) = self._plain(), self._memo_at
+        plain, (memo_plain, memo_span) = self.plain_time(), self._memo_at
         if abs(plain - memo_plain) > 0.02 * memo_plain or abs(self.span - memo_span) > 256:
             self._memo.clear()
             self._memo_at = (plain, self.span)
         hit = self._memo.get((source, limit))
         if hit is None:
             offer = RowOffer(survival(self.accept_probs(source), limit), forward_group(source))
-            hit = choose_ks(self.cost, [offer], margin=self.switch_margin, span=self.span,
-                            pipelined=True)[0][0]
+            hit = choose_ks(self.cost, [offer], span=self.span, pipelined=True)[0][0]
             self._memo[(source, limit)] = hit
         return hit
-
-    def catch_up_pays(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
-        """Whether a draft model that has not read the last `behind` tokens (auto's draft
-        reads a request's prompt at its first proposal) can repay that catch-up, at its
-        share of the target's prefill per token, over the `remaining` tokens the request may
-        generate: by the time per token the draft is expected to save at its best k (at
-        CATCH_UP_ACCEPT until measured; 0 where the estimates keep it off: then only a
-        catch-up within PROBE_CATCH_UP of the request's plain time is worth a probe). Before
-        any step is measured, a plain step is judged at its lower bound, DECODE_OVER_PREFILL
-        times the prefill's time per token. On the coder pair here a 40-token
-        fill-in-the-middle answer after 1,400 prompt tokens cannot repay 13 s of catch-up; a
-        chat answer can."""
-        if not self.draft_ratio or prefill_per_token <= 0:
-            return True
-        catch_up = behind * prefill_per_token * self.draft_ratio
-        plain = self._plain() if self.cost.seconds else DECODE_OVER_PREFILL * prefill_per_token
-        if catch_up <= plain:  # a few tokens behind
-            return True
-        k = self.choose("draft", max(1, remaining - 1))
-        if k == 0:
-            return catch_up <= remaining * plain * PROBE_CATCH_UP
-        if self._measured("draft") < CATCH_UP_MEASURED:  # judged as a draft that pays would
-            expected = sum(CATCH_UP_ACCEPT ** i for i in range(k + 1))
-        else:
-            expected = self.expected_tokens("draft", k)
-        saved = plain * (1.0 - self.step_time("draft", k) / self._plain() / expected)
-        return catch_up <= remaining * saved
-
-    def catch_up_at_start(self, behind: int, remaining: int, prefill_per_token: float) -> bool:
-        """Whether auto's draft should read the prompt with the target's prefill: where
-        `catch_up_pays` over the whole request (its first proposal would catch up anyway,
-        timed as decoding; the `draft` mode prefills its draft then)."""
-        return (self.draft_ratio > 0 and prefill_per_token > 0 and behind > 0
-                and self.catch_up_pays(behind, remaining, prefill_per_token))
 
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
@@ -502,44 +434,14 @@ class AdaptiveK:
             return probe
         variant = self.variants.get(best_source)
         if (best_k and variant in available and self._steps % self.explore_every
-                == self.explore_every - 1 and self._measured(variant) < self.explore_until):
+                == self.explore_every - 1 and self.measured(variant) < self.explore_until):
             return variant, min(best_k, available[variant])
-        if best_k and self.dither:  # spread k a little, so the cost line has two ends to fit
-            phase = self._steps % 4
-            if phase == 1 and best_k < min(available[best_source], self.reach(best_source)):
-                best_k += 1
-            elif phase == 3 and best_k > 1:
-                best_k -= 1
         return best_source, best_k
 
-    STATE_VERSION = 2
-
-    def snapshot(self) -> dict:
-        """What was measured, as JSON-able data for `resume` in a later process (the cost is
-        the engine's: `StepCost.snapshot`)."""
-        return {"version": self.STATE_VERSION,
-                "sources": {a: [e.reached, e.accepted] for a, e in self.sources.items()}}
-
-    def resume(self, state: dict, weight: float = 8.0) -> bool:
-        """Start from an earlier `snapshot`, scaled down to at most `weight` observations so
-        that this process's measurements soon take over. False, nothing changed, on a bad
-        shape."""
-        try:
-            if state.get("version") != self.STATE_VERSION:
-                return False
-            sources = {}
-            for arm, (reached, accepted) in state["sources"].items():
-                reached = [float(x) for x in reached][: self.max_k]
-                accepted = [float(x) for x in accepted][: len(reached)]
-                count = reached[0] if reached else 0
-                scale = min(1.0, weight / count) if count > 0 else 1.0
-                sources[str(arm)] = SourceEstimate([x * scale for x in reached],
-                                                   [x * scale for x in accepted])
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
-            return False
+    def restore(self, sources: dict[str, SourceEstimate]) -> None:
+        """Start from estimates kept by an earlier process (`policy_store`)."""
         self.sources = sources
         self._memo.clear()
-        return True
 
     def observe_plain(self, tokens: int) -> None:
         """`tokens` decoded plainly (their cost is the engine's `StepCost`'s to learn)."""
@@ -557,7 +459,7 @@ class AdaptiveK:
         self._count(source, drafted, accepted)
         # What this step lost against plain decoding, in tokens: a probe of a draft model
         # also pays its catch-up on the tokens it skipped.
-        lost = 0.0 if seconds is None else seconds / self._plain() - (accepted + 1)
+        lost = 0.0 if seconds is None else seconds / self.plain_time() - (accepted + 1)
         self._memo.clear()
         self._schedule_probe(source, was_off and accepted < drafted, lost if was_off else 0.0)
 
@@ -572,7 +474,7 @@ class AdaptiveK:
         if self.choose(source) > 0:
             self.probes.pop(source, None)
 
-    def _measured(self, source: str) -> float:
+    def measured(self, source: str) -> float:
         est = self.sources.get(source)
         return est.reached[0] if est is not None and est.reached else 0.0
 
@@ -603,69 +505,10 @@ class AdaptiveK:
             interval = min(2 * p.interval, self.probe_max) if p else self.probe_every
             # A probe costs its time beyond plain decoding; keep that under probe_budget.
             k = self.probe_k
-            loss = self.step_time(source, k) / self._plain() - self.expected_tokens(source, k)
+            loss = self.step_time(source, k) / self.plain_time() - self.expected_tokens(source, k)
             loss = max(loss, lost)
             interval = max(interval, min(loss / self.probe_budget, 4 * self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)
-
-
-# A draft of the target's own family with at least this fraction of its parameters starts from
-# SAME_FAMILY_ACCEPT per position: Qwen2.5-Coder-0.5B for the 1.5B (0.32 of it) accepts 86-94 %
-# of its drafts on code, and 68 % on chat at k = 4 (3.48 tokens per forward: 0.85 per
-# position, each given the ones before; docs/PERFORMANCE.md); smaller drafts, such as the
-# bundled 0.8 M one for its 6.4 M target, keep the pessimistic prior and are probed.
-SAME_FAMILY_MIN_RATIO = 0.2
-SAME_FAMILY_ACCEPT = 0.85
-# A draft the estimates keep off is probed only where its catch-up costs at most this share of
-# the request's plain decoding time (`AdaptiveK.catch_up_pays`)
-PROBE_CATCH_UP = 0.02
-# Before any step is measured, a plain decode step is taken to cost at least this many times the
-# target's prefill time per token: a lower bound (14-24x measured for the coder 1.5B on this
-# CPU, docs/PERFORMANCE.md), so that a fresh process's first request judges its draft's catch-up
-DECODE_OVER_PREFILL = 8.0
-# Until its first position was reached this often, a draft the estimates turn on is judged at
-# this acceptance per position (a prior judged it would keep a draft off for good where
-# requests are short: nothing would measure it)
-CATCH_UP_MEASURED, CATCH_UP_ACCEPT = 4.0, 0.9
-
-
-def draft_priors(target, draft_proposer) -> dict:
-    """`AdaptiveK` settings for auto's draft model: the acceptance a same-family draft earns;
-    and (`forward_prior`, for the engine's `StepCost`) a cost per drafted token of the draft's
-    share of the target's parameters (a draft
-    forward costs about that fraction of a target forward: 0.34 measured for the coder pair,
-    0.32 by parameters)."""
-    draft = getattr(draft_proposer, "model", None)
-    if draft is None:
-        return {}
-    from mlx.utils import tree_flatten
-
-    def size(model) -> int:
-        return sum(v.size for _, v in tree_flatten(model.parameters()))
-
-    from .proposers.draft import TREE_WIDTH
-
-    ratio = size(draft) / max(size(target), 1)
-    # (`forward_prior`: the engine's cost model's, per forward relative to a target step; a
-    # tree's forward also has the target verify W rows per depth)
-    priors = {"forward_prior": {"draft": ratio, LOOKUP_DRAFT: ratio,
-                                DRAFT_TREE: ratio + PRIOR[2] * (TREE_WIDTH - 1)},
-              "variants": {"draft": DRAFT_TREE}, "draft_ratio": ratio}
-    family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
-    if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
-        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT,
-                                        DRAFT_TREE: SAME_FAMILY_ACCEPT,
-                                        LOOKUP_DRAFT: SAME_FAMILY_ACCEPT}
-    return priors
-
-
-def draft_policy(target, draft_proposer, cost: StepCost | None = None, **kwargs) -> AdaptiveK:
-    """`AdaptiveK` on `cost` (the engine's) with `draft_priors`, the draft's forward cost
-    prior put in `cost`; `kwargs`: other settings (max_k)."""
-    cost = cost or StepCost()
-    priors = draft_priors(target, draft_proposer)
-    cost.forward_prior.update(priors.pop("forward_prior", {}))
-    return AdaptiveK(cost=cost, **priors, **kwargs)
 
 
 # -- a batch's policy: every row's k
@@ -680,7 +523,6 @@ class BatchPolicy:
     adds them: `StepCost.add`)."""
 
     cost: StepCost = field(default_factory=StepCost)
-    margin: float = 0.0  # a wider step must beat the narrower best by this fraction
     rate: float = 0.0  # tokens per second the last decision expected
     probe_gap: int = 64  # batched steps between two steps forced by a row's probe
     last_probe: int = -64  # the step that last forced one
@@ -690,8 +532,7 @@ class BatchPolicy:
         """Each row's k (0: none); `rows` the forward's batch size if rows sitting out are
         fed too, `span` the longest row's cached length, `pipelined` whether an all-plain step
         would be queued unsynced."""
-        ks, self.rate = choose_ks(self.cost, offers, self.rate, self.margin, rows, span,
-                                  pipelined)
+        ks, self.rate = choose_ks(self.cost, offers, self.rate, rows, span, pipelined)
         return ks
 
     def limit_probes(self, offers: list[tuple[str, RowOffer]], step: int, commit: bool = True,
@@ -786,8 +627,7 @@ class RowPolicy:
             return "", RowOffer([])
         if shadow is None and not isinstance(policy, AdaptiveK):
             # the shadow prices k with the batch's cost model (`cost`): the one that decides
-            shadow = self.shadow = AdaptiveK(max_k=max(policy.max_k, 1), dither=False,
-                                             cost=self.cost)
+            shadow = self.shadow = AdaptiveK(max_k=max(policy.max_k, 1), cost=self.cost)
         if shadow is not None:
             source, k = policy.plan(available)
             if not k:
@@ -825,7 +665,7 @@ class RowPolicy:
                 policy.observe(source, drafted, accepted, seconds)
             else:
                 policy.observe_plain(1)
-        if self.watching is not None:
+        if self.watching is not None:  # (a source that offered nothing waits for a plan)
             self._check_watch(context)
 
     def watch(self, source: str, k: int, context: list[int]) -> None:
@@ -844,8 +684,6 @@ class RowPolicy:
             self.watching = (len(context), source, tokens)
 
     def _check_watch(self, context: list[int]) -> None:
-        if self.watching is None:
-            return  # (no lookup per step: a source that offered nothing waits for a plan)
         start, source, tokens = self.watching
         seen = context[start : start + len(tokens)]
         n = common_prefix_len(seen, tokens)

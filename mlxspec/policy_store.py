@@ -12,13 +12,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .policy import AdaptiveK
+import numpy as np
+
+from .policy import BASE, AdaptiveK, SourceEstimate, StepCost
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger("mlxspec")
 COST_KEY = "step-cost"  # the cost model's entry (no mode has this name)
+# the versions of the two states' layouts: another version is ignored, not misread
+COST_VERSION, POLICY_VERSION = 1, 2
 
 
 def keep(engine: Engine, path: Path | None) -> None:
@@ -33,23 +37,75 @@ def resume(engine: Engine) -> None:
     their kept states."""
     states = read_states(engine.policy_file) if engine.policy_file is not None else {}
     if not engine.cost.seconds and states.get(COST_KEY):
-        engine.cost.resume(states[COST_KEY])
+        resume_cost(engine.cost, states[COST_KEY])
     for key, policy in engine.policies.values():
         if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
-            policy.resume(states[key])
+            resume_policy(policy, states[key])
 
 
 def save(engine: Engine) -> None:
     """Keep what the engine's adaptive policies measured at its `policy_file`."""
-    states = {key: policy.snapshot() for key, policy in engine.policies.values()
+    states = {key: policy_state(policy) for key, policy in engine.policies.values()
               if isinstance(policy, AdaptiveK) and policy.sources}
     if states and engine.cost.seconds:
-        states[COST_KEY] = engine.cost.snapshot()
+        states[COST_KEY] = cost_state(engine.cost)
     if states and engine.policy_file is not None:
         try:
             write_states(engine.policy_file, states)
         except OSError as e:  # measurements only: never fail a command over them
             log.warning("could not keep the policy at %s (%s)", engine.policy_file, e)
+
+
+def cost_state(cost: StepCost) -> dict:
+    """What the cost model measured, as JSON-able data (`resume_cost`)."""
+    return {"version": COST_VERSION, "groups": list(cost.groups), "xx": cost.xx.tolist(),
+            "xt": cost.xt.tolist(),
+            "seconds": [cost.seconds, cost.prior_seconds]}
+
+
+def resume_cost(cost: StepCost, state: dict, weight: float = 8.0) -> bool:
+    """`cost` starts from a `cost_state`, scaled down to at most `weight` steps so that this
+    process's measurements soon take over. False, nothing changed, on a bad shape."""
+    try:
+        if state.get("version") != COST_VERSION:
+            return False
+        groups = [str(g) for g in state["groups"]]
+        xx, xt = np.array(state["xx"], dtype=float), np.array(state["xt"], dtype=float)
+        n = BASE + len(groups)
+        seconds, prior_seconds = (float(x) for x in state["seconds"][:2])
+        if xx.shape != (n, n) or xt.shape != (n,) or not np.isfinite(xx).all():
+            return False
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+    scale = min(1.0, weight / xx[0, 0]) if xx[0, 0] > 0 else 1.0
+    cost.restore(groups, xx * scale, xt * scale, seconds * scale, prior_seconds * scale)
+    return True
+
+
+def policy_state(policy: AdaptiveK) -> dict:
+    """What an adaptive policy measured (its sources' acceptance), as JSON-able data."""
+    return {"version": POLICY_VERSION,
+            "sources": {a: [e.reached, e.accepted] for a, e in policy.sources.items()}}
+
+
+def resume_policy(policy: AdaptiveK, state: dict, weight: float = 8.0) -> bool:
+    """`policy` starts from a `policy_state`, scaled down to at most `weight` observations.
+    False, nothing changed, on a bad shape."""
+    try:
+        if state.get("version") != POLICY_VERSION:
+            return False
+        sources = {}
+        for arm, (reached, accepted) in state["sources"].items():
+            reached = [float(x) for x in reached][: policy.max_k]
+            accepted = [float(x) for x in accepted][: len(reached)]
+            count = reached[0] if reached else 0
+            scale = min(1.0, weight / count) if count > 0 else 1.0
+            sources[str(arm)] = SourceEstimate([x * scale for x in reached],
+                                               [x * scale for x in accepted])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return False
+    policy.restore(sources)
+    return True
 
 
 def read_states(path: Path) -> dict[str, dict]:

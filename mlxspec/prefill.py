@@ -14,7 +14,7 @@ import mlx.core as mx
 from . import caches
 from .caches.prompt import PromptCache
 from .caches.ragged import RaggedKVCache
-from .policy import AdaptiveK
+from .proposers import auto
 from .proposers.base import Proposer
 from .proposers.draft import draft_proposer
 
@@ -39,10 +39,9 @@ def start_proposer(engine: Engine, req: Request, prefill_seconds: float) -> None
     if req.proposer is not None:
         req.proposer.reset(req.tokens, req.sampling)
         draft = draft_proposer(req.proposer)
-        if (draft is not None and isinstance(req.policy, AdaptiveK)
-                and req.policy.catch_up_at_start(len(req.tokens) - 1 - len(draft.cached),
-                                                 req.max_tokens,
-                                                 engine.prefill_seconds_per_token)):
+        if draft is not None and auto.catch_up_at_start(
+                req.policy, len(req.tokens) - 1 - len(draft.cached), req.max_tokens,
+                engine.prefill_seconds_per_token):
             draft.catch_up(req.tokens)
     req.stats.prefill_seconds = prefill_seconds + time.perf_counter() - start
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .caches.prompt import PromptCache
 from .policy import AdaptiveK, Policy, RowOffer, RowPolicy, StepCost
+from .proposers import auto
 from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, draft_proposer
 from .sampling import SamplingParams
@@ -77,8 +78,8 @@ class BatchRow:
                 draft := draft_proposer(self.proposer)) is not None:
             # (at the target's prefill time per token, as the engine last measured it)
             per_token = getattr(self.engine, "prefill_seconds_per_token", 0.0)
-            if not policy.catch_up_pays(len(self.context) - len(draft.cached),
-                                        self.end - len(self.context), per_token):
+            if not auto.catch_up_pays(policy, len(self.context) - len(draft.cached),
+                                      self.end - len(self.context), per_token):
                 offered = {s: n for s, n in offered.items() if s not in DRAFT_ARMS}
         return offered
 

@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from .caches import Checkpoint
 from .caches.rows import as_rows
-from .constrain import allowed, bias_vector, logprob_arrays, read_logprobs
+from .constrain import adjust, allowed
 from .proposal import Proposal
 from .sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 
@@ -54,8 +54,8 @@ class StartedStep:
     matched: list[bool]  # greedy or keyed: a draft token is accepted where it equals the draw
     sources: list[str]
     width: int
-    # A plain step (width 1): (B,) every slot's next token. Else, flat per fed row: matched
-    # rows their draws[:k+1] + draft; other sampled rows n, next, draft (k = 0: next).
+    # flat per fed row: matched rows their draws[:k+1] + draft; other sampled rows n, next,
+    # draft (k = 0: next)
     out: mx.array
     ckpt: Checkpoint | None
     # rows with per-row work (`SamplingParams.adjusted`): their samplings, the position of the
@@ -158,33 +158,6 @@ def draw_next(logits: mx.array, samplings: list[SamplingParams], seeds: list[See
     return tokens
 
 
-def adjust(logits: mx.array, s: SamplingParams, k: int, mask) -> tuple[mx.array, tuple | None]:
-    """One row's logits (T, vocab) over its 1 + k verified positions (and padding): the bias
-    added, the grammar's mask (rows 0..k; None: its state now) applied; and the lazy
-    log-probability arrays of rows 0..k (before bias and mask, or after them and the sampling
-    transforms with `post_probs`) where asked."""
-    lp = None
-    if s.logprobs is not None and not s.post_probs:
-        lp = logprob_arrays(logits[: k + 1], s.logprobs)
-    vocab = logits.shape[-1]
-    if s.logit_bias:
-        logits = logits + bias_vector(s.logit_bias, vocab)
-    constraint = getattr(s.state, "constraint", None)
-    if constraint is not None:
-        if mask is None:
-            mask = allowed(constraint.bitmasks([]), vocab)
-        if mask.shape[0] < logits.shape[0]:  # padding positions: anything
-            mask = mx.concatenate([mask, mx.ones((logits.shape[0] - mask.shape[0], vocab),
-                                                 mx.bool_)])
-        logits = mx.where(mask, logits, -mx.inf)
-    if s.logprobs is not None and s.post_probs:
-        head = logits[: k + 1]
-        post = (mx.log(mx.softmax(head.astype(mx.float32), axis=-1)) if s.greedy
-                else mx.log(probs_from_logits(head, s)))
-        lp = logprob_arrays(post, s.logprobs)
-    return logits, lp
-
-
 def _draw(logits: mx.array, samplings: list[SamplingParams],
           seeds: list[SeedAt]) -> mx.array:
     tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -236,8 +209,10 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
     lps = None
     if adjusted:
         logits, lps = _adjust_rows(logits, samplings, last_tokens, sizes, masks)
-    if width == 1:  # plain: every slot's next token, read back by slot
+    if width == 1:  # plain: every row's next token in one draw, the fed rows' read back
         out = _draw(logits[:, 0], samplings, seeds)
+        if None in last_tokens:
+            out = out[mx.array([b for b, last in enumerate(last_tokens) if last is not None])]
     else:
         out = _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens)
     if sync is not None:
@@ -313,23 +288,11 @@ def _adjust_rows(logits: mx.array, samplings, last_tokens, sizes, masks):
 
 
 def _record(step: StartedStep, b: int, tokens: list[int]) -> list | None:
-    """Row b committed `tokens` (after the token it was fed): its grammar advances, its
-    log-probabilities are read (and kept on its state for its output)."""
+    """Row b committed `tokens`: its grammar and log-probabilities (`RequestState.committed`)."""
     s = step.samplings[b]
-    first = step.positions[b] + 1
-    if s.state is not None:
-        for i, t in enumerate(tokens):
-            s.state.known(first + i, t)
-        if s.state.constraint is not None:
-            s.state.align(first + len(tokens))
-    lp = step.lps[b]
-    if lp is None:
+    if s.state is None:  # a bias only (log-probabilities and grammars have a state)
         return None
-    got = read_logprobs(tokens, *lp, post=s.post_probs)
-    if s.state is not None:
-        for i, entry in enumerate(got):
-            s.state.logprobs[first + i] = entry
-    return got
+    return s.state.committed(step.positions[b] + 1, tokens, step.lps[b], s.post_probs)
 
 
 def finish_step(step: StartedStep) -> list[StepResult | None]:
@@ -338,14 +301,6 @@ def finish_step(step: StartedStep) -> list[StepResult | None]:
     if step.lps is not None and any(lp is not None for lp in step.lps):
         mx.eval(step.out, *[a for lp in step.lps if lp is not None for a in lp if a is not None])
     flat = step.out.tolist()
-    if step.width == 1:
-        results = [None if last is None else StepResult([t], 0, 0, "")
-                   for last, t in zip(step.fed, flat)]
-        if step.samplings is not None:
-            for b, res in enumerate(results):
-                if res is not None and step.samplings[b].adjusted:
-                    res.logprobs = _record(step, b, res.tokens)
-        return results
     results, drop, fed_rows, at = [], [], [], 0
     for last, k, matched, source in zip(step.fed, step.sizes, step.matched, step.sources):
         if last is None:
@@ -382,35 +337,18 @@ def decode_step(model: nn.Module, cache, last_tokens: list[int | None],
     """One whole step (`start_step` then `finish_step`); a token tree on one row's own cache
     runs the tree step (`tree.py`)."""
     first = proposals[0]
-    tree = (len(last_tokens) == 1 and first is not None and first.parents is not None
-            and first.tokens.size > 0)
-    if tree and samplings[0].adjusted:
-        # a grammar, a bias or log-probabilities on a tree: its first chain, as a chain
-        proposals = [first_chain(first)]
-        tree = False
-    if tree:
-        from .tree import tree_step
+    if (len(last_tokens) == 1 and first is not None and first.parents is not None
+            and first.tokens.size > 0):
+        from .tree import first_chain, tree_step
 
-        rows = as_rows(model, cache)
-        if not rows.alone:
-            raise ValueError("token trees run one row at a time, on its own cache")
-        tokens, n = tree_step(model, rows.layers, last_tokens[0], first, samplings[0], seeds[0],
-                              max_accept=max_accepts[0], sync=sync)
-        return [StepResult(tokens, n, first.depth(), first.source)]
+        if samplings[0].adjusted:  # a grammar, a bias or log-probabilities: its first chain
+            proposals = [first_chain(first)]
+        else:
+            rows = as_rows(model, cache)
+            if not rows.alone:
+                raise ValueError("token trees run one row at a time, on its own cache")
+            tokens, n = tree_step(model, rows.layers, last_tokens[0], first, samplings[0],
+                                  seeds[0], max_accept=max_accepts[0], sync=sync)
+            return [StepResult(tokens, n, first.depth(), first.source)]
     return finish_step(start_step(model, cache, last_tokens, proposals, samplings, seeds,
                                   max_accepts, sync))
-
-
-def first_chain(tree: Proposal) -> Proposal | None:
-    """A tree's first path (each node's first verifiable child) as a deterministic chain
-    (exact under the one-hot rule whatever chose it); None where the tree wants the target's
-    argmax back (lookahead's window) or has no such path."""
-    if tree.want_argmax or tree.on_result is not None:
-        return None
-    tokens = tree.tokens.tolist()
-    chain, at = [], -1
-    for i, p in enumerate(tree.parents):
-        if p == at and (tree.verify is None or tree.verify[i]):
-            chain.append(tokens[i])
-            at = i
-    return Proposal(mx.array(chain, mx.uint32), source=tree.source) if chain else None

@@ -109,6 +109,15 @@ class StepOutput:
     logprobs: list | None = None
 
 
+def merged(outs: list[StepOutput]) -> StepOutput:
+    """Consecutive outputs of one row as one."""
+    last = outs[-1]
+    logprobs = (None if any(o.logprobs is None for o in outs)
+                else [e for o in outs for e in o.logprobs])
+    return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
+                      last.stats, last.finish_reason, last.stop_string, logprobs)
+
+
 class Detokenizer:
     """A generation's committed tokens to `StepOutput`s, the one detokenizer of every path:
     text up to an end-of-sequence token or a stop string, the stats' decode time."""

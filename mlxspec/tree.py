@@ -302,3 +302,18 @@ def tree_step(model: nn.Module, cache: list, last_token: int, proposal: Proposal
     if proposal.on_result is not None:
         proposal.on_result(want_argmax, path)
     return [tokens[i] for i in path] + [int(next_token)], len(path)
+
+
+def first_chain(tree: Proposal) -> Proposal | None:
+    """A tree's first path (each node's first verifiable child) as a deterministic chain
+    (exact under the one-hot rule whatever chose it); None where the tree wants the target's
+    argmax back (lookahead's window) or has no such path."""
+    if tree.want_argmax or tree.on_result is not None:
+        return None
+    tokens = tree.tokens.tolist()
+    chain, at = [], -1
+    for i, p in enumerate(tree.parents):
+        if p == at and (tree.verify is None or tree.verify[i]):
+            chain.append(tokens[i])
+            at = i
+    return Proposal(mx.array(chain, mx.uint32), source=tree.source) if chain else None

@@ -101,7 +101,7 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     batch = BatchSpeculator(model, BatchPolicy(cost), sync=sync)
     row = BatchRow(None, PromptCache(cache), context, proposer, policy, sampling, seed, stats,
                    len(context) + max_tokens, num_draft, [], cost)
-    batch.start(row)
+    batch.join([(row, True)])
     for out in follow(batch, row):
         yield [] if out is None else out.tokens
 
@@ -113,7 +113,7 @@ def next_output(batch, row):
     """The row's next output, stepping its batch until there is one (StopIteration once it
     has ended or left), keeping what the steps produced for the other rows: tests read rows
     one at a time. A row still opening gets its prefill's token without a decoding step."""
-    from mlxspec.batch_step import merged
+    from mlxspec.stopstrings import merged
 
     kept = _unclaimed.setdefault(id(batch), {})
     while True:

@@ -9,13 +9,15 @@ import pytest
 from conftest import build_model, make_engine, observe_plain, observe_step
 
 from mlxspec import policy_store
-from mlxspec.policy import (
+from mlxspec.policy import AdaptiveK
+from mlxspec.policy_store import read_states
+from mlxspec.proposers import auto
+from mlxspec.proposers.auto import (
     SAME_FAMILY_ACCEPT,
-    AdaptiveK,
+    catch_up_pays,
     draft_policy,
     draft_priors,
 )
-from mlxspec.policy_store import read_states
 from mlxspec.proposers.draft import CATCH_UP_APART, DraftModelProposer
 from mlxspec.request import workload_signal
 from mlxspec.sampling import SamplingParams
@@ -96,24 +98,24 @@ def test_a_catch_up_the_rest_of_the_request_cannot_repay_is_not_started():
     policy = draft_policy(target, DraftModelProposer(same))
     assert 0.3 < policy.draft_ratio < 0.4
     # no step's cost measured yet: a plain step is judged at its lower bound (8 x 27 ms)
-    assert not policy.catch_up_pays(1400, 40, 0.027) and policy.catch_up_pays(140, 40, 0.027)
+    assert not catch_up_pays(policy, 1400, 40, 0.027) and catch_up_pays(policy, 140, 40, 0.027)
     observe_plain(policy, 4, 4 * 0.33)
     assert policy.choose("draft") > 0  # a same-family draft: on from its priors
-    assert not policy.catch_up_pays(1400, 40, 0.027)
-    assert policy.catch_up_pays(300, 128, 0.027) and policy.catch_up_pays(20, 2, 0.027)
+    assert not catch_up_pays(policy, 1400, 40, 0.027)
+    assert catch_up_pays(policy, 300, 128, 0.027) and catch_up_pays(policy, 20, 2, 0.027)
     # not measured yet, it is judged as a draft that pays would: a 40-token chat answer after a
     # 300-token prompt is worth it (judged at the prior it was not, and nothing measured)
-    assert policy.catch_up_pays(300, 40, 0.027)
+    assert catch_up_pays(policy, 300, 40, 0.027)
     # measured at 94 % acceptance it saves more per token: a longer catch-up pays
     for _ in range(20):
         observe_step(policy, "draft", 4, 4, 0.6)
-    assert policy.catch_up_pays(1400, 256, 0.027) and not policy.catch_up_pays(1400, 40, 0.027)
+    assert catch_up_pays(policy, 1400, 256, 0.027) and not catch_up_pays(policy, 1400, 40, 0.027)
     # a draft the estimates keep off is probed only for a catch-up within 2 % of the request
     off = AdaptiveK(draft_ratio=0.34)
     observe_plain(off, 4, 4 * 0.33)
     assert off.choose("draft") == 0
-    assert off.catch_up_pays(60, 256, 0.027) and not off.catch_up_pays(300, 128, 0.027)
-    assert AdaptiveK().catch_up_pays(1400, 40, 0.027)  # no draft model: nothing to refuse
+    assert catch_up_pays(off, 60, 256, 0.027) and not catch_up_pays(off, 300, 128, 0.027)
+    assert catch_up_pays(AdaptiveK(), 1400, 40, 0.027)  # no draft model: nothing to refuse
 
 
 def test_auto_offers_its_draft_only_where_the_catch_up_pays(monkeypatch):
@@ -122,11 +124,11 @@ def test_auto_offers_its_draft_only_where_the_catch_up_pays(monkeypatch):
     prompt = [(7 * i) % 251 for i in range(56)]  # nothing for prompt lookup to match
     seen = []
 
-    def judged(self, behind, remaining, prefill_per_token):
+    def judged(policy, behind, remaining, prefill_per_token):
         seen.append((behind, remaining, prefill_per_token))
         return pays
 
-    monkeypatch.setattr(AdaptiveK, "catch_up_pays", judged)
+    monkeypatch.setattr(auto, "catch_up_pays", judged)
     for pays in (False, True):
         seen.clear()
         engine = make_engine(target, "auto", draft_model=draft)  # (no store of the last run)
@@ -160,12 +162,12 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     monkeypatch.setattr(DraftModelProposer, "catch_up", spy)
     engine = make_engine(target, "auto", draft_model=draft)
     want = make_engine(target, "none").generate(prompts[1], max_tokens=12).tokens
-    monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: True)
+    monkeypatch.setattr(auto, "catch_up_pays", lambda policy, *a: True)
     assert not engine.cost.seconds  # nothing measured yet
     result = engine.generate(prompts[1], max_tokens=12)
     assert caught == [(len(prompts[1]), prompts[1][:-1])]
     assert result.tokens == want and result.stats.prefill_seconds > 0
-    monkeypatch.setattr(AdaptiveK, "catch_up_pays", lambda self, *a: False)
+    monkeypatch.setattr(auto, "catch_up_pays", lambda policy, *a: False)
     caught.clear()
     engine.generate(prompts[2], max_tokens=12)
     assert not caught
@@ -191,7 +193,7 @@ def test_a_free_source_is_measured_while_the_draft_runs(batched):
 
     chosen = {}
     for watching in (True, False):
-        policy = draft_policy(target, DraftModelProposer(same), max_k=4, dither=False)
+        policy = draft_policy(target, DraftModelProposer(same), max_k=4)
         observe_plain(policy, 4, 4 * 0.1)
         planner = RowPolicy(policy, Lookup(), cost=policy.cost)
         context = text[:10]

@@ -576,7 +576,8 @@ def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_specul
     assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
     assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
     pricey = BatchPolicy(StepCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
-    assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
+    # (k = 3 pays most for the first row; 4 is within `DEEPER` of it, and deeper)
+    assert pricey.decide([good, offers(0.5, 1)[0]]) == [4, 1]
     # a probe (forced) widens a batch that would step plainly; the others fill the width
     ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
     assert ks[3] == 2 and max(ks) == 2
@@ -719,7 +720,7 @@ def test_rows_force_nothing_but_a_due_probe(pair):
     for row in (hot, cold):  # (its shadow's probe of the draft may be due)
         source, offer = row.offer()
         assert source == "draft" and (offer.forced == 0 or offer.probe)
-    policy = AdaptiveK(max_k=4, dither=False)
+    policy = AdaptiveK(max_k=4)
     observe_plain(policy, 4, 0.04)
     for _ in range(20):  # the draft rejected at once, every time: the arm goes off
         observe_step(policy, "draft", 4, 0, 0.02)
@@ -768,7 +769,7 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
     answer = base.clone().generate(prompt, max_tokens=24, mode="none").tokens
     dear = (1.0, 0.3, 3.0, 2.0, 0.01, 3.0)  # width never pays
     batch = BatchSpeculator(target, policy=BatchPolicy(FrozenCost(prior=dear)))
-    right, wrong = AdaptiveK(max_k=4, dither=False), AdaptiveK(max_k=4, dither=False)
+    right, wrong = AdaptiveK(max_k=4), AdaptiveK(max_k=4)
     rows = [batch.open(base.clone(), prompt, max_tokens=24, prediction=answer, policy=right),
             batch.open(base.clone(), prompt, max_tokens=24,
                        prediction=[t ^ (i % 2) for i, t in enumerate(answer)], policy=wrong)]

@@ -94,7 +94,7 @@ def test_auto_tries_the_tree_and_keeps_choosing_by_measurement(pair):
         got = auto.generate(prompt, max_tokens=40, prompt_cache=PromptCache())
         assert got.tokens == want
         tree_drafted += got.stats.drafted_by_source.get(TREE, 0)
-    assert tree_drafted > 0 and auto.policy._measured(TREE) > 0
+    assert tree_drafted > 0 and auto.policy.measured(TREE) > 0
     batch = BatchSpeculator(target)
     rows = [batch.open(auto.clone(), p, max_tokens=8) for p in PROMPTS[:2]]
     batch.step()

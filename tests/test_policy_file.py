@@ -13,7 +13,14 @@ from conftest import REPO, observe_plain, observe_step
 import mlxspec
 from mlxspec import policy_store
 from mlxspec.policy import AdaptiveK, StepCost
-from mlxspec.policy_store import read_states, write_states
+from mlxspec.policy_store import (
+    cost_state,
+    policy_state,
+    read_states,
+    resume_cost,
+    resume_policy,
+    write_states,
+)
 
 
 def measured() -> AdaptiveK:
@@ -27,17 +34,18 @@ def measured() -> AdaptiveK:
 
 def test_resume_starts_from_the_measurements_scaled_down():
     before = measured()
-    state = json.loads(json.dumps(before.snapshot()))  # it survives JSON
+    state = json.loads(json.dumps(policy_state(before)))  # it survives JSON
     cost = StepCost()
-    assert cost.resume(json.loads(json.dumps(before.cost.snapshot())), weight=8.0)
+    assert resume_cost(cost, json.loads(json.dumps(cost_state(before.cost))), weight=8.0)
     fresh, resumed = AdaptiveK(max_k=8), AdaptiveK(max_k=8, cost=cost)
-    assert resumed.resume(state, weight=8.0)
+    assert resume_policy(resumed, state, weight=8.0)
     # The prior proposes a few tokens; the resumed policy knows how far 4-gram matches go.
-    assert resumed.choose("ngram:4") == 6 > fresh.choose("ngram:4")  # 6 always accepted
+    # (6 always accepted; a 7th, never, costs so little that it is within `DEEPER`)
+    assert resumed.choose("ngram:4") in (6, 7) and fresh.choose("ngram:4") < 6
     assert resumed.choose("ngram:1") == 0 < fresh.choose("ngram:1")
     # Scaled to 8 observations: this process's own measurements take over quickly.
     assert resumed.sources["ngram:4"].reached[0] == pytest.approx(8.0)
-    assert cost.xx[0, 0] == pytest.approx(8.0) and cost.plain_weight <= 1.0
+    assert cost.xx[0, 0] == pytest.approx(8.0)
     # ... and it predicts what was measured (its prior counts a little more now)
     assert cost.time(1, 9, 8) == pytest.approx(0.15, rel=0.05)
     assert cost.plain() == pytest.approx(0.1, rel=0.2)
@@ -49,9 +57,9 @@ def test_resume_starts_from_the_measurements_scaled_down():
                                   "plain": [0.1, 1]}])
 def test_resume_refuses_other_snapshots_and_changes_nothing(bad):
     policy = measured()
-    before = policy.snapshot()
-    assert not policy.resume(bad)
-    assert policy.snapshot() == before
+    before = policy_state(policy)
+    assert not resume_policy(policy, bad)
+    assert policy_state(policy) == before
 
 
 @pytest.mark.parametrize("bad", [{"version": 2}, {"version": 1, "groups": [], "xx": [[1.0]],
@@ -60,9 +68,9 @@ def test_resume_refuses_other_snapshots_and_changes_nothing(bad):
                                   "seconds": [1, 1, 1]}])
 def test_the_cost_model_refuses_other_snapshots_and_changes_nothing(bad):
     cost = measured().cost
-    before = json.dumps(cost.snapshot())
-    assert not cost.resume(bad)
-    assert json.dumps(cost.snapshot()) == before
+    before = json.dumps(cost_state(cost))
+    assert not resume_cost(cost, bad)
+    assert json.dumps(cost_state(cost)) == before
 
 
 def test_the_file_merges_modes_and_a_damaged_one_is_ignored(tmp_path, caplog):

@@ -9,9 +9,12 @@ a plain step when none is expected to beat plain decoding.
 
 from __future__ import annotations
 
+from mlx.utils import tree_flatten
+
+from ..policy import PRIOR, AdaptiveK, StepCost
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
-from .draft import CONTINUED, DRAFT_ARMS, TREE, DraftModelProposer
+from .draft import CONTINUED, DRAFT_ARMS, TREE, TREE_WIDTH, DraftModelProposer
 from .ngram import NgramProposer
 from .suffix import _OWN, SuffixProposer
 
@@ -115,3 +118,90 @@ class AutoProposer(Proposer):
             self.suffix.update(context, num_accepted)
         if self.draft is not None:
             self.draft.update(context, num_accepted)
+
+
+# -- auto's draft model: its priors, and whether its catch-up on skipped context pays
+
+# A draft of the target's own family with at least this fraction of its parameters starts from
+# SAME_FAMILY_ACCEPT per position: Qwen2.5-Coder-0.5B for the 1.5B (0.32 of it) accepts 86-94 %
+# of its drafts on code, and 68 % on chat at k = 4 (3.48 tokens per forward: 0.85 per
+# position, each given the ones before; docs/PERFORMANCE.md); smaller drafts, such as the
+# bundled 0.8 M one for its 6.4 M target, keep the pessimistic prior and are probed.
+SAME_FAMILY_MIN_RATIO = 0.2
+SAME_FAMILY_ACCEPT = 0.85
+# A draft the estimates keep off is probed only where its catch-up costs at most this share of
+# the request's plain decoding time (`catch_up_pays`)
+PROBE_CATCH_UP = 0.02
+# Before any step is measured, a plain decode step is taken to cost at least this many times the
+# target's prefill time per token: a lower bound (14-24x measured for the coder 1.5B on this
+# CPU, docs/PERFORMANCE.md), so that a fresh process's first request judges its draft's catch-up
+DECODE_OVER_PREFILL = 8.0
+# Until its first position was reached this often, a draft the estimates turn on is judged at
+# this acceptance per position (a prior judged it would keep a draft off for good where
+# requests are short: nothing would measure it)
+CATCH_UP_MEASURED, CATCH_UP_ACCEPT = 4.0, 0.9
+
+
+def draft_priors(target, draft_proposer) -> dict:
+    """`AdaptiveK` settings for auto's draft model: the acceptance a same-family draft earns;
+    and (`forward_prior`, for the engine's `StepCost`, relative to a target step) a cost per
+    drafted token of the draft's share of the target's parameters (0.34 measured for the coder
+    pair, 0.32 by parameters; a tree's forward also has the target verify W rows per depth)."""
+    draft = getattr(draft_proposer, "model", None)
+    if draft is None:
+        return {}
+    sizes = [sum(v.size for _, v in tree_flatten(m.parameters())) for m in (draft, target)]
+    ratio = sizes[0] / max(sizes[1], 1)
+    priors = {"forward_prior": {"draft": ratio, CONTINUED: ratio,
+                                TREE: ratio + PRIOR[2] * (TREE_WIDTH - 1)},
+              "variants": {"draft": TREE}, "draft_ratio": ratio}
+    family = [getattr(getattr(m, "args", None), "model_type", None) for m in (target, draft)]
+    if family[0] is not None and family[0] == family[1] and ratio >= SAME_FAMILY_MIN_RATIO:
+        priors["group_prior_accept"] = {"draft": SAME_FAMILY_ACCEPT,
+                                        TREE: SAME_FAMILY_ACCEPT,
+                                        CONTINUED: SAME_FAMILY_ACCEPT}
+    return priors
+
+
+def draft_policy(target, draft_proposer, cost: StepCost | None = None, **kwargs) -> AdaptiveK:
+    """`AdaptiveK` on `cost` (the engine's) with `draft_priors`, the draft's forward cost
+    prior put in `cost`; `kwargs`: other settings (max_k)."""
+    cost = cost or StepCost()
+    priors = draft_priors(target, draft_proposer)
+    cost.forward_prior.update(priors.pop("forward_prior", {}))
+    return AdaptiveK(cost=cost, **priors, **kwargs)
+
+
+def catch_up_pays(policy: AdaptiveK, behind: int, remaining: int,
+                  prefill_per_token: float) -> bool:
+    """Whether a draft that has not read the last `behind` tokens (auto's draft reads a
+    request's prompt at its first proposal) repays that catch-up, at its share of the target's
+    prefill per token, over the `remaining` tokens the request may generate: by the time per
+    token it is expected to save at its best k (at CATCH_UP_ACCEPT until measured; where the
+    estimates keep it off, only a catch-up within PROBE_CATCH_UP of the request's plain time
+    is worth a probe). On the coder pair here a 40-token fill-in-the-middle answer after
+    1,400 prompt tokens cannot repay 13 s of catch-up; a chat answer can."""
+    if not policy.draft_ratio or prefill_per_token <= 0:
+        return True
+    catch_up = behind * prefill_per_token * policy.draft_ratio
+    measured = policy.cost.seconds  # else a plain step at its lower bound
+    plain = policy.plain_time() if measured else DECODE_OVER_PREFILL * prefill_per_token
+    if catch_up <= plain:  # a few tokens behind
+        return True
+    k = policy.choose("draft", max(1, remaining - 1))
+    if k == 0:
+        return catch_up <= remaining * plain * PROBE_CATCH_UP
+    if policy.measured("draft") < CATCH_UP_MEASURED:  # judged as a draft that pays would
+        expected = sum(CATCH_UP_ACCEPT ** i for i in range(k + 1))
+    else:
+        expected = policy.expected_tokens("draft", k)
+    saved = plain * (1.0 - policy.step_time("draft", k) / policy.plain_time() / expected)
+    return catch_up <= remaining * saved
+
+
+def catch_up_at_start(policy, behind: int, remaining: int, prefill_per_token: float) -> bool:
+    """Whether auto's draft reads the prompt with the target's prefill: where its catch-up
+    pays over the whole request (its first proposal would catch up anyway, timed as
+    decoding)."""
+    return (isinstance(policy, AdaptiveK) and policy.draft_ratio > 0 and prefill_per_token > 0
+            and behind > 0 and catch_up_pays(policy, behind, remaining, prefill_per_token))
