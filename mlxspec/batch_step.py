@@ -391,15 +391,10 @@ class BatchSpeculator:
                 self.rows_stepped += 1
                 r.commit([token], seconds=seconds)
         nxt = self.queued
-        if nxt is None:
-            return
-        for r in nxt.rows:
-            if r is not None and not r.wants:
-                # a row ended (a stop string, an end token): the token queued for it goes
-                self.cache.trim_rows([1 if r is not None and not r.wants else 0
-                                      for r in nxt.rows], ckpt=nxt.ckpt)
-                nxt.rows = [r if r is not None and r.wants else None for r in nxt.rows]
-                return
+        ended = [r is not None and not r.wants for r in nxt.rows] if nxt is not None else ()
+        if True in ended:  # a row ended (a stop string, an end token): its queued token goes
+            self.cache.trim_rows([int(e) for e in ended], ckpt=nxt.ckpt)
+            nxt.rows = [None if e else r for r, e in zip(nxt.rows, ended)]
 
     def _replan(self, rows: list[BatchRow | None]) -> bool:
         """Whether a row of the stretch would propose now (a row on its own cache asks every

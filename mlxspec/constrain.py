@@ -473,6 +473,44 @@ def adjust(logits: mx.array, s, k: int, mask) -> tuple[mx.array, tuple | None]:
     return logits, lp
 
 
+def adjust_next(logits: mx.array, samplings, seeds, positions) -> tuple[mx.array, list]:
+    """Rows' last logits (B, vocab) for the draw of each row's next token: an adjusted row's
+    bias and grammar (after every token before the one drawn) applied; and what to record on
+    each row's state once drawn, (state, b, position, lazy log-probabilities, post). A row's
+    position: positions[b], else its key's, else the one after its last drawn or committed."""
+    rows, pending = [], []
+    for b, s in enumerate(samplings):
+        x, state = logits[b], s.state
+        if s.adjusted:
+            pos = None
+            if state is not None:
+                pos = (positions[b] if positions is not None and positions[b] is not None
+                       else seeds[b][1] if seeds[b] is not None else state.next_position())
+                if state.constraint is not None:
+                    state.align(pos)
+            x, lp = adjust(x[None], s, 0, None)
+            x = x[0]
+            if state is not None:
+                pending.append((state, b, pos, lp, s.post_probs))
+        rows.append(x)
+    return mx.stack(rows), pending
+
+
+def adjust_rows(logits: mx.array, samplings, last_tokens, sizes, masks):
+    """A step's logits (B, T, vocab) with every adjusted fed row's `adjust`ed (its grammar's
+    `masks[b]` over its sizes[b] + 1 verified positions), and their log-probability arrays."""
+    vocab = logits.shape[-1]
+    out, lps = [], []
+    for b, s in enumerate(samplings):
+        x, lp = logits[b], None
+        if s.adjusted and last_tokens[b] is not None:
+            mask = masks[b]
+            x, lp = adjust(x, s, sizes[b], None if mask is None else allowed(mask, vocab))
+        out.append(x)
+        lps.append(lp)
+    return mx.stack(out), lps
+
+
 def make_state(tokenizer, prompt_len: int, grammar: tuple | None,
                logprobs: int | None) -> RequestState | None:
     """A request's state: its grammar (kind, spec) compiled, room for log-probabilities."""

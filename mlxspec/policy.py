@@ -28,10 +28,10 @@ PRIOR = (1.0, 0.3, 0.035, 0.26, 0.01, 0.3)
 PRIOR_AT = (1.0, 1.0, 8.0, 3.0, 4.0, 2.0)
 PROPOSED = 4  # index of K in the features
 BASE = 5  # features before the groups' forward columns
-# Where speculating pays, the deepest k whose expected rate is within this fraction of the best:
-# acceptance runs above and below its estimate from step to step, and a deeper k gains more in
-# the first case than it loses in the second (on coder-pair chat, docs/PERFORMANCE.md)
-DEEPER = 0.03
+# A row alone keeps the default k (`AdaptiveK.trusted_k`) unless another k is expected to beat
+# it by this fraction: the estimates at other depths rest on fewer steps, and acceptance moves
+# between requests more than they follow (on coder-pair chat, docs/PERFORMANCE.md)
+KEEP_DEFAULT = 0.03
 # source groups (a source's name up to ':') whose proposals cost no model forward of their own
 # (lookahead's window rides in the verifying forward)
 FREE_GROUPS = frozenset({"", "ngram", "prediction", "ngram-tree", "suffix", "lookahead"})
@@ -163,12 +163,8 @@ class RowOffer:
 
     survive: list[float]  # s_i = P(positions 1..i all accepted), i = 1..cap
     group: str = ""  # `forward_group` of its source: rows of one group share its forwards
-    forced: int = 0  # propose at least this many (a probe), capped by cap
+    forced: int = 0  # propose at least this many (a probe), at most len(survive)
     probe: bool = False  # forced because the row's own policy probes a switched-off arm
-
-    @property
-    def cap(self) -> int:
-        return len(self.survive)
 
 
 def survival(accept_probs: list[float], cap: int) -> list[float]:
@@ -178,14 +174,14 @@ def survival(accept_probs: list[float], cap: int) -> list[float]:
 
 def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
               rows: int | None = None, span: int = 0,
-              pipelined: bool = False) -> tuple[list[int], float]:
+              pipelined: bool = False, default: int = 0) -> tuple[list[int], float]:
     """The per-row k maximising expected tokens per second, and that rate, over every width
     from the forced minimum to 1 + the largest cap, rows that cost forwards proposing or not
-    (a row alone is one offer). Plain Python: asked every step, over a few rows."""
+    (a row alone: `_choose_alone`). Plain Python: asked every step, over a few rows."""
     if not offers:
         return [], 0.0
     if len(offers) == 1 and not rows and not offers[0].forced:
-        return _choose_alone(cost, offers[0], span, pipelined)
+        return _choose_alone(cost, offers[0], span, pipelined, default)
     rows = max(rows or 0, len(offers))
     e = cost.coef()[PROPOSED]
 
@@ -208,7 +204,7 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
     for _ in range(2 if e > 0 else 1):
         threshold = e * best_rate
         worth = [len([x for x in o.survive if x > threshold]) for o in offers]  # non-increasing
-        round_ks, round_rate, top, seen = None, 0.0, 0.0, set()
+        round_ks, round_rate, seen = None, 0.0, set()
         for width in range(narrowest, widest + 1):
             for proposing in ((False, True) if costly else (False,)):
                 ks = tuple([max(min(cap, width - 1, w) if proposing or not o.group else 0, f)
@@ -222,30 +218,31 @@ def choose_ks(cost: StepCost, offers: list[RowOffer], last_rate: float = 0.0,
                         forwards[o.group] = max(forwards.get(o.group, 0), k)
                 t = seconds(1 + max(ks), sum(ks), forwards, not pipelined or any(ks))
                 rate = sum([x[k] for x, k in zip(expected, ks)]) / t
-                if (round_ks is None or rate > round_rate * 1.0001
-                        or (any(round_ks) and rate >= top * (1.0 - DEEPER))):
+                if round_ks is None or rate > round_rate * 1.0001:
                     round_ks, round_rate = ks, rate
-                top = max(top, rate)
         if best_ks is None or round_rate >= best_rate:
             best_ks, best_rate = round_ks, round_rate
     return list(best_ks), best_rate
 
 
-def _choose_alone(cost: StepCost, offer: RowOffer, span: int,
-                  pipelined: bool) -> tuple[list[int], float]:
+def _choose_alone(cost: StepCost, offer: RowOffer, span: int, pipelined: bool,
+                  default: int) -> tuple[list[int], float]:
     """`choose_ks` for one row by itself: every k in one pass (asked every step a row plans;
-    the same choice as the general rule's exhaustive first round)."""
-    group = offer.group
-    best_k = 0
-    best_rate = top = 1.0 / max(cost.time(1, 1, span=span, synced=not pipelined), 1e-12)
+    the general rule's exhaustive first round), the default k kept where speculating pays and
+    no other k pays `KEEP_DEFAULT` more."""
+    group, best_k, kept, default = offer.group, 0, 0.0, min(default, len(offer.survive))
+    best_rate = 1.0 / max(cost.time(1, 1, span=span, synced=not pipelined), 1e-12)
     expected = 1.0
     for k, survive in enumerate(offer.survive, 1):
         expected += survive
         t = cost.time(1, 1 + k, k, {group: k} if group else None, span)
         rate = expected / max(t, 1e-12)
-        if rate > best_rate * 1.0001 or (best_k and rate >= top * (1.0 - DEEPER)):
+        if rate > best_rate * 1.0001:
             best_k, best_rate = k, rate
-        top = max(top, rate)
+        if k == default:
+            kept = rate
+    if best_k and kept >= best_rate * (1.0 - KEEP_DEFAULT):
+        return [default], kept
     return [best_k], best_rate
 
 
@@ -407,7 +404,8 @@ class AdaptiveK:
         hit = self._memo.get((source, limit))
         if hit is None:
             offer = RowOffer(survival(self.accept_probs(source), limit), forward_group(source))
-            hit = choose_ks(self.cost, [offer], span=self.span, pipelined=True)[0][0]
+            hit = choose_ks(self.cost, [offer], span=self.span, pipelined=True,
+                            default=self.trusted_k)[0][0]
             self._memo[(source, limit)] = hit
         return hit
 
@@ -467,8 +465,6 @@ class AdaptiveK:
         """Acceptance without a step: the first `accepted` of `drafted` tokens a deterministic
         source would have proposed were committed (`RowPolicy.watch`; exact at temperature 0,
         the same in expectation above it)."""
-        if not drafted:
-            return
         self._count(source, drafted, accepted)
         self._memo.clear()
         if self.choose(source) > 0:
@@ -552,8 +548,8 @@ class BatchPolicy:
             self.last_probe = step
         first = offers[probing[0]][1]
         hopeful = [o for _, o in unforced]
-        hopeful[probing[0]] = RowOffer(survival([OPTIMISTIC] * first.cap, first.cap),
-                                       first.group)
+        cap = len(first.survive)
+        hopeful[probing[0]] = RowOffer(survival([OPTIMISTIC] * cap, cap), first.group)
         ks, _ = choose_ks(self.cost, hopeful, rows=rows, span=span, pipelined=pipelined)
         return offers if ks[probing[0]] else unforced
 
@@ -566,13 +562,11 @@ class BatchPolicy:
         ks = self.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
         for r, (source, offer), k in zip(rows, offers, ks):
             planner = r.planner
-            if k and offer.group:
-                pass  # a draft runs: the watch of a free source its offer started goes on
-            elif k:
-                planner.watching = planner.watch_for = None  # measured by the step itself
-            elif not offer.group:
-                planner.watch(source, offer.cap, r.context)
-            else:
+            if not offer.group and k:  # a free source proposing: its step measures it
+                planner.watching = planner.watch_for = None
+            elif not offer.group:  # kept plain: what it would have proposed is watched
+                planner.watch(source, len(offer.survive), r.context)
+            elif not k:  # a draft kept plain (one running: a watch its offer started goes on)
                 planner.watch_for = None
         return [(source, k) for (source, _), k in zip(offers, ks)]
 

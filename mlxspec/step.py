@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from .caches import Checkpoint
 from .caches.rows import as_rows
-from .constrain import adjust, allowed
+from .constrain import adjust_next, adjust_rows
 from .proposal import Proposal
 from .sampling import SamplingParams, keyed_draw, probs_from_logits, sample
 
@@ -130,30 +130,13 @@ def draw_next(logits: mx.array, samplings: list[SamplingParams], seeds: list[See
               positions: list[int | None] | None = None) -> mx.array:
     """Each row's next token from its last logits (B, vocab), lazily: greedy rows one argmax,
     keyed rows their keyed draw, other sampled rows together per sampling setting from MLX's
-    global generator. A row's bias and grammar apply (its grammar after every token before
-    the one drawn), and its log-probabilities are kept on its state until the token is read.
-    `positions`: of each row's token drawn (default: a keyed row's, or the one after the
-    row's last drawn or committed)."""
+    global generator. A row's bias and grammar apply, and its log-probabilities are kept on
+    its state until the token is read (`constrain.adjust_next`)."""
     if not any(s.adjusted for s in samplings):
         return _draw(logits, samplings, seeds)
-    rows, drawn = [], []
-    for b, s in enumerate(samplings):
-        x = logits[b]
-        state = s.state
-        if s.adjusted:
-            pos = None
-            if state is not None:
-                pos = (positions[b] if positions is not None and positions[b] is not None
-                       else seeds[b][1] if seeds[b] is not None else state.next_position())
-                if state.constraint is not None:
-                    state.align(pos)
-            x, lp = adjust(x[None], s, 0, None)
-            x = x[0]
-            if state is not None:
-                drawn.append((state, b, pos, lp, s.post_probs))
-        rows.append(x)
-    tokens = _draw(mx.stack(rows), samplings, seeds)
-    for state, b, pos, lp, post in drawn:
+    logits, pending = adjust_next(logits, samplings, seeds, positions)
+    tokens = _draw(logits, samplings, seeds)
+    for state, b, pos, lp, post in pending:
         state.drawn(pos, tokens[b], lp, post)
     return tokens
 
@@ -208,7 +191,7 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
         rows.trim_rows([width if last is None else 0 for last in last_tokens])
     lps = None
     if adjusted:
-        logits, lps = _adjust_rows(logits, samplings, last_tokens, sizes, masks)
+        logits, lps = adjust_rows(logits, samplings, last_tokens, sizes, masks)
     if width == 1:  # plain: every row's next token in one draw, the fed rows' read back
         out = _draw(logits[:, 0], samplings, seeds)
         if None in last_tokens:
@@ -271,20 +254,6 @@ def _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens) -> mx
             n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
             outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
     return mx.concatenate(outs)
-
-
-def _adjust_rows(logits: mx.array, samplings, last_tokens, sizes, masks):
-    """Every adjusted row's logits (bias, grammar) and log-probability arrays."""
-    vocab = logits.shape[-1]
-    out, lps = [], []
-    for b, s in enumerate(samplings):
-        x, lp = logits[b], None
-        if s.adjusted and last_tokens[b] is not None:
-            mask = masks[b]
-            x, lp = adjust(x, s, sizes[b], None if mask is None else allowed(mask, vocab))
-        out.append(x)
-        lps.append(lp)
-    return mx.stack(out), lps
 
 
 def _record(step: StartedStep, b: int, tokens: list[int]) -> list | None:

@@ -202,7 +202,7 @@ def test_a_free_source_is_measured_while_the_draft_runs(batched):
             available, seen = {"draft": 4, "ngram:4": 4}, context if watching else None
             if batched:
                 source, offer = planner.offer(available, seen)
-                k = offer.cap
+                k = len(offer.survive)
             else:
                 source, k = planner.plan(available, seen)
             sources.append(source)

@@ -576,8 +576,7 @@ def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_specul
     assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
     assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
     pricey = BatchPolicy(StepCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
-    # (k = 3 pays most for the first row; 4 is within `DEEPER` of it, and deeper)
-    assert pricey.decide([good, offers(0.5, 1)[0]]) == [4, 1]
+    assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
     # a probe (forced) widens a batch that would step plainly; the others fill the width
     ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
     assert ks[3] == 2 and max(ks) == 2

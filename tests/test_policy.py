@@ -11,7 +11,15 @@ from conftest import build_model, decode, make_engine, observe_plain, observe_st
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlxspec.sampling as sampling_module
-from mlxspec.policy import AdaptiveK, FixedK
+from mlxspec.policy import (
+    KEEP_DEFAULT,
+    AdaptiveK,
+    FixedK,
+    RowOffer,
+    StepCost,
+    choose_ks,
+    survival,
+)
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
@@ -47,8 +55,9 @@ def test_chooses_the_rate_maximising_k(accept, slope, seed):
     simulate(policy, accept, 0.01, 0.01 * slope, 3000, seed=seed)
     rates = [true_rate(accept, 1.0, slope, k) for k in range(13)]
     chosen = policy.choose("draft")
-    # within the noise of ~100 steps of memory per draft position
-    assert rates[chosen] >= 0.965 * max(rates), (chosen, rates.index(max(rates)))
+    # within the noise of ~100 steps of memory per draft position, and of a per-token cost
+    # learned from the ks the row takes (it does not step around its best k to measure it)
+    assert rates[chosen] >= 0.95 * max(rates), (chosen, rates.index(max(rates)))
 
 
 def test_switches_off_when_speculation_does_not_pay():
@@ -311,3 +320,25 @@ def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypa
     assert plains[0][0]  # the stretch's first step, synced
     assert all(not synced and s > 0 for synced, s in plains[1:])  # the pipelined ones
     assert len(plains) == tokens - 1 >= 5  # the token delivered as the stretch ended: unlearnt
+
+
+def test_a_row_alone_keeps_the_default_k_unless_another_pays_clearly_more():
+    """`KEEP_DEFAULT`: where speculating pays, k = 4 unless another k's expected rate beats
+    it by 3 %; the rate-maximising k otherwise (and plain decoding where nothing pays)."""
+    cost = StepCost()
+    seen = set()
+    for accept in (0.2, 0.6, 0.75, 0.8, 0.85, 0.9, 0.99):
+        offer = RowOffer(survival([accept] * 8, 8))
+        (best,), best_rate = choose_ks(cost, [offer])
+        (kept,), _ = choose_ks(cost, [offer], default=4)
+        rate4 = (1 + sum(offer.survive[:4])) / cost.time(1, 5, 4)
+        if best == 0:
+            want = 0
+        elif rate4 >= (1 - KEEP_DEFAULT) * best_rate:
+            want = 4
+        else:
+            want = best
+        assert kept == want, (accept, best, kept)
+        seen.add("off" if not best else "kept" if want == 4 != best else "moved" if want != 4
+                 else "same")
+    assert {"kept", "moved"} <= seen, seen  # both sides of the rule were exercised

@@ -40,8 +40,7 @@ def test_resume_starts_from_the_measurements_scaled_down():
     fresh, resumed = AdaptiveK(max_k=8), AdaptiveK(max_k=8, cost=cost)
     assert resume_policy(resumed, state, weight=8.0)
     # The prior proposes a few tokens; the resumed policy knows how far 4-gram matches go.
-    # (6 always accepted; a 7th, never, costs so little that it is within `DEEPER`)
-    assert resumed.choose("ngram:4") in (6, 7) and fresh.choose("ngram:4") < 6
+    assert resumed.choose("ngram:4") == 6 > fresh.choose("ngram:4")  # 6 always accepted
     assert resumed.choose("ngram:1") == 0 < fresh.choose("ngram:1")
     # Scaled to 8 observations: this process's own measurements take over quickly.
     assert resumed.sources["ngram:4"].reached[0] == pytest.approx(8.0)
