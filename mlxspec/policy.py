@@ -94,7 +94,7 @@ class StepCost:
             coef = np.maximum(np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior),
                               0.0)  # no term makes a step faster
             coef[0] = max(coef[0], 0.1 * prior[0])
-            self._terms, self._stale, self._unsolved = tuple(float(c) for c in coef), False, 0
+            self._terms, self._stale, self._unsolved = tuple(coef.tolist()), False, 0
         return self._terms
 
     def _values(self, rows, width, proposed, forwards, span, synced) -> list[float]:
@@ -117,7 +117,7 @@ class StepCost:
             if group and group not in self.groups:  # new columns first
                 self._values(rows, width, proposed, forwards, span, synced)
                 break
-        c = self.coef()
+        c = self.coef() if self._stale else self._terms
         queries = rows * width
         t = (c[0] + c[1] * synced + c[2] * queries + c[3] * queries * (span + width) / 1024
              + c[PROPOSED] * proposed)
