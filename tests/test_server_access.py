@@ -182,7 +182,7 @@ def test_cors_origin_flags(llama_pair):
 def test_api_key_on_metrics_not_health(llama_pair, monkeypatch):
     import hmac
 
-    from mlxspec.server import app
+    from mlxspec.server import access as app
 
     compared = []
     real = hmac.compare_digest

@@ -37,7 +37,7 @@ def refs(model_dirs):
     for client, r in CASES:
         if not r.get("greedy"):
             continue
-        req = parser.infill(r["body"]) if r["path"] == "/infill" else None
+        req = parser.requests("infill", r["body"])[0] if r["path"] == "/infill" else None
         assert req is not None, "greedy references are computed for /infill requests"
         res = engine.generate(req.prompt, max_tokens=req.max_tokens, temperature=0.0,
                               stop=req.stop)

@@ -109,7 +109,7 @@ def test_burst_of_256_connections_nothing_reset(engine, ref):
         for _, _, body, prompt in ok:
             assert body["choices"][0]["text"] == ref["short"][prompt]
         for _, head, body, _ in busy:
-            assert "Retry-After: 1" in head and body["error"]["type"] == "server_busy"
+            assert "retry-after: 1" in head.lower() and body["error"]["type"] == "server_busy"
         assert metric(srv, 'mlxspec_rejected_requests_total{reason="queue_full"}') == len(busy)
     finally:
         stop(srv)
@@ -351,7 +351,7 @@ def test_sigterm_mid_stream_drains_and_exits_0(model_dirs):
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        first = resp.fp.readline()
+        first = resp.readline()
         assert first.startswith(b"data: ")
         proc.send_signal(signal.SIGTERM)
         payload = first + resp.read()

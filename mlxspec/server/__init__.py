@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["make_server", "MlxspecHTTPServer"]
+__all__ = ["make_server", "MlxspecServer"]
 
 
 def __getattr__(name):

@@ -1,24 +1,29 @@
-"""HTTP and server-sent events on the standard library's `ThreadingHTTPServer`.
+"""`mlxspec serve`'s HTTP side: a Starlette app on uvicorn, in front of the worker thread.
 
-Each connection gets a handler thread. A handler parses and validates the body (no MLX), puts
-a job on the worker's queue and relays the job's events: as one JSON body, or as SSE. While it
-waits it watches its socket, so a client that hangs up cancels its job at once.
+The app validates and tokenizes a request (pydantic models in `protocol.py`, on a pool
+thread: no MLX), puts its jobs on the worker's queue and relays their events (`relay.py`).
+The event loop runs on a thread of its own, so the caller (the CLI's main thread) keeps
+Ctrl-C and SIGTERM for a graceful drain.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
+import asyncio
+import functools
 import json
 import logging
-import queue
-import re
-import select
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .. import __version__
 from ..caches.shift import check_shiftable
@@ -26,18 +31,14 @@ from ..engine import Engine
 from ..errors import MlxspecError
 from ..prefill import new_cache
 from ..proposers import MODES
-from ..suffix_store import (
-    DEFAULT_BUDGET,
-    SuffixStores,
-    scope_key,
-    tokenizer_fingerprint,
-)
+from ..suffix_store import DEFAULT_BUDGET, SuffixStores, scope_key, tokenizer_fingerprint
 from ..suffix_store import load as load_suffix
 from ..suffix_store import save as save_suffix
-from . import protocol as P
+from .access import AccessPolicy, Gate, dumps, is_loopback, presented_key  # noqa: F401
 from .metrics import Metrics
-from .protocol import ApiError, RequestParser, ServerConfig, Usage
-from .worker import SPEC_MAX_CONCURRENCY, Delta, Done, Failed, Job, Progress, Worker
+from .protocol import ApiError, RequestParser, ServerConfig
+from .relay import JobGroup, Relay
+from .worker import SPEC_MAX_CONCURRENCY, Worker
 
 SUFFIX_SCOPES = ("request", "client", "global")
 
@@ -53,113 +54,64 @@ POST_ROUTES = {
     "/infill": "infill",
     "/completion": "llama_completion",
 }
-# llama.cpp's utility endpoints: answered on the handler thread, no generation.
+# llama.cpp's utility endpoints: tokenizer work, no generation.
 UTILITY_ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize",
                   "/apply-template": "apply_template"}
 GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/slots",
               "/")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a bind address or a host name names this machine's loopback interface."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+class Connection(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 connection (httptools), plus what it lacks: a deadline for a
+    request's headers (a client that dribbles them, or idles between requests, is closed
+    after --read-timeout: slowloris holds nothing) and a smaller write buffer where
+    --send-buffer-bytes asks for one (a client that stops reading is found sooner)."""
+
+    def __init__(self, *args, read_timeout: float, metrics: Metrics,
+                 send_buffer_bytes: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout, self.metrics = read_timeout, metrics
+        self.send_buffer_bytes = send_buffer_bytes
+        self.headers_due: asyncio.TimerHandle | None = None
+
+    def _await_headers(self) -> None:
+        self.headers_due = self.loop.call_later(self.read_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self.metrics.timed_out("read")
+        self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if self.send_buffer_bytes:
+            transport.set_write_buffer_limits(high=self.send_buffer_bytes)
+        self._await_headers()
+
+    def on_headers_complete(self) -> None:
+        if self.headers_due is not None:
+            self.headers_due.cancel()
+            self.headers_due = None
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # kept alive: the next request's headers are due
+            self._await_headers()
+
+    def connection_lost(self, exc) -> None:
+        if self.headers_due is not None:
+            self.headers_due.cancel()
+        super().connection_lost(exc)
 
 
-def split_host(value: str) -> str:
-    """The host part of a `Host` header value (`name`, `name:port`, `[v6]`, `[v6]:port`),
-    lower-cased, without brackets."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        end = value.find("]")
-        rest = value[end + 1 :] if end >= 0 else ""
-        if end < 0 or (rest and not re.fullmatch(r":\d{1,5}", rest)):
-            return value  # malformed: matches no name
-        return value[1:end]
-    name, colon, port = value.partition(":")
-    return name if colon and port.isdigit() and len(port) <= 5 else value
-
-
-def is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
-# Browser front ends served from this machine, on any port.
-LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", re.I)
-
-
-class AccessPolicy:
-    """Which `Host` headers and browser `Origin`s the server answers (a guard against DNS
-    rebinding and against web pages reading the local model through CORS).
-
-    Host: bound to a loopback address, only loopback names (`localhost`, `127.0.0.1`,
-    `[::1]`, any port) and the `--allowed-host` names are answered. Bound to another address,
-    any Host is answered unless `--allowed-host` names some: then those, loopback names and IP
-    literals. `--allowed-host '*'` turns the check off.
-
-    CORS: `Access-Control-Allow-Origin` echoes local origins (http(s)://localhost,
-    127.0.0.1 or [::1], any port) and the `--cors-origin` ones; `--cors-origin '*'` answers
-    every origin with `*`."""
-
-    def __init__(self, bind_host: str, allowed_hosts: tuple[str, ...] = (),
-                 cors_origins: tuple[str, ...] = ()):
-        self.loopback = is_loopback(bind_host)
-        self.any_host = "*" in allowed_hosts
-        self.allowed_hosts = {h.strip().lower() for h in allowed_hosts if h.strip() != "*"}
-        self.check_host = not self.any_host and (self.loopback or bool(self.allowed_hosts))
-        self.any_origin = "*" in cors_origins
-        self.origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip() != "*"}
-
-    def host_allowed(self, value: str | None) -> bool:
-        """Whether a request with this `Host` header may be answered (no header: HTTP/1.0
-        clients; browsers always send one)."""
-        if not self.check_host or value is None:
-            return True
-        value = value.strip().lower()
-        host = split_host(value)
-        if is_loopback(host) or value in self.allowed_hosts or host in self.allowed_hosts:
-            return True
-        return not self.loopback and is_ip_literal(host)
-
-    def origin_allowed(self, origin: str | None) -> bool:
-        if not origin:
-            return False
-        origin = origin.strip().rstrip("/")
-        return (self.any_origin or LOCAL_ORIGIN.fullmatch(origin) is not None
-                or origin.lower() in self.origins)
-
-    def allow_origin_header(self, origin: str | None) -> str | None:
-        """The `Access-Control-Allow-Origin` value for a request from `origin` (None: none)."""
-        if self.any_origin:
-            return "*"
-        return origin.strip() if self.origin_allowed(origin) else None
-
-
-OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; "
-                 b"charset=utf-8\r\nRetry-After: 1\r\nConnection: close\r\n"
-                 b"Content-Length: %d\r\n\r\n%s")
-
-
-class MlxspecHTTPServer(ThreadingHTTPServer):
-    """The HTTP server: a handler thread per connection, up to `max_connections` open at
-    once (beyond that a connection is answered 503 with Retry-After and closed, never reset).
-    The listen backlog takes bursts of a thousand connections. A connection that takes longer
-    than `read_timeout` to send its request (headers and body; an idle keep-alive connection
-    too) is closed, so slow or stuck clients cannot hold handler threads; a client that does
-    not read its answer for `write_timeout` is dropped and its job cancelled."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 1024  # the listen backlog (the standard library's is 5)
+class MlxspecServer:
+    """The server: the worker thread, the app, and uvicorn on a listening socket bound at
+    construction (so `url` is known and a port in use fails here). Connections beyond
+    `max_connections` are answered 503 with Retry-After; the listen backlog takes bursts of a
+    thousand. A connection that takes longer than `read_timeout` to send a request's headers
+    (or idles that long between requests) is closed, one that takes longer to send its body
+    is answered 408; a client that does not read its answer for `write_timeout` is dropped
+    and its job cancelled."""
 
     def __init__(self, address, engine: Engine, *, spec_max_concurrency: int | None = None,
                  max_batch: int = 8, max_queue: int = 64, cache_bytes: int = 2 << 30,
@@ -192,22 +144,12 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
             check_shiftable(engine.model, new_cache(engine, engine.proposer_of(None)))
         if suffix_cache:
             load_suffix(self.suffix, suffix_cache)  # a bad file: one error line, before listening
-        host = address[0]
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, Handler)
         self.engine = engine
         self.metrics = Metrics()
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
-        self.send_buffer_bytes = send_buffer_bytes
-        # Open connections: socket -> [phase, since]; phase "read" (waiting for a request, or
-        # reading one) or "busy" (answering). The reaper closes "read" ones past read_timeout.
-        self.conns: dict[socket.socket, list] = {}
-        self.conn_lock = threading.Lock()
-        self._closing = threading.Event()
-        self.access = AccessPolicy(host, tuple(allowed_hosts), tuple(cors_origins))
+        self.access = AccessPolicy(address[0], tuple(allowed_hosts), tuple(cors_origins))
         self.api_key = api_key
         self.log_prompts = log_prompts
         # GET /slots (llama-server's --slots / --no-slots); prompt text only with slots_debug
@@ -221,11 +163,25 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         self.config = ServerConfig(
             model_name=name, model_aliases=aliases, max_context=engine.max_context,
             default_max_tokens=default_max_tokens, default_temperature=default_temperature,
-            default_seed=default_seed,
-            modes=MODES, accept_any_model=accept_any_model,
+            default_seed=default_seed, modes=MODES, accept_any_model=accept_any_model,
             max_n_cmpl=max(1, min(16, max_queue)), cache_reuse=cache_reuse)
         self.total_slots = spec_max_concurrency + max_batch
         self.parser = RequestParser(engine.tokenizer, self.config)
+        self.socket = self._listen(address, send_buffer_bytes)
+        self.server_address = self.socket.getsockname()
+        self.routes = {*POST_ROUTES, *UTILITY_ROUTES, *GET_ROUTES}
+        self.generation_routes = set(POST_ROUTES)
+        self.app = self._app()
+        self.gate = Gate(self.app, self)
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            self.gate, http=functools.partial(Connection, read_timeout=read_timeout,
+                                              metrics=self.metrics,
+                                              send_buffer_bytes=send_buffer_bytes),
+            lifespan="off", log_config=None, access_log=False, server_header=False,
+            # idle keep-alive connections are closed by `Connection`'s headers deadline
+            timeout_keep_alive=int(read_timeout) + 5, timeout_graceful_shutdown=2))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
         # Loading leaves lazy work (e.g. the float16 -> float32 cast on the CPU backend) on this
         # thread's stream, which the worker thread cannot run: materialize the weights here.
         import mlx.core as mx
@@ -244,104 +200,91 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
             coord.on_lost = self.worker.fail_all
             coord.watch_idle = True
         self.worker.start()
-        threading.Thread(target=self._reap, name="mlxspec-reaper", daemon=True).start()
+
+    @staticmethod
+    def _listen(address, send_buffer_bytes: int | None) -> socket.socket:
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if send_buffer_bytes:  # accepted connections inherit it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+            sock.bind(address)
+            sock.listen(2048)  # bursts of a thousand connections are queued, not reset
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
+    # -- running and stopping
+    def start(self) -> None:
+        """Serve from a thread of its own; returns once the socket is being served."""
+        if self.thread is not None:
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            self.loop = asyncio.new_event_loop()
+            self.loop.call_soon(ready.set)
+            self.loop.run_until_complete(self.uvicorn.serve(sockets=[self.socket]))
+            self.loop.close()
+
+        thread = threading.Thread(target=run, name="mlxspec-http", daemon=True)
+        thread.start()
+        self.thread = thread
+        ready.wait(10)
+
+    def serve_forever(self) -> None:
+        """Serve until `shutdown` or `drain` (Ctrl-C in the caller's thread interrupts the
+        wait, not the server)."""
+        self.start()
+        while self.thread.is_alive():
+            self.thread.join(0.5)
+
+    def _stop_listening(self) -> None:
+        """Close the listening socket (on the event loop, which owns it once serving)."""
+        servers = getattr(self.uvicorn, "servers", [])
+        if servers and self.loop is not None and self.loop.is_running():
+            done = threading.Event()
+
+            def close() -> None:
+                for server in servers:
+                    server.close()
+                done.set()
+
+            self.loop.call_soon_threadsafe(close)
+            done.wait(5)
+        else:
+            self.socket.close()
+
+    def _stop_serving(self) -> None:
+        self.uvicorn.should_exit = True
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+
     def shutdown(self) -> None:
-        super().shutdown()
-        self._closing.set()
+        self._stop_serving()
         self.worker.stop()
         self.worker.join(timeout=10)
         self.save_suffix()
 
-    def save_suffix(self) -> None:
-        """Write the suffix stores to --suffix-cache (after the worker has stopped)."""
-        if self.suffix_cache and not self.worker.is_alive():
-            try:
-                save_suffix(self.suffix, self.suffix_cache)
-            except OSError as e:
-                log.error("cannot write --suffix-cache %s: %s", self.suffix_cache,
-                          e.strerror or e)
-
-    # -- connections
-    def open_connections(self) -> int:
-        with self.conn_lock:
-            return len(self.conns)
-
-    def busy_connections(self) -> int:
-        with self.conn_lock:
-            return sum(1 for phase, _ in self.conns.values() if phase == "busy")
-
-    def mark(self, sock: socket.socket, phase: str) -> None:
-        with self.conn_lock:
-            if sock in self.conns:
-                self.conns[sock] = [phase, time.monotonic()]
-
-    def process_request(self, request, client_address) -> None:
-        with self.conn_lock:
-            over = len(self.conns) >= self.max_connections
-            if not over:
-                self.conns[request] = ["read", time.monotonic()]
-        if over:
-            self.metrics.rejected("connections")
-            threading.Thread(target=self._turn_away, args=(request,), daemon=True).start()
-            return
-        if self.send_buffer_bytes:
-            request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
-        super().process_request(request, client_address)
-
-    def _turn_away(self, sock: socket.socket) -> None:
-        """Over max_connections: a 503 with Retry-After, then read what the client sends
-        until it closes (closing with unread data would reset the connection)."""
-        body = dumps(ApiError(503, f"the server has {self.max_connections} connections open "
-                                   "(--max-connections); retry shortly", type="server_busy",
-                              code="too_many_connections").body()).encode()
-        try:
-            sock.settimeout(2.0)
-            sock.sendall(OVER_CAPACITY % (len(body), body))
-            sock.shutdown(socket.SHUT_WR)
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end and sock.recv(65536):
-                pass
-        except OSError:
-            pass
-        finally:
-            super().shutdown_request(sock)
-
-    def shutdown_request(self, request) -> None:
-        with self.conn_lock:
-            self.conns.pop(request, None)
-        super().shutdown_request(request)
-
-    def _reap(self) -> None:
-        """Close connections that have been sending a request (or idling) too long."""
-        while not self._closing.wait(min(0.25, self.read_timeout / 4)):
-            now = time.monotonic()
-            with self.conn_lock:
-                late = [s for s, (phase, since) in self.conns.items()
-                        if phase == "read" and now - since > self.read_timeout]
-                for s in late:
-                    self.conns[s] = ["reaped", now]
-            for s in late:
-                self.metrics.timed_out("read")
-                try:
-                    s.shutdown(socket.SHUT_RD)  # the handler's read returns at once (408)
-                except OSError:
-                    pass
+    def server_close(self) -> None:
+        self._stop_listening()
+        self._stop_serving()
 
     def drain(self, grace: float, stopping_server: bool = True) -> bool:
         """Graceful shutdown: stop accepting, refuse new requests (503), let running ones
         finish for up to `grace` seconds, then end the rest with their partial answers
         (finish_reason "shutdown", a clean end of stream). True if all finished in time.
         A KeyboardInterrupt while waiting (a second Ctrl-C) ends them at once."""
+        del stopping_server  # the event loop has its own thread: the caller's is free
         self.worker.draining = True
-        if stopping_server:
-            super().shutdown()  # serve_forever has returned (or returns now)
-        self.socket.close()
+        self._stop_listening()
         finished = True
         try:
             end = time.monotonic() + grace
@@ -352,306 +295,169 @@ class MlxspecHTTPServer(ThreadingHTTPServer):
         if not self.worker.idle():
             finished = False
             self.worker.end_all("shutdown")
-        # Let the handlers write the last events (a job's final chunk) before the worker goes.
+        # Let the app write the last events (a job's final chunk) before the worker goes;
+        # connections still open are answered 503 until `server_close` or the process ends.
         end = time.monotonic() + 5.0
-        while (not self.worker.idle() or self.busy_connections()) and time.monotonic() < end:
+        while (not self.worker.idle() or self.gate.in_flight) and time.monotonic() < end:
             time.sleep(0.02)
-        self._closing.set()
         self.worker.stop()
         self.worker.join(timeout=10)
         self.save_suffix()
         return finished
 
-    def handle_error(self, request, client_address) -> None:  # quiet about vanished clients
-        import sys
+    def save_suffix(self) -> None:
+        """Write the suffix stores to --suffix-cache (after the worker has stopped)."""
+        if self.suffix_cache and not self.worker.is_alive():
+            try:
+                save_suffix(self.suffix, self.suffix_cache)
+            except OSError as e:
+                log.error("cannot write --suffix-cache %s: %s", self.suffix_cache,
+                          e.strerror or e)
 
-        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError, TimeoutError)):
-            return
-        super().handle_error(request, client_address)
+    def open_connections(self) -> int:
+        return len(self.uvicorn.server_state.connections)
 
+    # -- the app
+    def _app(self) -> Starlette:
+        async def missing(request: Request, exc: HTTPException) -> Response:
+            path = request.url.path
+            known = path in self.routes
+            return api_error(ApiError(405 if known else 404,
+                                      f"no such endpoint: {request.method} {path}"),
+                             close=request.method == "POST")
 
-def mlx_memory() -> dict:
-    """MLX's allocator: arrays alive, and freed buffers it keeps for reuse (counted in the
-    process's resident memory, and not given back to the system by itself)."""
-    import mlx.core as mx
+        routes = [Route(p, functools.partial(self.generate, kind=k), methods=["POST"])
+                  for p, k in POST_ROUTES.items()]
+        routes += [Route(p, functools.partial(self.utility, name=n), methods=["POST"])
+                   for p, n in UTILITY_ROUTES.items()]
+        routes += [Route(p, self.get, methods=["GET"]) for p in GET_ROUTES]
+        return Starlette(routes=routes, exception_handlers={404: missing, 405: missing})
 
-    out = {}
-    for name, fn, help_ in (("active", "get_active_memory", "Bytes of live MLX arrays."),
-                            ("cache", "get_cache_memory",
-                             "Bytes of freed buffers MLX's allocator keeps for reuse."),
-                            ("peak", "get_peak_memory", "Peak bytes of live MLX arrays.")):
-        if hasattr(mx, fn):
-            out[f"mlxspec_mlx_{name}_memory_bytes"] = (help_, getattr(mx, fn)())
-    return out
-
-
-def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8080,
-                **options) -> MlxspecHTTPServer:
-    return MlxspecHTTPServer((host, port), engine, **options)
-
-
-class ClientGone(Exception):
-    pass
-
-
-class Tagged:
-    """A job's event sink that tags its events with the job's number on a shared queue (so
-    one handler waits on all its jobs at once)."""
-
-    def __init__(self, shared: queue.Queue, number: int):
-        self.shared, self.number = shared, number
-
-    def put(self, event) -> None:
-        self.shared.put((self.number, event))
-
-
-class JobGroup:
-    """The jobs of one request: `reqs` (one per answer, `index` 0, 1, ...) and `jobs`,
-    `job_of[i]` the job that answers `reqs[i]` (greedy answers of one prompt share one)."""
-
-    def __init__(self, reqs: list):
-        self.reqs = reqs
-        self.req = reqs[0]
-        self.jobs: list[Job] = []
-        self.job_of: list[int] = []
-        self.events: queue.Queue = queue.Queue()
-
-    def tagged(self, number: int) -> Tagged:
-        return Tagged(self.events, number)
-
-    def answers_of(self, j: int) -> list[int]:
-        return [i for i, k in enumerate(self.job_of) if k == j]
-
-    def job_slot(self, j: int) -> int:
-        slot = self.jobs[j].slot_id
-        return 0 if slot is None else slot
-
-    def cancel(self) -> None:
-        for job in self.jobs:
-            job.cancel()
-
-
-def dumps(body) -> str:
-    """JSON as llama.cpp writes it: compact (llama.vim checks replies against
-    `"content"\\s*:"`, no space after the colon) and UTF-8."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: MlxspecHTTPServer
-    protocol_version = "HTTP/1.1"
-    server_version = f"mlxspec/{__version__}"
-    _last_check = 0.0
-
-    def setup(self) -> None:
-        # Sends block at most this long (a client not reading its stream is dropped); reads
-        # too, and the server's reaper bounds a whole request's reading by --read-timeout.
-        self.timeout = max(self.server.write_timeout, 0.001)
-        super().setup()
-
-    def handle_one_request(self) -> None:
-        self.server.mark(self.connection, "read")
-        super().handle_one_request()
-
-    def parse_request(self) -> bool:
-        ok = super().parse_request()
-        if ok and self.command != "POST":
-            self.server.mark(self.connection, "busy")
-        return ok
-
-    def log_message(self, format, *args):  # noqa: A002
-        pass  # one line per request is written by log_request, without headers or query
-
-    def log_request(self, code="-", size="-") -> None:
-        """`--log-requests`: method, path (no query string), status. Headers (the API key,
-        `Authorization`) are never logged; prompts only with `--log-prompts`."""
-        path = (getattr(self, "path", "") or "").split("?", 1)[0]
-        log.info("%s %s %s %s", self.address_string(), self.command, path,
-                 getattr(code, "value", code))
-
-    def _cors(self) -> None:
-        allow = self.server.access.allow_origin_header(self.headers.get("Origin"))
-        if allow:
-            self.send_header("Access-Control-Allow-Origin", allow)
-            if allow != "*":
-                self.send_header("Vary", "Origin")
-
-    # -- plumbing
-    def _headers(self, status: int, content_type: str, length: int | None = None,
-                 close: bool = False, retry_after: int | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        if retry_after is not None:
-            self.send_header("Retry-After", str(retry_after))
-        self._cors()
+    async def read_json(self, request: Request) -> dict:
+        """The body as a JSON object: at most --max-body-bytes (413), sent within
+        --read-timeout (408); Content-Length or chunked."""
+        length = request.headers.get("content-length")
+        limit = self.max_body_bytes
         if length is not None:
-            self.send_header("Content-Length", str(length))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
+            if not length.isdigit():
+                raise ApiError(400, "bad Content-Length header")
+            if int(length) > limit:
+                raise ApiError(413, f"the request body is {int(length)} bytes; the limit is "
+                                    f"{limit} bytes (--max-body-bytes)", code="body_too_large")
+        raw = bytearray()
 
-    def _send_json(self, status: int, body: dict | list, close: bool = False,
-                   retry_after: int | None = None) -> None:
-        data = dumps(body).encode()
-        self._headers(status, "application/json; charset=utf-8", len(data), close=close,
-                      retry_after=retry_after)
-        self.wfile.write(data)
-        self.wfile.flush()
+        async def read() -> None:
+            async for chunk in request.stream():
+                raw.extend(chunk)
+                if len(raw) > limit:
+                    raise ApiError(413, f"the request body is over the limit of {limit} bytes "
+                                        "(--max-body-bytes)", code="body_too_large")
 
-    def _send_error(self, err: ApiError, endpoint: str, close: bool = False) -> None:
-        self.server.metrics.request(endpoint, err.status)
         try:
-            self._send_json(err.status, err.body(), close=close, retry_after=err.retry_after)
-        except OSError:  # gone, reset, or not reading (a send timeout)
-            self.close_connection = True
-
-    def _client_gone(self) -> bool:
-        """True once the peer has closed its side (readable, and a peek reads nothing)."""
+            await asyncio.wait_for(read(), self.read_timeout)
+        except asyncio.TimeoutError:
+            self.metrics.timed_out("read")
+            raise ApiError(408, f"the body did not arrive within --read-timeout "
+                                f"({self.read_timeout:g} s): {len(raw)} bytes came",
+                           code="request_timeout") from None
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:  # a lone surrogate (\ud800) is valid JSON but no text a tokenizer can take
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the body contains a string that is not valid Unicode (a lone "
+                                "surrogate escape such as \\ud800)", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
+        except ValueError:  # NaN or infinity are checked field by field
+            pass
+        return body
 
-    def _sse(self, payload) -> None:
-        data = payload if isinstance(payload, str) else dumps(payload)
+    async def generate(self, request: Request, kind: str) -> Response | Relay:
         try:
-            self.wfile.write(f"data: {data}\n\n".encode())
-            self.wfile.flush()
-        except OSError as e:  # gone, or not reading for --write-timeout
-            if isinstance(e, TimeoutError):
-                self.server.metrics.timed_out("write")
-            raise ClientGone from None
+            body = await self.read_json(request)
+            if self.log_prompts:
+                log.info("%s %s request: %s", request.client.host if request.client else "-",
+                         request.url.path, dumps(body))
+            reqs = await asyncio.to_thread(self.parser.requests, kind, body)
+            scope = scope_key(self.suffix_scope, presented_key(request.scope),
+                              request.client.host if request.client else "")
+            for req in reqs:
+                req.suffix_scope = scope
+            group = JobGroup(reqs, self.worker)
+        except ApiError as e:
+            return api_error(e)
+        except Exception as e:  # a bug: answer 500 and keep serving
+            log.exception("request parsing failed")
+            return api_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        return Relay(group, kind, self.parser, self.metrics, self.write_timeout)
 
-    # -- verbs
-    def do_OPTIONS(self) -> None:  # CORS preflight
-        if not self._host_ok():
-            return
-        origin = self.headers.get("Origin")
-        if origin is not None and not self.server.access.origin_allowed(origin):
-            self._send_error(ApiError(
-                403, f"cross-origin requests from {origin} are not allowed; start the server "
-                     f"with --cors-origin {origin} to allow them", type="permission_error",
-                code="origin_not_allowed"), "other", close=True)
-            return
-        self.send_response(204)
-        if origin is not None:
-            self._cors()
-            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers",
-                             self.headers.get("Access-Control-Request-Headers")
-                             or "Authorization, Content-Type")
-            self.send_header("Access-Control-Max-Age", "600")
-        self.send_header("Allow", "GET, POST, OPTIONS")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+    async def utility(self, request: Request, name: str) -> Response:
+        """/tokenize, /detokenize, /apply-template."""
+        try:
+            body = await self.read_json(request)
+            answer = await asyncio.to_thread(getattr(self.parser, name), body)
+        except ApiError as e:
+            return api_error(e)
+        except Exception as e:  # a bug: answer 500 and keep serving
+            log.exception("%s failed", request.url.path)
+            return api_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        return json_response(answer)
 
-    def _host_ok(self) -> bool:
-        """The Host check (DNS rebinding): a 403 that says how to allow the name."""
-        value = self.headers.get("Host")
-        if self.server.access.host_allowed(value):
-            return True
-        name = split_host(value or "")
-        self._send_error(ApiError(
-            403, f"requests addressed to host {value!r} are not answered: this server only "
-                 "answers requests addressed to localhost, 127.0.0.1 or [::1] (a guard against "
-                 "DNS rebinding); if you reach it under this name on purpose, start it with "
-                 f"--allowed-host {name}", type="permission_error", code="host_not_allowed"),
-            "other", close=True)
-        return False
-
-    def _authorized(self, path: str) -> bool:
-        key = self.server.api_key
-        if not key or path in ("/health", "/v1/health"):
-            return True
-        want = f"Bearer {key}".encode()
-        given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        alt = self.headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
-        # Both compared in constant time (no early exit on the first differing byte).
-        ok_bearer = hmac.compare_digest(given, want)
-        ok_alt = hmac.compare_digest(alt, key.encode())
-        if ok_bearer or ok_alt:
-            return True
-        self._send_error(ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                  type="authentication_error"), "other", close=True)
-        return False
-
-    def _presented_key(self) -> str | None:
-        """The API key the request carries (Authorization: Bearer, or x-api-key), if any."""
-        auth = self.headers.get("Authorization", "")
-        if auth.lower().startswith("bearer ") and auth[7:].strip():
-            return auth[7:].strip()
-        return self.headers.get("x-api-key") or None
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        srv = self.server
-        if not self._host_ok() or not self._authorized(path):
-            return
+    async def get(self, request: Request) -> Response:
+        path = request.url.path
+        w, engine, cfg = self.worker, self.engine, self.config
         if path in ("/v1/models", "/models"):
-            body = {"object": "list", "data": [{
-                "id": srv.config.model_name, "object": "model", "created": int(srv.started),
+            return json_response({"object": "list", "data": [{
+                "id": cfg.model_name, "object": "model", "created": int(self.started),
                 "owned_by": "mlxspec",
-                "meta": {"mode": srv.engine.mode, "num_draft": srv.engine.num_draft,
-                         "n_ctx_train": srv.engine.max_context,
-                         "fim": srv.parser.fim.style if srv.parser.fim else None}}]}
-            self._send_json(200, body)
-        elif path in ("/health", "/v1/health") and srv.worker.draining:
-            self._send_json(503, {"status": "shutting_down", "model": srv.config.model_name},
-                            retry_after=5)
-            self.server.metrics.request(path, 503)
-            return
-        elif path in ("/health", "/v1/health"):
-            self._send_json(200, {"status": "ok", "model": srv.config.model_name,
-                                  "mode": srv.engine.mode, "active": srv.worker.active(),
-                                  "queued": srv.worker.inbox.qsize()})
-        elif path == "/metrics":
-            w = srv.worker
-            text = srv.metrics.render({
+                "meta": {"mode": engine.mode, "num_draft": engine.num_draft,
+                         "n_ctx_train": engine.max_context,
+                         "fim": self.parser.fim.style if self.parser.fim else None}}]})
+        if path in ("/health", "/v1/health"):
+            if w.draining:  # for load balancers
+                return json_response({"status": "shutting_down", "model": cfg.model_name},
+                                     503, {"Retry-After": "5"})
+            return json_response({"status": "ok", "model": cfg.model_name, "mode": engine.mode,
+                                  "active": w.active(), "queued": w.inbox.qsize()})
+        if path == "/metrics":
+            return Response(self.metrics.render({
                 "mlxspec_requests_active": ("Requests being generated.", w.active()),
-                "mlxspec_requests_speculative_active": (
-                    "Requests speculating.", w.speculating()),
+                "mlxspec_requests_speculative_active": ("Requests speculating.",
+                                                        w.speculating()),
                 "mlxspec_requests_batched_active": (
                     "Requests decoded plainly (over --spec-max-concurrency).",
                     sum(w.over_limit(j) for j in w.jobs)),
                 "mlxspec_requests_queued": ("Requests waiting for the worker.", w.inbox.qsize()),
                 "mlxspec_connections_open": ("Open HTTP connections (--max-connections).",
-                                             srv.open_connections()),
-                "mlxspec_connections_busy": ("Connections being answered.",
-                                             srv.busy_connections()),
+                                             self.open_connections()),
+                "mlxspec_connections_busy": ("Connections being answered.", self.gate.in_flight),
                 "mlxspec_prompt_cache_entries": ("Prompt caches kept.", len(w.cache.entries)),
                 "mlxspec_prompt_cache_bytes": ("Bytes held by kept prompt caches.",
                                                w.cache.nbytes()),
                 **mlx_memory(),
-            }).encode()
-            self._headers(200, "text/plain; version=0.0.4; charset=utf-8", len(text))
-            self.wfile.write(text)
-        elif path == "/props":
-            self._send_json(200, self._props())
-        elif path == "/slots":
-            if not srv.slots_endpoint:  # llama-server's answer without --slots
-                self._send_error(ApiError(501, "This server does not support slots endpoint.",
-                                          type="not_supported_error"), path)
-                return
-            self._send_json(200, self._slots())
-        elif path == "/":
-            self._send_json(200, {"name": "mlxspec", "version": __version__,
-                                  "endpoints": sorted([*POST_ROUTES, *UTILITY_ROUTES])
-                                  + list(GET_ROUTES[:-1])})
-        else:
-            code = 405 if path in POST_ROUTES or path in UTILITY_ROUTES else 404
-            self._send_error(ApiError(code, f"no such endpoint: GET {path}"), "other")
-            return
-        self.server.metrics.request(path, 200)
-
+            }), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if path == "/props":
+            return json_response(self._props())
+        if path == "/slots":
+            if not self.slots_endpoint:  # llama-server's answer without --slots
+                return api_error(ApiError(501, "This server does not support slots endpoint.",
+                                          type="not_supported_error"))
+            return json_response(self._slots())
+        return json_response({"name": "mlxspec", "version": __version__,
+                              "endpoints": sorted([*POST_ROUTES, *UTILITY_ROUTES])
+                              + list(GET_ROUTES[:-1])})
     def _slots(self) -> list[dict]:
         """llama-server's `GET /slots`: each slot (a job's place, `--spec-max-concurrency`
         + `--max-batch` of them) and the request it serves; the prompt's and answer's text
         only with --slots-debug (llama-server's LLAMA_SERVER_SLOTS_DEBUG)."""
-        srv = self.server
+        srv = self
         ctx = srv.config.max_context or 0
         jobs = {j.slot_id: j for j in list(srv.worker.jobs)
                 if j.slot_id is not None and not j.ahead}
@@ -685,7 +491,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _props(self) -> dict:
         """llama.cpp's `GET /props` (what llama.vscode reads the context size from)."""
-        srv = self.server
+        srv = self
         tok = srv.engine.tokenizer
         cfg = srv.config
         template = getattr(tok, "chat_template", None)
@@ -713,331 +519,36 @@ class Handler(BaseHTTPRequestHandler):
             "build_info": f"mlxspec {__version__}",
         }
 
-    def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if not self._host_ok() or not self._authorized(path):
-            return
-        if path in UTILITY_ROUTES:
-            self._utility(path)
-            return
-        kind = POST_ROUTES.get(path)
-        if kind is None:
-            code = 405 if path in GET_ROUTES else 404
-            self._send_error(ApiError(code, f"no such endpoint: POST {path}"), "other",
-                             close=True)
-            return
-        start = time.perf_counter()
-        try:
-            body = self._read_body()
-            self.server.mark(self.connection, "busy")
-            if self.server.log_prompts:
-                log.info("%s %s request: %s", self.address_string(), path, dumps(body))
-            reqs = self.server.parser.requests(kind, body)
-            scope = scope_key(self.server.suffix_scope, self._presented_key(),
-                              self.client_address[0])
-            for req in reqs:
-                req.suffix_scope = scope
-            group = self._submit(reqs)
-        except ApiError as e:
-            self._send_error(e, path, close=e.status in (408, 411, 413))
-            return
-        except Exception as e:  # a bug: answer 500 and keep serving
-            log.exception("request parsing failed")
-            self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
-            return
-        try:
-            status = self._relay(group, kind)
-        except ClientGone:
-            group.cancel()
-            self.close_connection = True
-            self.server.metrics.disconnected()
-            self.server.metrics.request(path, 499)
-            return
-        except Exception:
-            group.cancel()
-            raise
-        self.server.metrics.request(path, status, time.perf_counter() - start)
 
-    def _utility(self, path: str) -> None:
-        """/tokenize, /detokenize, /apply-template: tokenizer work, answered here."""
-        try:
-            body = self._read_body()
-            self.server.mark(self.connection, "busy")
-            answer = getattr(self.server.parser, UTILITY_ROUTES[path])(body)
-        except ApiError as e:
-            self._send_error(e, path, close=e.status in (408, 411, 413))
-            return
-        except Exception as e:  # a bug: answer 500 and keep serving
-            log.exception("%s failed", path)
-            self._send_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
-            return
-        self._send_json(200, answer)
-        self.server.metrics.request(path, 200)
 
-    def _read_body(self) -> dict:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            raise ApiError(411, "send the body with a Content-Length (chunked bodies are not "
-                                "accepted)")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "a Content-Length header is required")
-        try:
-            n = int(length)
-        except ValueError:
-            raise ApiError(400, "bad Content-Length header") from None
-        if n < 0:
-            raise ApiError(400, "bad Content-Length header")
-        if n > self.server.max_body_bytes:
-            raise ApiError(413, f"the request body is {n} bytes; the limit is "
-                                f"{self.server.max_body_bytes} bytes (--max-body-bytes)",
-                           code="body_too_large")
-        try:
-            raw = self.rfile.read(n)
-        except OSError:
-            raw = b""
-        if len(raw) < n:  # the client stopped sending, or --read-timeout closed it
-            raise ApiError(408, f"the body ended after {len(raw)} of {n} bytes (a request must "
-                                f"arrive within --read-timeout, {self.server.read_timeout:g} s)",
-                           code="request_timeout")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        try:  # a lone surrogate (\ud800) is valid JSON but no text a tokenizer can take
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "the body contains a string that is not valid Unicode (a lone "
-                                "surrogate escape such as \\ud800)", code="invalid_json") from None
-        except RecursionError:
-            raise ApiError(400, "the body is nested too deeply", code="invalid_json") from None
-        except ValueError:  # NaN or infinity are checked field by field
-            pass
-        return body
+def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(dumps(body), status, headers, media_type="application/json; charset=utf-8")
 
-    # -- answering
-    def _submit(self, reqs: list) -> JobGroup:
-        """One job per answer, each a row of the shared batch; greedy answers of the same
-        prompt are the same text, so one job serves them all. A refused job (queue full)
-        cancels the ones queued before it."""
-        worker = self.server.worker
-        group = JobGroup(reqs)
-        by_prompt: dict[tuple, int] = {}
-        try:
-            for req in reqs:
-                key = tuple(req.prompt) if req.temperature == 0 else None
-                if key is not None and key in by_prompt:
-                    group.job_of.append(by_prompt[key])
-                    continue
-                j = len(group.jobs)
-                group.jobs.append(worker.submit(req, events=group.tagged(j)))
-                group.job_of.append(j)
-                if key is not None:
-                    by_prompt[key] = j
-        except ApiError:
-            group.cancel()
-            raise
-        return group
 
-    def _next(self, group: JobGroup):
-        """(job number, event) of the group's next event; raises ClientGone once the client
-        has hung up (checked at least every 50 ms, also while events keep coming)."""
-        while True:
-            now = time.monotonic()
-            if now - self._last_check >= 0.05:
-                self._last_check = now
-                if self._client_gone():
-                    raise ClientGone
-            try:
-                return group.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
+def api_error(err: ApiError, close: bool = False) -> Response:
+    """An error in OpenAI's shape; after one that leaves the body unread (408, 411, 413) the
+    connection is closed."""
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
+    if close or err.status in (408, 411, 413):
+        headers["Connection"] = "close"
+    return json_response(err.body(), err.status, headers)
 
-    def _relay(self, group: JobGroup, kind: str) -> int:
-        """Answer a request's jobs: one JSON body, or server-sent events as they come (the
-        answers' chunks interleaved, each with its index)."""
-        n_jobs = len(group.jobs)
-        texts: list[list[str]] = [[] for _ in range(n_jobs)]
-        ids: list[list[int]] = [[] for _ in range(n_jobs)]
-        # log-probabilities per job: all of them, and those not sent in a chunk yet
-        lps: list[list] = [[] for _ in range(n_jobs)]
-        unsent: list[list] = [[] for _ in range(n_jobs)]
-        dones: list[Done | None] = [None] * n_jobs
-        stream = group.req.stream
-        started = False
-        while any(d is None for d in dones):
-            j, ev = self._next(group)
-            if isinstance(ev, Failed):
-                group.cancel()
-                if not started:
-                    return self._answer_error(ev.error)
-                self._sse({"error": ev.error.body()["error"]})
-                return ev.error.status
-            if stream and not started:
-                started = True
-                self._start_stream(kind, group)
-            if isinstance(ev, Delta):
-                texts[j].append(ev.text)
-                ids[j] += ev.ids
-                got = self._logprobs_of(group, j, ev)
-                lps[j] += got
-                unsent[j] += got
-                if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
-                    for i in group.answers_of(j):
-                        self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
-                                              unsent[j], len("".join(texts[j])) - len(ev.text)))
-                    unsent[j] = []
-            elif isinstance(ev, Progress):
-                if stream:
-                    self._sse(self._progress_chunk(kind, group.reqs[group.answers_of(j)[0]],
-                                                   ev, group.job_slot(j)))
-            elif isinstance(ev, Done):
-                dones[j] = ev
-                if stream:
-                    answers = group.answers_of(j)
-                    last = all(d is not None for d in dones)
-                    for i in answers:
-                        # llama-server: the timings ride on the last chunk (the usage one
-                        # when asked for)
-                        timings = (self._usage(group, dones).timings()
-                                   if last and i == answers[-1] and not group.req.include_usage
-                                   else None)
-                        self._finish_answer(kind, group, i, "".join(texts[j]), ev, timings,
-                                            unsent[j])
-                    unsent[j] = []
-        if stream:
-            self._finish_stream(kind, group, dones)
-            return 200
-        try:
-            self._send_json(200, self._final_body(kind, group, texts, ids, dones, lps))
-        except OSError:
-            raise ClientGone from None
-        return 200
 
-    def _answer_error(self, err: ApiError) -> int:
-        try:
-            self._send_json(err.status, err.body(), retry_after=err.retry_after)
-        except OSError:
-            raise ClientGone from None
-        return err.status
+def mlx_memory() -> dict:
+    """MLX's allocator: arrays alive, and freed buffers it keeps for reuse (counted in the
+    process's resident memory, and not given back to the system by itself)."""
+    import mlx.core as mx
 
-    def _usage(self, group: JobGroup, dones: list) -> Usage:
-        """The usage of the whole answer: every answer's, the prompts counted once."""
-        usages = [dones[group.job_of[i]].usage for i in range(len(group.reqs))]
-        prompts = {r.index // max(1, r.n_cmpl): u.prompt_tokens
-                   for r, u in zip(group.reqs, usages)}
-        return P.total_usage(usages, sum(prompts.values()))
+    out = {}
+    for name, fn, help_ in (("active", "get_active_memory", "Bytes of live MLX arrays."),
+                            ("cache", "get_cache_memory",
+                             "Bytes of freed buffers MLX's allocator keeps for reuse."),
+                            ("peak", "get_peak_memory", "Peak bytes of live MLX arrays.")):
+        if hasattr(mx, fn):
+            out[f"mlxspec_mlx_{name}_memory_bytes"] = (help_, getattr(mx, fn)())
+    return out
 
-    def _logprobs_of(self, group: JobGroup, j: int, ev: Delta) -> list:
-        """The log-probabilities of a delta's tokens (`constrain.TokenLogprob`), where its
-        request asked for them."""
-        req = group.reqs[group.answers_of(j)[0]]
-        if req.logprobs is None or not ev.tokens or ev.logprobs is None:
-            return []
-        return [e for e in ev.logprobs if e is not None]
 
-    def _logprobs_json(self, kind: str, req, entries: list, offset: int = 0):
-        """A choice's or chunk's log-probabilities as its endpoint answers them (None where
-        none were asked)."""
-        if req.logprobs is None:
-            return None
-        piece = self.server.parser.token_bytes
-        if kind in ("chat", "fim"):
-            return P.chat_logprobs(entries, piece)
-        if kind == "completion":
-            return P.completion_logprobs(entries, piece, offset)
-        return P.token_entries(entries, piece, req.post_probs)
-
-    def _llama_final(self, group: JobGroup, i: int, text: str, done: Done,
-                     tokens: list[int] | None, stream: bool, lps: list | None = None) -> dict:
-        req = group.reqs[i]
-        prompt = self.server.parser.prompt_text(req.prompt) if P.wants_prompt(req) else None
-        probs = None if stream else self._logprobs_json("llama", req, lps or [])
-        return P.llama_body(req, "" if stream else text, done.finish_reason, done.usage,
-                            done.stopping_word, index=req.index,
-                            tokens=tokens if req.return_tokens and not stream else None,
-                            prompt=prompt, id_slot=group.job_slot(group.job_of[i]),
-                            whole=text, probs=probs)
-
-    def _final_body(self, kind: str, group: JobGroup, texts, ids, dones, lps) -> dict | list:
-        reqs, job_of = group.reqs, group.job_of
-        if kind in ("chat", "fim", "completion"):
-            choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason,
-                        self._logprobs_json(kind, r, lps[job_of[i]]))
-                       for i, r in enumerate(reqs)]
-            make = P.completion_body if kind == "completion" else P.chat_body
-            return make(group.req, choices, self._usage(group, dones))
-        bodies = [self._llama_final(group, i, "".join(texts[job_of[i]]), dones[job_of[i]],
-                                    ids[job_of[i]], stream=False, lps=lps[job_of[i]])
-                  for i in range(len(reqs))]
-        # llama.cpp: one answer is an object, several a list
-        return bodies[0] if len(bodies) == 1 else bodies
-
-    def _start_stream(self, kind: str, group: JobGroup) -> None:
-        self._headers(200, "text/event-stream; charset=utf-8", close=True)
-        try:
-            self.wfile.write(b"")
-        except OSError:
-            raise ClientGone from None
-        if kind in ("chat", "fim"):
-            # llama-server's first chunk: the role, content null; Mistral's FIM API (and
-            # Tabby's mistral/completion reader, which requires it) has a string
-            # delta.content in every chunk.
-            for r in group.reqs:
-                self._sse(P.chat_chunk(r, {"role": "assistant",
-                                           "content": "" if kind == "fim" else None},
-                                       None, index=r.index))
-
-    def _chunk(self, kind: str, req, ev: Delta, slot: int, lps: list | None = None,
-               offset: int = 0) -> dict:
-        """A streamed chunk of a delta; `lps`: the log-probabilities of its tokens (and of
-        tokens before it that no chunk carried), `offset`: where its text starts."""
-        timings = ev.timings if req.timings_per_token else None
-        logprobs = self._logprobs_json(kind, req, lps or [], offset)
-        if kind in ("chat", "fim"):
-            return P.chat_chunk(req, {"content": ev.text}, None, index=req.index,
-                                timings=timings, logprobs=logprobs)
-        if kind == "completion":
-            return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings,
-                                      logprobs=logprobs)
-        return P.llama_body(req, ev.text, None, None, index=req.index, tokens=ev.ids,
-                            timings=timings, id_slot=slot, probs=logprobs)
-
-    def _progress_chunk(self, kind: str, req, ev: Progress, slot: int) -> dict:
-        """llama.cpp's `prompt_progress` chunk (`return_progress`)."""
-        if kind in ("chat", "fim"):
-            return {**P.chat_chunk(req, None, None), "prompt_progress": ev.json()}
-        if kind == "completion":
-            return {**P.completion_chunk(req, None, None), "prompt_progress": ev.json()}
-        return P.llama_body(req, "", None, None, index=req.index, progress=ev.json(),
-                            id_slot=slot)
-
-    def _finish_answer(self, kind: str, group: JobGroup, i: int, text: str,
-                       done: Done, timings: dict | None = None, lps: list | None = None) -> None:
-        """One answer of a stream is done: its last chunk (llama.cpp: the final object),
-        with the log-probabilities no chunk carried yet."""
-        req = group.reqs[i]
-        logprobs = self._logprobs_json(kind, req, lps or [], len(text)) if lps else None
-        if kind in ("chat", "fim"):
-            self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
-                                   done.finish_reason, index=req.index, timings=timings,
-                                   logprobs=logprobs))
-        elif kind == "completion":
-            self._sse(P.completion_chunk(req, "", done.finish_reason, index=req.index,
-                                         timings=timings, logprobs=logprobs))
-        else:  # llama.cpp streams end with the full final object, stop = true, no [DONE]
-            self._sse(self._llama_final(group, i, text, done, None, stream=True))
-
-    def _finish_stream(self, kind: str, group: JobGroup, dones: list) -> None:
-        """After the answers' last chunks: the usage chunk (`include_usage`; llama-server's
-        `timings` with it) and [DONE], on the OpenAI endpoints."""
-        if kind not in ("chat", "fim", "completion"):
-            return
-        if group.req.include_usage:
-            usage = self._usage(group, dones)
-            make = P.completion_chunk if kind == "completion" else P.chat_chunk
-            self._sse(make(group.req, None, None, usage, timings=usage.timings()))
-        self._sse("[DONE]")
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8080,
+                **options) -> MlxspecServer:
+    return MlxspecServer((host, port), engine, **options)

@@ -1,7 +1,7 @@
-"""What clients send and what they get back: request parsing and validation for the OpenAI and
-llama.cpp endpoints, fill-in-the-middle prompt assembly, and the response bodies.
+"""What clients send and what they get back: the request bodies as pydantic models (one per
+endpoint family), fill-in-the-middle prompt assembly, and the response bodies.
 
-Nothing here touches MLX: handlers run it on their own threads before a request reaches the
+Nothing here touches MLX: the app validates and tokenizes a request before it reaches the
 worker, so bad input is answered without ever queueing behind generation.
 """
 
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 import uuid
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import StrictBool as Bool
+from pydantic_core import PydanticCustomError
 
 from .. import __version__
 from ..chat_session import check_chat_template, render_chat
@@ -52,84 +55,307 @@ def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def _is_true(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"'{name}' must be true or false", name)
+# ----------------------------------------------------------------------------- request models
+
+
+def refuse(message: str) -> PydanticCustomError:
+    """A validation error whose message is answered as it is."""
+    return PydanticCustomError("api", message)
+
+
+def _number(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PydanticCustomError("number", "must be a number, got {kind}",
+                                  {"kind": type(value).__name__})
     return value
 
 
-def check_fields(body: dict, endpoint: str) -> None:
-    """The shapes of the fields that need no tokenizer, as llama-server checks them (an
-    unknown `response_format` type, a schema that is not an object, `top_logprobs` without
-    `logprobs`): 400 with a clear message."""
-    grammar = body.get("grammar")
-    if grammar is not None and not isinstance(grammar, str):
-        raise bad("'grammar' must be a string (GBNF)", "grammar")
-    if body.get("json_schema") is not None and not isinstance(body["json_schema"], dict):
-        raise bad("'json_schema' must be an object (a JSON Schema)", "json_schema")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict):
-            raise bad("'response_format' must be an object like {\"type\": \"text\"}",
-                      "response_format")
-        kind = rf.get("type")
-        if kind == "json_object":
-            if rf.get("schema") is not None and not isinstance(rf["schema"], dict):
-                raise bad("'response_format.schema' must be an object (a JSON Schema)",
-                          "response_format.schema")
-        elif kind == "json_schema":
-            wrapper = rf.get("json_schema")
-            if wrapper is not None and not isinstance(wrapper, dict):
-                raise bad("'response_format.json_schema' must be an object like "
-                          "{\"schema\": {...}}", "response_format.json_schema")
-            schema = (wrapper or {}).get("schema")
-            if schema is not None and not isinstance(schema, dict):
-                raise bad("'response_format.json_schema.schema' must be an object (a JSON "
-                          "Schema)", "response_format.json_schema.schema")
-        elif kind not in (None, "", "text"):
-            # llama-server's message (it accepts json_schema too)
-            raise bad('response_format type must be one of "text", "json_object" or '
-                      f'"json_schema", but got: {kind}', "response_format.type")
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        if endpoint in ("chat", "fim"):
-            if not isinstance(logprobs, bool):
-                raise bad("'logprobs' must be true or false", "logprobs")
-        elif endpoint == "completions":
-            if not isinstance(logprobs, (bool, int)) or (
-                    not isinstance(logprobs, bool) and not 0 <= logprobs <= MAX_LOGPROBS):
-                raise bad(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs")
-        elif logprobs is not False:  # llama.cpp's native endpoints ask with n_probs
-            raise bad("'logprobs' is an OpenAI field: this endpoint reports probabilities "
-                      "with 'n_probs'", "logprobs")
-    top = body.get("top_logprobs")
-    if top is not None:
-        if not logprobs:
+# JSON numbers only (no strings, no booleans); floats finite, integers whole.
+Number = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
+Integer = Annotated[int, BeforeValidator(_number)]
+
+
+def _check(test, message: str):
+    def check(value):
+        if value is not None and not test(value):
+            raise refuse(message)
+        return value
+    return BeforeValidator(check)
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+Stop = Annotated[Any, _check(lambda v: isinstance(v, str) or (isinstance(v, list) and all(
+    isinstance(s, str) for s in v)), "'stop' must be a string or a list of strings")]
+LogitBias = Annotated[Any, _check(lambda v: isinstance(v, (dict, list)),
+                                  "'logit_bias' must be an object {token: bias} or a list of "
+                                  "[token, bias] pairs")]
+Content = Annotated[Any, _check(lambda v: isinstance(v, (str, list)),
+                                "must be a string or a list of text parts")]
+
+
+class Loose(BaseModel):
+    """A request object: fields this server does not know are accepted (clients send many)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class Speculative(Loose):
+    mode: str | None = None
+    num_draft: Integer | None = Field(None, ge=1, le=64)
+    suffix: Bool | None = None
+
+
+class StreamOptions(Loose):
+    include_usage: Any = False
+
+
+class SchemaWrapper(Loose):
+    schema_: dict | None = Field(None, alias="schema")
+
+
+class ResponseFormat(Loose):
+    type: Any = None
+    schema_: dict | None = Field(None, alias="schema")
+    json_schema: SchemaWrapper | None = None
+
+    @model_validator(mode="after")
+    def _known_type(self):
+        if self.type not in (None, "", "text", "json_object", "json_schema"):
+            raise ValueError('response_format type must be one of "text", "json_object" or '
+                             f'"json_schema", but got: {self.type}')
+        return self
+
+
+class Prediction(Loose):
+    type: Any = "content"
+    content: Content = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.type != "content":
+            raise ValueError("'prediction' must be {\"type\": \"content\", \"content\": ...}")
+        return self
+
+
+class Generation(Loose):
+    """The fields every generation endpoint shares (null means absent, as before)."""
+
+    model: str | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
+    n_predict: Integer | None = None
+    temperature: Number | None = Field(None, ge=0, le=100)
+    top_p: Number | None = Field(None, ge=0, le=1)
+    top_k: Integer | None = None
+    min_p: Number | None = Field(None, ge=0, le=0.999999)
+    seed: Integer | None = None
+    random_seed: Integer | None = None  # Mistral's name
+    stop: Stop = None
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    n: Integer | None = Field(None, ge=1)
+    n_cmpl: Integer | None = Field(None, ge=1)
+    speculative: Speculative | None = None
+    t_max_predict_ms: Number | None = None
+    response_fields: list[str] | None = None
+    n_indent: Integer | None = Field(None, ge=0)
+    n_cache_reuse: Integer | None = Field(None, ge=0)
+    return_tokens: Bool | None = None
+    return_progress: Bool | None = None
+    timings_per_token: Bool | None = None
+    # constrained output, log-probabilities, logit bias (`constrain.py`)
+    grammar: str | None = None
+    json_schema: dict | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: Any = None  # each family says what it takes
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    n_probs: Integer | None = Field(None, ge=0, le=MAX_N_PROBS)
+    post_sampling_probs: Bool | None = None
+    logit_bias: LogitBias = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
             # llama-server: top_logprobs without logprobs is an error
-            raise bad("top_logprobs requires logprobs to be set to true", "top_logprobs")
-        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
-            raise bad(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}",
-                      "top_logprobs")
-    n_probs = body.get("n_probs")
-    if n_probs is not None:
-        if isinstance(n_probs, bool) or not isinstance(n_probs, int) or n_probs < 0:
-            raise bad("'n_probs' must be an integer >= 0", "n_probs")
-        if n_probs > MAX_N_PROBS:
-            raise bad(f"'n_probs' must be at most {MAX_N_PROBS}", "n_probs")
-    _is_true(body, "post_sampling_probs")
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, (dict, list)):
-        raise bad("'logit_bias' must be an object {token: bias} or a list of "
-                  "[token, bias] pairs", "logit_bias")
-    if endpoint in ("completions",):
-        if _is_true(body, "echo"):
-            raise bad("Only no echo is supported ('echo' must be false)", "echo")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != 1:
-            raise bad("Unsupported param: best_of (only 1 is supported)", "best_of")
+            raise ValueError("top_logprobs requires logprobs to be set to true")
+        return self
+
+
+def _prompt_shape(value):
+    if value is None:
+        raise refuse("'prompt' is required")
+    return value
+
+
+class CompletionRequest(Generation):
+    """`/v1/completions` (OpenAI's legacy completions, FIM with `suffix`)."""
+
+    prompt: Annotated[Any, BeforeValidator(_prompt_shape)]
+    suffix: str | None = None
+    prediction: Prediction | None = None
+    logprobs: Annotated[Any, _check(lambda v: isinstance(v, bool) or (
+        isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
+        f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}")] = None
+    echo: Annotated[Any, _check(lambda v: v is False,
+                                "Only no echo is supported ('echo' must be false)")] = None
+    best_of: Annotated[Any, _check(lambda v: v == 1,
+                                   "Unsupported param: best_of (only 1 is supported)")] = None
+
+
+class LlamaCompletionRequest(Generation):
+    """llama.cpp's native `/completion`."""
+
+    prompt: Annotated[Any, BeforeValidator(_prompt_shape)]
+    logprobs: Annotated[Any, _check(lambda v: v is False,
+                                    "'logprobs' is an OpenAI field: this endpoint reports "
+                                    "probabilities with 'n_probs'")] = None
+
+
+class ExtraChunk(Loose):
+    text: Any = None
+    filename: Annotated[Any, _check(lambda v: isinstance(v, str),
+                                    'extra_context chunk\'s "filename" field must be a '
+                                    "string")] = None
+
+    @model_validator(mode="after")
+    def _has_text(self):  # llama-server's words
+        if not isinstance(self.text, str):
+            raise ValueError('extra_context chunk must contain a "text" field with a string '
+                             "value")
+        return self
+
+
+class InfillRequest(LlamaCompletionRequest):
+    """llama.cpp's `/infill` (llama.vim, llama.vscode)."""
+
+    prompt: str | None = None  # the current line up to the cursor
+    input_prefix: str | None = None
+    input_suffix: str | None = None
+    input_extra: Annotated[list[ExtraChunk] | None, _check(
+        lambda v: isinstance(v, list),
+        '"input_extra" must be an array of {"filename": string, "text": string}')] = None
+
+
+class FimRequest(Generation):
+    """`/v1/fim/completions` (Mistral, DeepSeek; Continue's FIM): prefix and suffix."""
+
+    prompt: Any = None
+    suffix: str | None = None
+    logprobs: Bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_is_text(self):
+        if not isinstance(self.prompt, str):
+            raise ValueError("'prompt' (the text before the cursor) must be a string")
+        return self
+
+
+class ChatMessage(Loose):
+    role: str
+    content: Content = None
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+
+    @model_validator(mode="after")
+    def _known_role(self):
+        role = "system" if self.role == "developer" else self.role
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"unknown role {self.role!r}")
+        # llama-server's checks and words
+        if role != "assistant" and "content" not in self.model_fields_set:
+            raise ValueError("All non-assistant messages must contain 'content'")
+        if role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("Assistant message must contain either 'content' or 'tool_calls'!")
+        self.role = role
+        return self
+
+
+class ChatTemplateRequest(Loose):
+    """What the chat template renders (`/v1/chat/completions`, `/apply-template`)."""
+
+    messages: Annotated[list[ChatMessage], _check(
+        lambda v: isinstance(v, list) and v, "'messages' must be a non-empty list")]
+    tools: Any = None
+    add_generation_prompt: Bool | None = None
+    continue_final_message: Bool | None = None
+
+
+class ChatRequest(Generation, ChatTemplateRequest):
+    """`/v1/chat/completions`."""
+
+    prediction: Prediction | None = None
+    logprobs: Annotated[Any, _check(lambda v: isinstance(v, bool),
+                                    "'logprobs' must be true or false")] = None
+
+
+class TokenizeRequest(Loose):
+    content: str | None = None
+    add_special: Bool = False
+    parse_special: Bool = True
+    with_pieces: Bool = False
+
+
+class DetokenizeRequest(Loose):
+    tokens: Annotated[list, _check(lambda v: isinstance(v, list) and all(map(_is_id, v)),
+                                   "'tokens' must be a list of token ids")] = []
+
+
+def parse(model: type[BaseModel], body: dict):
+    """`body` as a `model`, or the first problem as a 400 in the endpoint's words."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not (isinstance(part, str) and (part.startswith(("function-", "list[", "dict["))
+                                             or part in ("str", "int", "bool", "float"))):
+            out += ("." if out else "") + str(part).rstrip("_")
+    return out
+
+
+WORDS = {
+    "number": "'{name}' must be a number, got {kind}",
+    "int_from_float": "'{name}' must be an integer, got {input}",
+    "int_type": "'{name}' must be an integer, got {input}",
+    "finite_number": "'{name}' must be a finite number, got {input}",
+    "greater_than_equal": "'{name}' must be >= {ge}, got {input}",
+    "less_than_equal": "'{name}' must be <= {le}, got {input}",
+    "bool_type": "'{name}' must be true or false",
+    "string_type": "'{name}' must be a string",
+    "list_type": "'{name}' must be a list",
+    "dict_type": "'{name}' must be an object",
+    "model_type": "'{name}' must be an object",
+    "model_attributes_type": "'{name}' must be an object",
+    "missing": "'{name}' is required",
+}
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """A pydantic error as the 400 this server answers: its field (`param`) and words."""
+    err = e.errors(include_url=False)[0]
+    name = _where(err["loc"])
+    kind = err["type"]
+    if kind == "api":
+        message = err["msg"]
+    elif kind == "value_error":
+        message = str(err["ctx"]["error"])
+        if name and not message.startswith(("'", '"')) and "[" in name:
+            message = f"{name}: {message}"
+    else:
+        template = WORDS.get(kind, "'{name}': {msg}")
+        message = template.format(name=name, input=err.get("input"), msg=err["msg"],
+                                  **(err.get("ctx") or {}))
+    return bad(message, name or None)
 
 
 # ----------------------------------------------------------------------------- FIM prompts
@@ -255,60 +481,22 @@ class GenRequest:
         return out
 
 
-def _is_id(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
-def _number(body: dict, name: str, default, kind=float, lo=None, hi=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
-    if kind is int:
-        if isinstance(value, float) and not value.is_integer():
-            raise bad(f"'{name}' must be an integer, got {value}", name)
-        value = int(value)
-    else:
-        value = float(value)
-        if not math.isfinite(value):  # NaN passes every comparison below
-            raise bad(f"'{name}' must be a finite number, got {value}", name)
-    if lo is not None and value < lo:
-        raise bad(f"'{name}' must be >= {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise bad(f"'{name}' must be <= {hi}, got {value}", name)
-    return value
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise bad("'stop' must be a string or a list of strings", "stop")
-
-
 def _text_parts(content, where: str) -> str:
     """OpenAI content: a string or a list of {"type": "text", "text": ...} parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
-                    part.get("text"), str):
-                out.append(part["text"])
-            else:
-                raise bad(f"{where}: only text parts are supported", where)
-        return "".join(out)
-    raise bad(f"{where} must be a string or a list of text parts", where)
+    out = []
+    for part in content:
+        if isinstance(part, str):
+            out.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
+                part.get("text"), str):
+            out.append(part["text"])
+        else:
+            raise bad(f"{where}: only text parts are supported", where)
+    return "".join(out)
 
 
 @dataclass
@@ -321,11 +509,20 @@ class ServerConfig:
     default_max_tokens: int = 512
     default_temperature: float = 0.0
     modes: tuple[str, ...] = ()
-    max_num_draft: int = 64
     accept_any_model: bool = False  # --accept-any-model: OpenAI requests may name any model
     max_n_cmpl: int = 16
     cache_reuse: int = 0  # --cache-reuse: a request's default n_cache_reuse
     default_seed: int | None = None  # --seed: the seed of a request that sends none
+
+
+# endpoint kind -> (request model, max_tokens keys in order, OpenAI's model check)
+KINDS = {
+    "completion": (CompletionRequest, ("max_tokens", "n_predict"), True),
+    "chat": (ChatRequest, ("max_completion_tokens", "max_tokens", "n_predict"), True),
+    "fim": (FimRequest, ("max_tokens", "n_predict"), True),
+    "infill": (InfillRequest, ("n_predict", "max_tokens"), False),
+    "llama_completion": (LlamaCompletionRequest, ("n_predict", "max_tokens"), False),
+}
 
 
 class RequestParser:
@@ -363,31 +560,87 @@ class RequestParser:
             return list(self.tokenizer.encode(
                 text, add_special_tokens=bos is None or not text.startswith(bos)))
 
+    # -- endpoints
+    def requests(self, kind: str, body: dict) -> list[GenRequest]:
+        """Every answer a request asks for, in the order they are answered: each prompt
+        (several on the completion endpoints) times `n` / `n_cmpl`, `index` 0, 1, ... Sampled
+        answers of one prompt use seeds seed, seed + 1, ... when a seed is given."""
+        model, keys, openai = KINDS[kind]
+        r = parse(model, body)
+        prompts = getattr(self, f"{kind}_prompts")(r)
+        out = []
+        for ids, truncated in prompts:
+            req = self._common(r, kind, ids, keys, openai)
+            req.truncated = truncated
+            for j in range(req.n_cmpl):
+                seed = req.seed + j if req.seed is not None and req.temperature > 0 else req.seed
+                out.append(dataclasses.replace(req, index=len(out), seed=seed))
+        return out
+
+    def completion_prompts(self, r: CompletionRequest) -> list[tuple[list[int], bool]]:
+        """`/v1/completions`: one prompt per entry of `prompt`, FIM with `suffix`."""
+        out = []
+        for got in self._split_prompts(r.prompt):
+            if isinstance(got, str):
+                if r.suffix or (r.suffix is not None and self.fim is not None):
+                    out.append(self._fim(got, r.suffix, r))
+                else:
+                    out.append((self.encode_prompt(got), False))
+            elif r.suffix:
+                raise bad("'suffix' needs a text prompt, not token ids", "suffix")
+            else:
+                out.append((got, False))
+        return out
+
+    def llama_completion_prompts(self, r: LlamaCompletionRequest) -> list[tuple[list[int], bool]]:
+        """llama.cpp's `/completion`: `prompt` (text, ids, a mixed list, or a list of those:
+        several prompts)."""
+        return [(self.encode_prompt(got) if isinstance(got, str) else got, False)
+                for got in self._split_prompts(r.prompt)]
+
+    def fim_prompts(self, r: FimRequest) -> list[tuple[list[int], bool]]:
+        """`/v1/fim/completions`: `prompt` is the prefix, `suffix` the suffix."""
+        return [self._fim(r.prompt, r.suffix or "", r)]
+
+    def chat_prompts(self, r: ChatRequest) -> list[tuple[list[int], bool]]:
+        return [(self.encode(self.render_chat(r)), False)]
+
+    def infill_prompts(self, r: InfillRequest) -> list[tuple[list[int], bool]]:
+        """llama.cpp's `/infill`: `input_prefix`, `prompt` (the line to the cursor),
+        `input_suffix` and `input_extra` chunks, laid out by `build_fim_prompt`."""
+        if self.fim is None:
+            # llama.cpp's answer for a model without FIM tokens, word for word: editors
+            # (llama.vim, llama.vscode) match on it.
+            raise ApiError(501, "Infill is not supported by this model: prefix token is "
+                           "missing. suffix token is missing. middle token is missing. ",
+                           type="not_supported_error")
+        n = r.n_predict if r.n_predict is not None else r.max_tokens
+        extra = [{"filename": c.filename, "text": c.text} for c in r.input_extra or []]
+        return [build_fim_prompt(
+            self.encode, self.fim, r.input_prefix or "", r.input_suffix or "", extra=extra,
+            middle=r.prompt or "", bos=self.bos, budget=self._budget(n))]
+
     # -- shared fields
-    def _common(self, body: dict, endpoint: str, prompt: list[int], *, max_tokens_keys,
-                allow_warmup: bool, check_model: bool = True) -> GenRequest:
-        """Fields every endpoint shares. `check_model`: OpenAI endpoints refuse model names
-        not served here (404, unless --accept-any-model); llama.cpp's own endpoints ignore
-        `model`, as llama.cpp does."""
+    def _common(self, r: Generation, kind: str, prompt: list[int], max_tokens_keys,
+                openai: bool) -> GenRequest:
+        """Fields every endpoint shares. OpenAI endpoints refuse model names not served here
+        (404, unless --accept-any-model); llama.cpp's own endpoints ignore `model`."""
         cfg = self.config
-        model = body.get("model")
-        if check_model and model is not None and not isinstance(model, str):
-            raise bad("'model' must be a string", "model")
-        if check_model and model and model not in cfg.model_aliases and not cfg.accept_any_model:
-            raise ApiError(404, f"model '{model}' is not served here; this server serves "
+        if openai and r.model and r.model not in cfg.model_aliases and not cfg.accept_any_model:
+            raise ApiError(404, f"model '{r.model}' is not served here; this server serves "
                                 f"'{cfg.model_name}' (see GET /v1/models; --model-alias "
-                                f"{model} or --accept-any-model accept this name)",
+                                f"{r.model} or --accept-any-model accept this name)",
                            param="model", code="model_not_found")
         max_tokens = None
         for key in max_tokens_keys:
-            if body.get(key) is not None:
-                max_tokens = _number(body, key, None, int)
+            max_tokens = getattr(r, key)
+            if max_tokens is not None:
                 if key == "n_predict" and max_tokens < 0:  # llama.cpp: -1 = unlimited
                     max_tokens = None
-                elif max_tokens < (0 if allow_warmup and key == "n_predict" else 1):
+                elif max_tokens < (0 if key == "n_predict" else 1):
                     raise bad(f"'{key}' must be >= 1, got {max_tokens}", key)
                 break
-        warmup = max_tokens == 0
+        warmup = max_tokens == 0  # n_predict 0: prefill and cache the prompt only
         ctx = cfg.max_context
         if not prompt:
             raise bad("the prompt is empty", "prompt")
@@ -404,111 +657,84 @@ class RequestParser:
             max_tokens = cfg.default_max_tokens
         if ctx and not warmup and max_tokens > ctx - len(prompt):
             max_tokens, limited = ctx - len(prompt), True
-        seed_key = "seed" if body.get("seed") is not None else "random_seed"  # Mistral's name
-        seed = body.get(seed_key)
-        if seed is not None:
-            seed = _number(body, seed_key, None, int)
-            if seed < 0:  # llama.cpp: -1 = random
-                seed = None
-        else:
-            seed = cfg.default_seed
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad("'stream' must be a boolean", "stream")
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
-            raise bad("'stream_options' must be an object", "stream_options")
-        # Several answers of each prompt: OpenAI's n, llama.cpp's n_cmpl (n as a fallback);
-        # each answer is a job of its own (a row of the shared batch).
-        key = "n_cmpl" if not check_model and body.get("n_cmpl") is not None else "n"
-        n_cmpl = _number(body, key, 1, int, 1, cfg.max_n_cmpl)
-        spec = body.get("speculative") or {}
-        if not isinstance(spec, dict):
-            raise bad("'speculative' must be an object like {\"mode\": \"ngram\", \"num_draft\": 4}",
-                      "speculative")
-        mode = spec.get("mode")
-        if mode is not None and mode not in cfg.modes:
-            raise bad(f"unknown speculative mode {mode!r}; choose one of: {', '.join(cfg.modes)}",
-                      "speculative.mode")
-        num_draft = None
-        if spec.get("num_draft") is not None:
-            num_draft = _number(spec, "num_draft", None, int, 1, cfg.max_num_draft)
-        use_suffix = spec.get("suffix", True)
-        if not isinstance(use_suffix, bool):
-            raise bad("'speculative.suffix' must be true or false", "speculative.suffix")
-        t_max = body.get("t_max_predict_ms")
-        t_max = _number(body, "t_max_predict_ms", None, float) if t_max is not None else None
-        fields = body.get("response_fields")
-        if fields is not None and not (isinstance(fields, list) and all(
-                isinstance(f, str) for f in fields)):
-            raise bad("'response_fields' must be a list of strings", "response_fields")
-        if fields == []:  # llama.cpp: an empty list means every field
-            fields = None
+        seed = r.seed if r.seed is not None else r.random_seed
+        seed = cfg.default_seed if seed is None else seed if seed >= 0 else None  # -1: random
+        # Several answers of each prompt: OpenAI's n, llama.cpp's n_cmpl (n as a fallback).
+        n_cmpl = r.n_cmpl if not openai and r.n_cmpl is not None else r.n or 1
+        if n_cmpl > cfg.max_n_cmpl:
+            key = "n_cmpl" if not openai and r.n_cmpl is not None else "n"
+            raise bad(f"'{key}' must be <= {cfg.max_n_cmpl}, got {n_cmpl}", key)
+        spec = r.speculative or Speculative()
+        if spec.mode is not None and spec.mode not in cfg.modes:
+            raise bad(f"unknown speculative mode {spec.mode!r}; choose one of: "
+                      f"{', '.join(cfg.modes)}", "speculative.mode")
+        t_max = r.t_max_predict_ms
+        temperature = cfg.default_temperature if r.temperature is None else r.temperature
         req = GenRequest(
-            endpoint=endpoint, prompt=prompt, max_tokens=max_tokens,
-            temperature=_number(body, "temperature", cfg.default_temperature, float, 0.0, 100.0),
-            top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
-            top_k=max(0, _number(body, "top_k", 0, int)),
-            min_p=_number(body, "min_p", 0.0, float, 0.0, 0.999999),
-            seed=seed, stop=_stops(body), stream=stream,
-            include_usage=bool(so.get("include_usage", False)), mode=mode,
-            num_draft=num_draft, use_suffix=use_suffix, warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
-            response_fields=fields, model=cfg.model_name, context_limited=limited, n_ctx=ctx,
-            n_indent=_number(body, "n_indent", 0, int, 0), n_cmpl=n_cmpl,
-            cache_reuse=_number(body, "n_cache_reuse", cfg.cache_reuse, int, 0),
-            return_tokens=_is_true(body, "return_tokens"),
-            return_progress=_is_true(body, "return_progress"),
-            timings_per_token=_is_true(body, "timings_per_token"))
-        self._row_options(body, endpoint, req)
+            endpoint={"completion": "completions", "llama_completion": "completion"}.get(
+                kind, kind),
+            prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+            top_p=r.top_p or 1.0, top_k=max(0, r.top_k or 0), min_p=r.min_p or 0.0,
+            seed=seed, stop=[s for s in ([r.stop] if isinstance(r.stop, str) else r.stop or [])
+                             if s],
+            stream=r.stream, include_usage=bool(r.stream_options and
+                                                r.stream_options.include_usage),
+            mode=spec.mode, num_draft=spec.num_draft, use_suffix=spec.suffix is not False,
+            warmup=warmup, t_max_predict_ms=t_max if t_max and t_max > 0 else None,
+            # llama.cpp: an empty list means every field
+            response_fields=r.response_fields or None, model=cfg.model_name,
+            context_limited=limited, n_ctx=ctx, n_indent=r.n_indent or 0, n_cmpl=n_cmpl,
+            cache_reuse=cfg.cache_reuse if r.n_cache_reuse is None else r.n_cache_reuse,
+            return_tokens=bool(r.return_tokens), return_progress=bool(r.return_progress),
+            timings_per_token=bool(r.timings_per_token))
+        self._row_options(r, kind, req)
+        if getattr(r, "prediction", None) is not None:  # OpenAI's predicted output
+            text = _text_parts(r.prediction.content, "prediction.content")
+            req.prediction = self.encode(text) if text else None
         return req
 
-    def _row_options(self, body: dict, endpoint: str, req: GenRequest) -> None:
+    def _row_options(self, r: Generation, kind: str, req: GenRequest) -> None:
         """logit_bias, log-probabilities (OpenAI's logprobs / top_logprobs, llama.cpp's n_probs
         / post_sampling_probs) and a grammar (llama.cpp's grammar and json_schema, OpenAI's
-        response_format), checked (`check_fields` checked their shapes)."""
+        response_format)."""
         from ..constrain import parse_logit_bias
 
         try:
-            req.logit_bias = parse_logit_bias(body.get("logit_bias") or None, self.vocab_size,
+            req.logit_bias = parse_logit_bias(r.logit_bias or None, self.vocab_size,
                                               self.encode)
         except ValueError as e:
             raise bad(str(e), "logit_bias") from None
-        if endpoint in ("chat", "fim"):
-            if body.get("logprobs") is True:
-                req.logprobs = body.get("top_logprobs") or 0
-        elif endpoint == "completions":
-            lp = body.get("logprobs")
-            if lp is not None and lp is not False:
-                req.logprobs = 0 if lp is True else lp
-        else:  # llama.cpp's native endpoints
-            n = body.get("n_probs") or 0
-            if n > 0:
-                req.logprobs = n
-                req.post_probs = _is_true(body, "post_sampling_probs")
-        req.grammar = self._grammar(body)
+        if kind in ("chat", "fim"):
+            if r.logprobs is True:
+                req.logprobs = r.top_logprobs or 0
+        elif kind == "completion":
+            if r.logprobs is not None and r.logprobs is not False:
+                req.logprobs = 0 if r.logprobs is True else r.logprobs
+        elif r.n_probs:  # llama.cpp's native endpoints
+            req.logprobs = r.n_probs
+            req.post_probs = bool(r.post_sampling_probs)
+        req.grammar = self._grammar(r)
 
-    def _grammar(self, body: dict) -> tuple | None:
+    def _grammar(self, r: Generation) -> tuple | None:
         """The request's grammar (kind, spec), compiled once here to answer a bad one 400."""
-        grammar = body.get("grammar") or None
-        schema = body.get("json_schema")
         spec, param = None, None
-        if schema is not None:
-            spec, param = ("json_schema", schema), "json_schema"
-        rf = body.get("response_format")
-        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
-            if schema is not None:
+        if r.json_schema is not None:
+            spec, param = ("json_schema", r.json_schema), "json_schema"
+        rf = r.response_format
+        if rf is not None and rf.type in ("json_object", "json_schema"):
+            if spec is not None:
                 raise bad("give the JSON Schema once: 'json_schema' or 'response_format'",
                           "response_format")
-            if rf["type"] == "json_object":
-                spec = ("json", rf.get("schema"))
+            if rf.type == "json_object":
+                spec = ("json", rf.schema_)
             else:
-                spec = ("json_schema", (rf.get("json_schema") or {}).get("schema") or {})
+                spec = ("json_schema", (rf.json_schema and rf.json_schema.schema_) or {})
             param = "response_format"
-        if grammar is not None:
+        if r.grammar:
             if spec is not None:  # llama-server's words
                 raise bad('Either "json_schema" or "grammar" can be specified, but not both',
                           "grammar")
-            spec, param = ("gbnf", grammar), "grammar"
+            spec, param = ("gbnf", r.grammar), "grammar"
         if spec is None:
             return None
         from ..constrain import check_grammar
@@ -520,160 +746,57 @@ class RequestParser:
             raise bad(str(e), param) from None
         return spec
 
-    # -- endpoints
-    def requests(self, kind: str, body: dict) -> list[GenRequest]:
-        """Every answer a request asks for, in the order they are answered: each prompt
-        (several on the completion endpoints) times `n` / `n_cmpl`, `index` 0, 1, ... Sampled
-        answers of one prompt use seeds seed, seed + 1, ... when a seed is given."""
-        check_fields(body, {"completion": "completions", "llama_completion": "completion"}
-                     .get(kind, kind))
-        if kind == "completion":
-            per_prompt = self.completions(body)
-        elif kind == "llama_completion":
-            per_prompt = self.llama_completions(body)
-        else:
-            per_prompt = [getattr(self, "fim_completion" if kind == "fim" else kind)(body)]
-        out = []
-        for req in per_prompt:
-            for j in range(req.n_cmpl):
-                seed = req.seed + j if req.seed is not None and req.temperature > 0 else req.seed
-                out.append(dataclasses.replace(req, index=len(out), seed=seed))
-        return out
-
-    def _sub_prompts(self, prompt) -> list:
+    def _split_prompts(self, prompt) -> list[list[int] | str]:
         """llama.cpp's `tokenize_input_prompts`: a list holding no token id is several
-        prompts (each a string, a list of ids, or a mixed list); anything else is one."""
-        if isinstance(prompt, list) and not any(_is_id(p) for p in prompt):
-            if not prompt:
-                raise bad('"prompt" must not be empty', "prompt")
-            return prompt
-        return [prompt]
-
-    def _mixed_ids(self, prompt: list) -> list[int]:
-        """llama.cpp's `tokenize_mixed`: ids as they are, strings tokenized (BOS only before
-        a first element that is a string)."""
-        ids: list[int] = []
-        for i, p in enumerate(prompt):
-            if not isinstance(p, str):
-                ids.append(p)
-            else:
-                ids += self.encode_prompt(p) if i == 0 else self.encode(p)
-        return ids
-
-    def _prompt_ids(self, prompt, i: int, n: int) -> list[int] | str:
-        """One prompt: its ids, or its text (str) to be tokenized by the caller."""
-        where = "prompt" if n == 1 else f"prompt[{i}]"
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and prompt and all(_is_id(t) or isinstance(t, str)
-                                                      for t in prompt):
-            if all(_is_id(t) for t in prompt):
-                ids = list(prompt)
-            else:
-                ids = self._mixed_ids(prompt)
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                raise bad(f"{where} has token ids outside the vocabulary", where)
-            return ids
-        raise bad(f'"{where}" elements must be a string, a list of tokens, or a list of mixed '
-                  "strings & tokens", where)
-
-    def completion(self, body: dict) -> GenRequest:
-        """`/v1/completions` with one prompt (the first of several)."""
-        return self.completions(body)[0]
-
-    def completions(self, body: dict) -> list[GenRequest]:
-        """`/v1/completions`: one request per prompt (`prompt` may hold several)."""
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise bad("'prompt' is required", "prompt")
-        suffix = body.get("suffix")
-        if suffix is not None and not isinstance(suffix, str):
-            raise bad("'suffix' must be a string", "suffix")
-        prompts = self._sub_prompts(prompt)
+        prompts (each a string, a list of ids, or a mixed list); anything else is one. Each
+        comes back as its ids, or its text to be tokenized by the caller."""
+        several = isinstance(prompt, list) and not any(_is_id(p) for p in prompt)
+        if several and not prompt:
+            raise bad('"prompt" must not be empty', "prompt")
+        prompts = prompt if several else [prompt]
         out = []
         for i, p in enumerate(prompts):
-            got = self._prompt_ids(p, i, len(prompts))
-            if isinstance(got, str):
-                if suffix:
-                    ids, truncated = self._fim(got, suffix, body)
-                elif suffix is not None and self.fim is not None:
-                    ids, truncated = self._fim(got, "", body)
-                else:
-                    ids, truncated = self.encode_prompt(got), False
-            else:
-                if suffix:
-                    raise bad("'suffix' needs a text prompt, not token ids", "suffix")
-                ids, truncated = got, False
-            req = self._common(body, "completions", ids,
-                               max_tokens_keys=("max_tokens", "n_predict"), allow_warmup=True)
-            req.truncated = truncated
-            self._prediction(body, req)
-            out.append(req)
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                out.append(p)
+                continue
+            if not (isinstance(p, list) and p and all(_is_id(t) or isinstance(t, str)
+                                                      for t in p)):
+                raise bad(f'"{where}" elements must be a string, a list of tokens, or a list '
+                          "of mixed strings & tokens", where)
+            # llama.cpp's `tokenize_mixed`: ids as they are, strings tokenized (BOS only
+            # before a first element that is a string)
+            ids = [t for j, s in enumerate(p) for t in (
+                [s] if _is_id(s) else self.encode_prompt(s) if j == 0 else self.encode(s))]
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise bad(f"{where} has token ids outside the vocabulary", where)
+            out.append(ids)
         return out
 
-    def fim_completion(self, body: dict) -> GenRequest:
-        """`/v1/fim/completions` (Mistral / DeepSeek style, what Continue's generic OpenAI
-        provider calls for FIM): `prompt` is the prefix, `suffix` the suffix; chat-shaped
-        answers."""
-        prompt, suffix = body.get("prompt"), body.get("suffix") or ""
-        if not isinstance(prompt, str):
-            raise bad("'prompt' (the text before the cursor) must be a string", "prompt")
-        if not isinstance(suffix, str):
-            raise bad("'suffix' must be a string", "suffix")
-        ids, truncated = self._fim(prompt, suffix, body)
-        req = self._common(body, "fim", ids, max_tokens_keys=("max_tokens", "n_predict"),
-                           allow_warmup=True)
-        req.truncated = truncated
-        return req
-
-    def chat(self, body: dict) -> GenRequest:
-        ids = self.encode(self.render_chat(body))
-        req = self._common(body, "chat", ids,
-                           max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
-                           allow_warmup=True)
-        self._prediction(body, req)
-        return req
-
-    def render_chat(self, body: dict) -> str:
+    def render_chat(self, r: ChatTemplateRequest) -> str:
         """The prompt text of a chat request (`messages`, `tools`, `add_generation_prompt`,
         `continue_final_message`), by the model's chat template; what `/apply-template`
         answers. A last assistant message is continued (llama-server's prefill)."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("'messages' must be a non-empty list", "messages")
         conv = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
-            role = "system" if m["role"] == "developer" else m["role"]
-            if role not in ("system", "user", "assistant", "tool"):
-                raise bad(f"messages[{i}]: unknown role {m['role']!r}", f"messages[{i}].role")
-            # llama-server's checks and words
-            if role != "assistant" and "content" not in m:
-                raise bad("All non-assistant messages must contain 'content'",
-                          f"messages[{i}].content")
-            if role == "assistant" and m.get("content") is None and not m.get("tool_calls"):
-                raise bad("Assistant message must contain either 'content' or 'tool_calls'!",
-                          f"messages[{i}]")
-            msg = {"role": role, "content": _text_parts(m.get("content"), f"messages[{i}].content")}
+        for i, m in enumerate(r.messages):
+            msg = {"role": m.role, "content": _text_parts(m.content, f"messages[{i}].content")}
             for key in ("name", "tool_calls", "tool_call_id"):
-                if key in m:
-                    msg[key] = m[key]
+                if key in m.model_fields_set:
+                    msg[key] = getattr(m, key)
             conv.append(msg)
         if len(conv) >= 2 and conv[-1]["role"] == conv[-2]["role"] == "assistant":
             raise bad("Cannot have 2 or more assistant messages at the end of the list.",
                       "messages")
-        gen = _is_true(body, "add_generation_prompt", True)
-        cont = _is_true(body, "continue_final_message", False)
-        if cont and body.get("add_generation_prompt") is True:
+        gen = r.add_generation_prompt is not False
+        if r.continue_final_message and r.add_generation_prompt:
             # vLLM's and transformers' rule: the two ask for opposite things
             raise bad("'add_generation_prompt' and 'continue_final_message' cannot both be "
                       "true: the first starts a new assistant message, the second continues "
                       "the last one", "continue_final_message")
-        if cont and conv[-1]["role"] != "assistant":
+        if r.continue_final_message and conv[-1]["role"] != "assistant":
             raise bad("'continue_final_message' needs the last message to be the assistant's",
                       "continue_final_message")
-        tools = body["tools"] if isinstance(body.get("tools"), list) else None
+        tools = r.tools if isinstance(r.tools, list) else None
         try:
             with self.lock:
                 if not gen and conv[-1]["role"] != "assistant":
@@ -690,29 +813,21 @@ class RequestParser:
     def tokenize(self, body: dict) -> dict:
         """`POST /tokenize`: {content, add_special=false, parse_special=true,
         with_pieces=false} -> {"tokens": [ids]} or [{"id", "piece"}] pieces."""
-        content = body.get("content")
-        if content is None:
+        r = parse(TokenizeRequest, body)
+        if r.content is None:
             return {"tokens": []}
-        if not isinstance(content, str):
-            raise bad("'content' must be a string", "content")
-        flags = {}
-        for key, default in (("add_special", False), ("parse_special", True),
-                             ("with_pieces", False)):
-            flags[key] = body.get(key, default)
-            if not isinstance(flags[key], bool):
-                raise bad(f"'{key}' must be a boolean", key)
         with self.lock:
-            if flags["parse_special"]:
-                ids = self.tokenizer.encode(content, add_special_tokens=flags["add_special"])
+            if r.parse_special:
+                ids = self.tokenizer.encode(r.content, add_special_tokens=r.add_special)
             else:
                 try:
-                    ids = self.tokenizer.encode(content, add_special_tokens=flags["add_special"],
+                    ids = self.tokenizer.encode(r.content, add_special_tokens=r.add_special,
                                                 split_special_tokens=True)
                 except TypeError:
                     raise bad("this tokenizer cannot read special tokens as plain text "
                               "(parse_special: false)", "parse_special") from None
         ids = [int(t) for t in ids]
-        if not flags["with_pieces"]:
+        if not r.with_pieces:
             return {"tokens": ids}
         out = []
         for t in ids:
@@ -741,10 +856,7 @@ class RequestParser:
 
     def detokenize(self, body: dict) -> dict:
         """`POST /detokenize`: {tokens: [ids]} -> {"content": text}."""
-        tokens = body.get("tokens", [])
-        if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad("'tokens' must be a list of token ids", "tokens")
+        tokens = parse(DetokenizeRequest, body).tokens
         if any(t < 0 or t >= self.vocab_size for t in tokens):
             raise bad("'tokens' has ids outside the vocabulary", "tokens")
         with self.lock:
@@ -757,86 +869,22 @@ class RequestParser:
 
     def apply_template(self, body: dict) -> dict:
         """`POST /apply-template`: {messages, tools?} -> {"prompt": text}."""
-        return {"prompt": self.render_chat(body)}
+        return {"prompt": self.render_chat(parse(ChatTemplateRequest, body))}
 
-    def _prediction(self, body: dict, req: GenRequest) -> None:
-        """OpenAI's predicted output (on completions too, as an extension)."""
-        pred = body.get("prediction")
-        if pred is not None:
-            if not isinstance(pred, dict) or pred.get("type", "content") != "content":
-                raise bad("'prediction' must be {\"type\": \"content\", \"content\": ...}",
-                          "prediction")
-            text = _text_parts(pred.get("content"), "prediction.content")
-            req.prediction = self.encode(text) if text else None
-
-    def infill(self, body: dict) -> GenRequest:
-        for key in ("input_prefix", "input_suffix", "prompt"):
-            if body.get(key) is not None and not isinstance(body[key], str):
-                raise bad(f"'{key}' must be a string", key)
-        extra = body.get("input_extra")
-        if extra is None:
-            extra = []
-        if not isinstance(extra, list):  # llama-server's words
-            raise bad('"input_extra" must be an array of {"filename": string, "text": string}',
-                      "input_extra")
-        for i, c in enumerate(extra):
-            if not isinstance(c, dict) or not isinstance(c.get("text"), str):
-                raise bad('extra_context chunk must contain a "text" field with a string value',
-                          f"input_extra[{i}].text")
-            if c.get("filename") is not None and not isinstance(c["filename"], str):
-                raise bad('extra_context chunk\'s "filename" field must be a string',
-                          f"input_extra[{i}].filename")
-        if self.fim is None:
-            # llama.cpp's answer for a model without FIM tokens, word for word: editors
-            # (llama.vim, llama.vscode) match on it.
-            raise ApiError(501, "Infill is not supported by this model: prefix token is "
-                           "missing. suffix token is missing. middle token is missing. ",
-                           type="not_supported_error")
-        n_predict = body.get("n_predict", body.get("max_tokens"))
-        n = n_predict if isinstance(n_predict, int) and n_predict > 0 else self.config.default_max_tokens
-        ids, truncated = build_fim_prompt(
-            self.encode, self.fim, body.get("input_prefix") or "", body.get("input_suffix") or "",
-            extra=extra, middle=body.get("prompt") or "", bos=self.bos,
-            budget=self._budget(n))
-        req = self._common(body, "infill", ids, max_tokens_keys=("n_predict", "max_tokens"),
-                           allow_warmup=True, check_model=False)
-        req.truncated = truncated
-        return req
-
-    def llama_completion(self, body: dict) -> GenRequest:
-        """llama.cpp's native `/completion` with one prompt (the first of several)."""
-        return self.llama_completions(body)[0]
-
-    def llama_completions(self, body: dict) -> list[GenRequest]:
-        """llama.cpp's native `/completion`: `prompt` (text, ids, a mixed list, or a list of
-        those: several prompts), `n_predict`, `stream`."""
-        prompt = body.get("prompt")
-        if prompt is None:
-            raise bad("'prompt' is required", "prompt")
-        prompts = self._sub_prompts(prompt)
-        out = []
-        for i, p in enumerate(prompts):
-            got = self._prompt_ids(p, i, len(prompts))
-            ids = self.encode_prompt(got) if isinstance(got, str) else got
-            out.append(self._common(body, "completion", ids,
-                                    max_tokens_keys=("n_predict", "max_tokens"),
-                                    allow_warmup=True, check_model=False))
-        return out
-
-    def _fim(self, prefix: str, suffix: str, body: dict) -> tuple[list[int], bool]:
+    def _fim(self, prefix: str, suffix: str, r: Generation) -> tuple[list[int], bool]:
         if self.fim is None:
             raise bad("'suffix' needs fill-in-the-middle, and this model's tokenizer has no FIM "
                       "tokens (<|fim_prefix|>, <fim_prefix> or <PRE>)", "suffix")
-        n = body.get("max_tokens")
-        n = n if isinstance(n, int) and n > 0 else self.config.default_max_tokens
         return build_fim_prompt(self.encode, self.fim, prefix, suffix, bos=self.bos,
-                                budget=self._budget(n))
+                                budget=self._budget(r.max_tokens))
 
-    def _budget(self, max_tokens: int) -> int | None:
+    def _budget(self, max_tokens: int | None) -> int | None:
         ctx = self.config.max_context
         if not ctx:
             return None
-        return max(16, ctx - min(max_tokens, ctx // 2) - 1)
+        n = max_tokens if max_tokens is not None and max_tokens > 0 else \
+            self.config.default_max_tokens
+        return max(16, ctx - min(n, ctx // 2) - 1)
 
 
 class IndentStop:

@@ -543,6 +543,6 @@ class Worker(threading.Thread):
         self.metrics.failed()
 
     def _done(self, job: Job, done: Done) -> None:
+        self.metrics.generation(done.usage)  # counted before the client can see the answer
         job.events.put(done)
-        self.metrics.generation(done.usage)
 

@@ -1,0 +1,307 @@
+"""A request's answer, relayed from the worker's events: one JSON body, or server-sent events
+as they come. The worker thread hands each event to the event loop (`Tagged.put`); a client
+that hangs up, or stops reading for --write-timeout, cancels its jobs at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from . import protocol as P
+from .access import dumps, error_message
+from .protocol import ApiError, Usage
+from .worker import Delta, Done, Failed, Job, Progress
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache")]
+GONE = object()  # the event that says the client has hung up
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Tagged:
+    """A job's event sink, called on the worker thread: puts (job number, event) on the
+    request's asyncio queue, on the event loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, shared: asyncio.Queue, number: int):
+        self.loop, self.shared, self.number = loop, shared, number
+
+    def put(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.shared.put_nowait, (self.number, event))
+
+
+class JobGroup:
+    """The jobs of one request: `reqs` (one per answer, `index` 0, 1, ...) and `jobs`,
+    `job_of[i]` the job that answers `reqs[i]` (greedy answers of one prompt share one)."""
+
+    def __init__(self, reqs: list, worker):
+        """One job per answer, each a row of the shared batch; greedy answers of the same
+        prompt are the same text, so one job serves them all. A refused job (queue full)
+        cancels the ones queued before it."""
+        self.reqs = reqs
+        self.req = reqs[0]
+        self.jobs: list[Job] = []
+        self.job_of: list[int] = []
+        self.events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        by_prompt: dict[tuple, int] = {}
+        try:
+            for req in reqs:
+                key = tuple(req.prompt) if req.temperature == 0 else None
+                if key is not None and key in by_prompt:
+                    self.job_of.append(by_prompt[key])
+                    continue
+                j = len(self.jobs)
+                self.jobs.append(worker.submit(req, events=Tagged(loop, self.events, j)))
+                self.job_of.append(j)
+                if key is not None:
+                    by_prompt[key] = j
+        except ApiError:
+            self.cancel()
+            raise
+
+    def answers_of(self, j: int) -> list[int]:
+        return [i for i, k in enumerate(self.job_of) if k == j]
+
+    def job_slot(self, j: int) -> int:
+        slot = self.jobs[j].slot_id
+        return 0 if slot is None else slot
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+
+class Relay:
+    """The ASGI answer of a generation request: its jobs' events as one JSON body or as a
+    stream (the answers' chunks interleaved, each with its index)."""
+
+    def __init__(self, group: JobGroup, kind: str, parser, metrics, write_timeout: float):
+        self.group, self.kind, self.parser, self.metrics = group, kind, parser, metrics
+        self.write_timeout = write_timeout
+        self.send = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.send = send
+        watch = asyncio.ensure_future(self._watch(receive))
+        try:
+            scope["mlxspec.status"] = await self._relay()
+        except ClientGone:
+            self.group.cancel()
+            self.metrics.disconnected()
+            scope["mlxspec.status"] = 499
+            # A client that stopped reading holds the connection: drop it (uvicorn's cycle
+            # is the receive's owner), and let the loop see it closed before returning.
+            transport = getattr(getattr(receive, "__self__", None), "transport", None)
+            if transport is not None:
+                transport.abort()
+                await asyncio.sleep(0)
+        finally:
+            watch.cancel()
+            self.group.cancel()  # nothing left to do if it ended; a bug must not leave jobs
+
+    async def _watch(self, receive) -> None:
+        """Wait for the client to hang up (the body was read before the relay starts)."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.group.events.put_nowait((None, GONE))
+
+    async def _send(self, message: dict) -> None:
+        try:
+            await asyncio.wait_for(self.send(message), self.write_timeout)
+        except asyncio.TimeoutError:  # not reading for --write-timeout
+            self.metrics.timed_out("write")
+            raise ClientGone from None
+        except OSError:
+            raise ClientGone from None
+
+    async def _sse(self, payload) -> None:
+        data = payload if isinstance(payload, str) else dumps(payload)
+        await self._send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
+                          "more_body": True})
+
+    async def _json(self, status: int, body, headers: dict | None = None) -> int:
+        for message in error_message(status, body, headers):
+            await self._send(message)
+        return status
+
+    async def _relay(self) -> int:
+        group, kind = self.group, self.kind
+        n_jobs = len(group.jobs)
+        texts: list[list[str]] = [[] for _ in range(n_jobs)]
+        ids: list[list[int]] = [[] for _ in range(n_jobs)]
+        # log-probabilities per job: all of them, and those not sent in a chunk yet
+        lps: list[list] = [[] for _ in range(n_jobs)]
+        unsent: list[list] = [[] for _ in range(n_jobs)]
+        dones: list[Done | None] = [None] * n_jobs
+        stream = group.req.stream
+        started = False
+        while any(d is None for d in dones):
+            j, ev = await group.events.get()
+            if ev is GONE:
+                raise ClientGone
+            if isinstance(ev, Failed):
+                group.cancel()
+                err = ev.error
+                if not started:
+                    retry = {"Retry-After": err.retry_after} if err.retry_after else None
+                    return await self._json(err.status, err.body(), retry)
+                await self._sse({"error": err.body()["error"]})
+                await self._end()
+                return err.status
+            if stream and not started:
+                started = True
+                await self._start_stream(kind, group)
+            if isinstance(ev, Delta):
+                texts[j].append(ev.text)
+                ids[j] += ev.ids
+                got = self._logprobs_of(group, j, ev)
+                lps[j] += got
+                unsent[j] += got
+                if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
+                    for i in group.answers_of(j):
+                        await self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
+                                                    unsent[j],
+                                                    len("".join(texts[j])) - len(ev.text)))
+                    unsent[j] = []
+            elif isinstance(ev, Progress):
+                if stream:
+                    await self._sse(self._progress_chunk(
+                        kind, group.reqs[group.answers_of(j)[0]], ev, group.job_slot(j)))
+            elif isinstance(ev, Done):
+                dones[j] = ev
+                if stream:
+                    answers = group.answers_of(j)
+                    last = all(d is not None for d in dones)
+                    for i in answers:
+                        # llama-server: the timings ride on the last chunk (the usage one
+                        # when asked for)
+                        timings = (self._usage(group, dones).timings()
+                                   if last and i == answers[-1] and not group.req.include_usage
+                                   else None)
+                        await self._finish_answer(kind, group, i, "".join(texts[j]), ev,
+                                                  timings, unsent[j])
+                    unsent[j] = []
+        if stream:
+            await self._finish_stream(kind, group, dones)
+            await self._end()
+            return 200
+        return await self._json(200, self._final_body(kind, group, texts, ids, dones, lps))
+
+    async def _end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _usage(self, group: JobGroup, dones: list) -> Usage:
+        """The usage of the whole answer: every answer's, the prompts counted once."""
+        usages = [dones[group.job_of[i]].usage for i in range(len(group.reqs))]
+        prompts = {r.index // max(1, r.n_cmpl): u.prompt_tokens
+                   for r, u in zip(group.reqs, usages)}
+        return P.total_usage(usages, sum(prompts.values()))
+
+    def _logprobs_of(self, group: JobGroup, j: int, ev: Delta) -> list:
+        """The log-probabilities of a delta's tokens (`constrain.TokenLogprob`), where its
+        request asked for them."""
+        req = group.reqs[group.answers_of(j)[0]]
+        if req.logprobs is None or not ev.tokens or ev.logprobs is None:
+            return []
+        return [e for e in ev.logprobs if e is not None]
+
+    def _logprobs_json(self, kind: str, req, entries: list, offset: int = 0):
+        """A choice's or chunk's log-probabilities as its endpoint answers them (None where
+        none were asked)."""
+        if req.logprobs is None:
+            return None
+        piece = self.parser.token_bytes
+        if kind in ("chat", "fim"):
+            return P.chat_logprobs(entries, piece)
+        if kind == "completion":
+            return P.completion_logprobs(entries, piece, offset)
+        return P.token_entries(entries, piece, req.post_probs)
+
+    def _llama_final(self, group: JobGroup, i: int, text: str, done: Done,
+                     tokens: list[int] | None, stream: bool, lps: list | None = None) -> dict:
+        req = group.reqs[i]
+        prompt = self.parser.prompt_text(req.prompt) if P.wants_prompt(req) else None
+        probs = None if stream else self._logprobs_json("llama", req, lps or [])
+        return P.llama_body(req, "" if stream else text, done.finish_reason, done.usage,
+                            done.stopping_word, index=req.index,
+                            tokens=tokens if req.return_tokens and not stream else None,
+                            prompt=prompt, id_slot=group.job_slot(group.job_of[i]),
+                            whole=text, probs=probs)
+
+    def _final_body(self, kind: str, group: JobGroup, texts, ids, dones, lps) -> dict | list:
+        reqs, job_of = group.reqs, group.job_of
+        if kind in ("chat", "fim", "completion"):
+            choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason,
+                        self._logprobs_json(kind, r, lps[job_of[i]]))
+                       for i, r in enumerate(reqs)]
+            make = P.completion_body if kind == "completion" else P.chat_body
+            return make(group.req, choices, self._usage(group, dones))
+        bodies = [self._llama_final(group, i, "".join(texts[job_of[i]]), dones[job_of[i]],
+                                    ids[job_of[i]], stream=False, lps=lps[job_of[i]])
+                  for i in range(len(reqs))]
+        # llama.cpp: one answer is an object, several a list
+        return bodies[0] if len(bodies) == 1 else bodies
+
+    async def _start_stream(self, kind: str, group: JobGroup) -> None:
+        await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        if kind in ("chat", "fim"):
+            # llama-server's first chunk: the role, content null; Mistral's FIM API (and
+            # Tabby's mistral/completion reader, which requires it) has a string
+            # delta.content in every chunk.
+            for r in group.reqs:
+                await self._sse(P.chat_chunk(r, {"role": "assistant",
+                                           "content": "" if kind == "fim" else None},
+                                       None, index=r.index))
+
+    def _chunk(self, kind: str, req, ev: Delta, slot: int, lps: list | None = None,
+               offset: int = 0) -> dict:
+        """A streamed chunk of a delta; `lps`: the log-probabilities of its tokens (and of
+        tokens before it that no chunk carried), `offset`: where its text starts."""
+        timings = ev.timings if req.timings_per_token else None
+        logprobs = self._logprobs_json(kind, req, lps or [], offset)
+        if kind in ("chat", "fim"):
+            return P.chat_chunk(req, {"content": ev.text}, None, index=req.index,
+                                timings=timings, logprobs=logprobs)
+        if kind == "completion":
+            return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings,
+                                      logprobs=logprobs)
+        return P.llama_body(req, ev.text, None, None, index=req.index, tokens=ev.ids,
+                            timings=timings, id_slot=slot, probs=logprobs)
+
+    def _progress_chunk(self, kind: str, req, ev: Progress, slot: int) -> dict:
+        """llama.cpp's `prompt_progress` chunk (`return_progress`)."""
+        if kind in ("chat", "fim"):
+            return {**P.chat_chunk(req, None, None), "prompt_progress": ev.json()}
+        if kind == "completion":
+            return {**P.completion_chunk(req, None, None), "prompt_progress": ev.json()}
+        return P.llama_body(req, "", None, None, index=req.index, progress=ev.json(),
+                            id_slot=slot)
+
+    async def _finish_answer(self, kind: str, group: JobGroup, i: int, text: str,
+                       done: Done, timings: dict | None = None, lps: list | None = None) -> None:
+        """One answer of a stream is done: its last chunk (llama.cpp: the final object),
+        with the log-probabilities no chunk carried yet."""
+        req = group.reqs[i]
+        logprobs = self._logprobs_json(kind, req, lps or [], len(text)) if lps else None
+        if kind in ("chat", "fim"):
+            await self._sse(P.chat_chunk(req, {"content": ""} if kind == "fim" else {},
+                                   done.finish_reason, index=req.index, timings=timings,
+                                   logprobs=logprobs))
+        elif kind == "completion":
+            await self._sse(P.completion_chunk(req, "", done.finish_reason, index=req.index,
+                                         timings=timings, logprobs=logprobs))
+        else:  # llama.cpp streams end with the full final object, stop = true, no [DONE]
+            await self._sse(self._llama_final(group, i, text, done, None, stream=True))
+
+    async def _finish_stream(self, kind: str, group: JobGroup, dones: list) -> None:
+        """After the answers' last chunks: the usage chunk (`include_usage`; llama-server's
+        `timings` with it) and [DONE], on the OpenAI endpoints."""
+        if kind not in ("chat", "fim", "completion"):
+            return
+        if group.req.include_usage:
+            usage = self._usage(group, dones)
+            make = P.completion_chunk if kind == "completion" else P.chat_chunk
+            await self._sse(make(group.req, None, None, usage, timings=usage.timings()))
+        await self._sse("[DONE]")
