@@ -774,7 +774,7 @@ def test_cli_serve_starts_on_loopback(model_dirs):
 
 def test_small_pieces():
     from mlxspec.cli.serve import parse_size
-    from mlxspec.server.protocol import pick_fields
+    from mlxspec.server.answers import pick_fields
     from mlxspec.stopstrings import TextStream
 
     assert parse_size("2GB") == 2 << 30 and parse_size("512mb") == 512 << 20

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from . import protocol as P
+from . import answers as P
 from .access import dumps, error_message
-from .protocol import ApiError, Usage
+from .answers import Usage
+from .protocol import ApiError
 from .worker import Delta, Done, Failed, Job, Progress
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),

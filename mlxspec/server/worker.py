@@ -28,8 +28,9 @@ from ..policy import BatchPolicy
 from ..row import BatchRow
 from ..stats import Stats
 from ..suffix_store import SuffixStores
+from .answers import Usage
 from .metrics import Metrics
-from .protocol import ApiError, GenRequest, IndentStop, Usage
+from .protocol import ApiError, GenRequest, IndentStop
 
 log = logging.getLogger("mlxspec.server")
 # Requests speculating at once by default; above it a request decodes plainly in the batch. An
