@@ -6,8 +6,9 @@ bundled model (or --model), on a free loopback port, a fresh server per run. Per
 
 - round trip: a 1-token greedy `/v1/completions`, N requests one after another on one
   keep-alive `http.client` connection, after a warm-up; p50 and p95; then the same with a new
-  connection per request (a server that writes its headers and body in two small sends
-  without TCP_NODELAY waits on the client's delayed ACK, about 40 ms, on a reused connection);
+  connection per request. The client sets TCP_NODELAY (http.client writes a request's
+  headers and body apart, and without it the body waits for the server's delayed ACK, about
+  40 ms: that would be measured instead of the server);
 - time to first token: a `stream: true` completion on a new connection, from sending it to the
   first `data:` line carrying text (connecting is included); p50 and p95 over N requests;
 - concurrent streams: C client threads in a closed loop, each sending R greedy streamed
@@ -106,6 +107,9 @@ def completion(prompt: str, max_tokens: int, **extra) -> bytes:
 
 
 def post(conn: http.client.HTTPConnection, body: bytes) -> http.client.HTTPResponse:
+    if conn.sock is None:  # http.client writes headers and body apart: without TCP_NODELAY
+        conn.connect()     # the body waits for the server's delayed ACK (~40 ms)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:

@@ -74,20 +74,19 @@ class JobGroup:
             job.cancel()
 
 
-class Relay:
-    """The ASGI answer of a generation request: its jobs' events as one JSON body or as a
-    stream (the answers' chunks interleaved, each with its index)."""
+class Answer:
+    """The ASGI answer of a generation request, relayed from its jobs' events; an endpoint
+    family's subclass says what the client gets (`relay`, returning the HTTP status)."""
 
-    def __init__(self, group: JobGroup, kind: str, parser, metrics, write_timeout: float):
-        self.group, self.kind, self.parser, self.metrics = group, kind, parser, metrics
-        self.write_timeout = write_timeout
+    def __init__(self, group: JobGroup, metrics, write_timeout: float):
+        self.group, self.metrics, self.write_timeout = group, metrics, write_timeout
         self.send = None
 
     async def __call__(self, scope, receive, send) -> None:
         self.send = send
         watch = asyncio.ensure_future(self._watch(receive))
         try:
-            scope["mlxspec.status"] = await self._relay()
+            scope["mlxspec.status"] = await self.relay()
         except ClientGone:
             self.group.cancel()
             self.metrics.disconnected()
@@ -102,11 +101,21 @@ class Relay:
             watch.cancel()
             self.group.cancel()  # nothing left to do if it ended; a bug must not leave jobs
 
+    async def relay(self) -> int:
+        raise NotImplementedError
+
     async def _watch(self, receive) -> None:
         """Wait for the client to hang up (the body was read before the relay starts)."""
         while (await receive())["type"] != "http.disconnect":
             pass
         self.group.events.put_nowait((None, GONE))
+
+    async def next_event(self) -> tuple[int, object]:
+        """(job number, event) of the request's next event; ClientGone once it hung up."""
+        j, ev = await self.group.events.get()
+        if ev is GONE:
+            raise ClientGone
+        return j, ev
 
     async def _send(self, message: dict) -> None:
         try:
@@ -117,17 +126,34 @@ class Relay:
         except OSError:
             raise ClientGone from None
 
-    async def _sse(self, payload) -> None:
+    async def _start_sse(self) -> None:
+        await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def _sse(self, payload, event: str | None = None) -> None:
+        """One server-sent event: `data: JSON` (a str as it is), after `event: NAME` if given."""
         data = payload if isinstance(payload, str) else dumps(payload)
-        await self._send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(),
+        text = f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+        await self._send({"type": "http.response.body", "body": text.encode(),
                           "more_body": True})
+
+    async def _end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _json(self, status: int, body, headers: dict | None = None) -> int:
         for message in error_message(status, body, headers):
             await self._send(message)
         return status
 
-    async def _relay(self) -> int:
+
+class Relay(Answer):
+    """OpenAI's completions and chat, llama.cpp's `/completion` and `/infill`: one JSON body,
+    or a stream of the answers' chunks interleaved, each with its index."""
+
+    def __init__(self, group: JobGroup, kind: str, parser, metrics, write_timeout: float):
+        super().__init__(group, metrics, write_timeout)
+        self.kind, self.parser = kind, parser
+
+    async def relay(self) -> int:
         group, kind = self.group, self.kind
         n_jobs = len(group.jobs)
         texts: list[list[str]] = [[] for _ in range(n_jobs)]
@@ -139,9 +165,7 @@ class Relay:
         stream = group.req.stream
         started = False
         while any(d is None for d in dones):
-            j, ev = await group.events.get()
-            if ev is GONE:
-                raise ClientGone
+            j, ev = await self.next_event()
             if isinstance(ev, Failed):
                 group.cancel()
                 err = ev.error
@@ -189,9 +213,6 @@ class Relay:
             await self._end()
             return 200
         return await self._json(200, self._final_body(kind, group, texts, ids, dones, lps))
-
-    async def _end(self) -> None:
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _usage(self, group: JobGroup, dones: list) -> Usage:
         """The usage of the whole answer: every answer's, the prompts counted once."""
@@ -246,7 +267,7 @@ class Relay:
         return bodies[0] if len(bodies) == 1 else bodies
 
     async def _start_stream(self, kind: str, group: JobGroup) -> None:
-        await self._send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await self._start_sse()
         if kind in ("chat", "fim"):
             # llama-server's first chunk: the role, content null; Mistral's FIM API (and
             # Tabby's mistral/completion reader, which requires it) has a string
