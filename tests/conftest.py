@@ -143,12 +143,13 @@ def llama_pair():
     return target, draft
 
 
-def train_tiny_tokenizer(path: Path, vocab: int = 300) -> None:
+def train_tiny_tokenizer(path: Path, vocab: int = 300, extra_specials: tuple = (),
+                         template: str | None = None) -> None:
     """A byte-level BPE (HF `tokenizers`) with the project's special tokens, in a second."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>",
-                "<|fim_suffix|>", "<|fim_middle|>"]
+                "<|fim_suffix|>", "<|fim_middle|>", *extra_specials]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -161,8 +162,9 @@ def train_tiny_tokenizer(path: Path, vocab: int = 300) -> None:
     tok.train_from_iterator([text], trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = template or (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
         "chat_template": template, "model_max_length": 4096}))

@@ -685,8 +685,10 @@ def test_bad_inputs_get_status_codes_and_server_keeps_serving(server, client, re
     sock = socket.create_connection(server.server_address[:2], timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
                  b"2\r\n{}\r\n0\r\n\r\n")
-    answer = sock.recv(4096)
-    assert answer.startswith(b"HTTP/1.1 400") and b"'prompt' is required" in answer
+    answer = http.client.HTTPResponse(sock)
+    answer.begin()
+    assert answer.status == 400 and "'prompt' is required" in json.loads(answer.read())[
+        "error"]["message"]
     sock.close()
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
     conn.request("GET", "/v1/completions")

@@ -91,7 +91,7 @@ def total_usage(usages: list[Usage], prompt_tokens: int | None = None) -> Usage:
     return out
 
 
-# (index, text, finish_reason) or (index, text, finish_reason, logprobs object)
+# (index, text, finish_reason[, logprobs object[, tool calls]])
 Choice = tuple
 
 
@@ -158,10 +158,18 @@ def completion_body(req: GenRequest, choices: list[Choice], usage: Usage | None)
     return body
 
 
+def chat_message(text: str, calls: list[dict]) -> dict:
+    """An answer's message: its text, and its tool calls when it made any (then a message
+    without text has `content` null, as OpenAI's)."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+
 def chat_body(req: GenRequest, choices: list[Choice], usage: Usage | None) -> dict:
     """`/v1/chat/completions`' answer (and `/v1/fim/completions`')."""
     body = {**_oai(req, "chatcmpl", "chat.completion"),
-            "choices": [{"index": c[0], "message": {"role": "assistant", "content": c[1]},
+            "choices": [{"index": c[0], "message": chat_message(c[1], c[4] if len(c) > 4 else []),
                          "logprobs": c[3] if len(c) > 3 else None, "finish_reason": c[2]}
                         for c in choices]}
     if usage is not None:

@@ -8,6 +8,7 @@ worker, so bad input is answered without ever queueing behind generation.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from .. import __version__
 from ..chat_session import check_chat_template, render_chat
 from ..fim import FimTokens, detect_fim  # noqa: F401  (FimTokens: re-exported)
+from .tools import tool_syntax
 
 # llama-server's `system_fingerprint` is "b<build>-<commit>"; clients check the "b".
 SYSTEM_FINGERPRINT = f"b{__version__}-mlxspec"
@@ -272,18 +274,35 @@ class ChatMessage(Loose):
         return self
 
 
+class FunctionSpec(Loose):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ChatTool(Loose):
+    """A `tools` entry: a function the model may call (OpenAI's chat shape)."""
+
+    type: Annotated[Any, _check(lambda v: v == "function",
+                                "only tools of type 'function' are supported")] = "function"
+    function: FunctionSpec
+
+
 class ChatTemplateRequest(Loose):
     """What the chat template renders (`/v1/chat/completions`, `/apply-template`)."""
 
     messages: Annotated[list[ChatMessage], _check(
         lambda v: isinstance(v, list) and v, "'messages' must be a non-empty list")]
-    tools: Any = None
+    tools: list[ChatTool] | None = None
     add_generation_prompt: Bool | None = None
     continue_final_message: Bool | None = None
 
 
 class ChatRequest(Generation, ChatTemplateRequest):
     """`/v1/chat/completions`."""
+
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}
+    parallel_tool_calls: Bool | None = None
 
     prediction: Prediction | None = None
     logprobs: Annotated[Any, _check(lambda v: isinstance(v, bool),
@@ -462,6 +481,7 @@ class GenRequest:
     logprobs: int | None = None
     post_probs: bool = False
     grammar: tuple | None = None
+    tools: list | None = None  # the functions whose calls are parsed out of the answer
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -495,6 +515,29 @@ def _text_parts(content, where: str) -> str:
         else:
             raise bad(f"{where}: only text parts are supported", where)
     return "".join(out)
+
+
+def template_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as chat templates read them: each
+    {"id", "type", "function": {"name", "arguments"}} with the arguments an object (OpenAI
+    sends them as a JSON string)."""
+    if not isinstance(calls, list):
+        raise bad(f"'{where}' must be a list of calls", where)
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"'{where}[{i}]' must be {{\"type\": \"function\", \"function\": "
+                      "{\"name\": ..., \"arguments\": ...}}", f"{where}[{i}]")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise bad(f"'{where}[{i}].function.arguments' is not valid JSON: {e}",
+                          f"{where}[{i}].function.arguments") from None
+        out.append({**c, "type": "function", "function": {**fn, "arguments": args}})
+    return out
 
 
 @dataclass
@@ -534,6 +577,7 @@ class RequestParser:
         self.lock = tokenize_lock or threading.Lock()
         vocab = tokenizer.get_vocab()
         self.fim = detect_fim(vocab)
+        self.tool_syntax = tool_syntax(tokenizer)
         self.vocab_size = len(vocab)
         self.bos = self._bos_id()
         self._pieces: list[str] | None = None
@@ -601,7 +645,7 @@ class RequestParser:
         return [self._fim(r.prompt, r.suffix or "", r)]
 
     def chat_prompts(self, r: ChatRequest) -> list[tuple[list[int], bool]]:
-        return [(self.encode(self.render_chat(r)), False)]
+        return [(self.encode(self.render_chat(r, tools=r.tool_choice != "none")), False)]
 
     def infill_prompts(self, r: InfillRequest) -> list[tuple[list[int], bool]]:
         """llama.cpp's `/infill`: `input_prefix`, `prompt` (the line to the cursor),
@@ -686,6 +730,8 @@ class RequestParser:
             return_tokens=bool(r.return_tokens), return_progress=bool(r.return_progress),
             timings_per_token=bool(r.timings_per_token))
         self._row_options(r, kind, req)
+        if kind == "chat":
+            self._tool_choice(r, req)
         if getattr(r, "prediction", None) is not None:  # OpenAI's predicted output
             text = _text_parts(r.prediction.content, "prediction.content")
             req.prediction = self.encode(text) if text else None
@@ -712,6 +758,62 @@ class RequestParser:
             req.logprobs = r.n_probs
             req.post_probs = bool(r.post_sampling_probs)
         req.grammar = self._grammar(r)
+
+    def _tool_choice(self, r: ChatRequest, req: GenRequest) -> None:
+        """`tools` and `tool_choice`: which calls the answer's text is parsed for, and for
+        "required" or a named function the grammar that makes the answer such a call."""
+        choice = "auto" if r.tool_choice is None else r.tool_choice
+        named = None
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            named = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+            if choice.get("type", "function") != "function" or not isinstance(named, str):
+                raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                          "tool_choice")
+        elif choice not in ("none", "auto", "required"):
+            raise bad(f"'tool_choice' must be \"none\", \"auto\", \"required\" or a "
+                      f"function, got {choice!r}", "tool_choice")
+        if not r.tools:
+            if choice not in ("none", "auto"):
+                raise bad("'tool_choice' asks for a tool call, and 'tools' lists none",
+                          "tool_choice")
+            return
+        names = [t.function.name for t in r.tools]
+        if named is not None and named not in names:
+            raise bad(f"'tool_choice' names the function {named!r}, which is not in 'tools' "
+                      f"({', '.join(names)})", "tool_choice")
+        if choice == "none":
+            return
+        syntax = self.tool_syntax
+        if syntax is None:
+            if choice == "auto":
+                return  # the template shows the tools; the answer is text
+            raise bad("this model has no tool-call syntax (its chat template does not say how "
+                      "it calls tools): 'tool_choice' cannot require a call", "tool_choice")
+        req.tools = [t.model_dump(exclude_none=True) for t in r.tools]
+        if choice == "auto":
+            return
+        if req.grammar is not None:
+            raise bad("'tool_choice' requiring a call cannot be combined with "
+                      "'response_format' or a grammar", "tool_choice")
+        if not syntax.parse.__module__.endswith("json_tools"):
+            raise bad("'tool_choice' can require a call only of models whose calls are JSON "
+                      f"between {syntax.start} and {syntax.end}", "tool_choice")
+        from ..constrain import check_grammar
+        from ..errors import MlxspecError
+        from .tools import call_grammar
+
+        # One call unless the request allows several (llama-server's default: a small model
+        # asked for calls keeps calling).
+        grammar = ("lark", call_grammar(syntax, req.tools, named,
+                                        parallel=r.parallel_tool_calls is True))
+        try:
+            check_grammar(self.tokenizer, *grammar)
+        except MlxspecError as e:
+            raise bad(f"a tool's 'parameters' is not a JSON Schema this server can follow: {e}",
+                      "tools") from None
+        req.grammar = grammar
 
     def _grammar(self, r: Generation) -> tuple | None:
         """The request's grammar (kind, spec), compiled once here to answer a bad one 400."""
@@ -771,16 +873,25 @@ class RequestParser:
             out.append(ids)
         return out
 
-    def render_chat(self, r: ChatTemplateRequest) -> str:
-        """The prompt text of a chat request (`messages`, `tools`, `add_generation_prompt`,
-        `continue_final_message`), by the model's chat template; what `/apply-template`
-        answers. A last assistant message is continued (llama-server's prefill)."""
-        conv = []
+    def render_chat(self, r: ChatTemplateRequest, tools: bool = True) -> str:
+        """The prompt text of a chat request (`messages`, `tools` unless `tools` is false,
+        `add_generation_prompt`, `continue_final_message`), by the model's chat template;
+        what `/apply-template` answers. A last assistant message is continued
+        (llama-server's prefill)."""
+        conv, call_ids = [], set()
         for i, m in enumerate(r.messages):
             msg = {"role": m.role, "content": _text_parts(m.content, f"messages[{i}].content")}
-            for key in ("name", "tool_calls", "tool_call_id"):
+            for key in ("name", "tool_call_id"):
                 if key in m.model_fields_set:
                     msg[key] = getattr(m, key)
+            if m.tool_calls:
+                msg["tool_calls"] = template_calls(m.tool_calls, f"messages[{i}].tool_calls")
+                call_ids.update(c.get("id") for c in msg["tool_calls"])
+            if m.role == "tool" and (not call_ids or (
+                    m.tool_call_id is not None and m.tool_call_id not in call_ids)):
+                raise bad(f"messages[{i}] is a tool result whose call is not in an earlier "
+                          "assistant message's 'tool_calls' (tool_call_id "
+                          f"{m.tool_call_id!r})", f"messages[{i}].tool_call_id")
             conv.append(msg)
         if len(conv) >= 2 and conv[-1]["role"] == conv[-2]["role"] == "assistant":
             raise bad("Cannot have 2 or more assistant messages at the end of the list.",
@@ -794,7 +905,7 @@ class RequestParser:
         if r.continue_final_message and conv[-1]["role"] != "assistant":
             raise bad("'continue_final_message' needs the last message to be the assistant's",
                       "continue_final_message")
-        tools = r.tools if isinstance(r.tools, list) else None
+        tools = [t.model_dump(exclude_none=True) for t in r.tools] if tools and r.tools else None
         try:
             with self.lock:
                 if not gen and conv[-1]["role"] != "assistant":

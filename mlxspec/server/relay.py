@@ -5,11 +5,13 @@ that hangs up, or stops reading for --write-timeout, cancels its jobs at once.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from . import answers as P
 from .access import dumps, error_message
 from .answers import Usage
 from .protocol import ApiError
+from .tools import ToolCallSplitter, openai_call
 from .worker import Delta, Done, Failed, Job, Progress
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -152,6 +154,31 @@ class Relay(Answer):
     def __init__(self, group: JobGroup, kind: str, parser, metrics, write_timeout: float):
         super().__init__(group, metrics, write_timeout)
         self.kind, self.parser = kind, parser
+        # a chat with tools: each job's text split into content and calls
+        tools = group.req.tools if kind == "chat" else None
+        self.splitters = [ToolCallSplitter(parser.tool_syntax, tools) if tools else None
+                          for _ in group.jobs]
+        self.calls: list[list[dict]] = [[] for _ in group.jobs]
+
+    def split(self, j: int, ev: Delta | Done) -> tuple[Delta | None, list[dict]]:
+        """A job's delta (at its end, what is still held back) as content and calls."""
+        splitter = self.splitters[j]
+        if splitter is None:
+            return (ev if isinstance(ev, Delta) else None), []
+        text, calls = splitter.feed(ev.text) if isinstance(ev, Delta) else splitter.flush()
+        calls = [openai_call(c) for c in calls]
+        self.calls[j] += calls
+        if isinstance(ev, Delta):
+            return dataclasses.replace(ev, text=text), calls
+        return (Delta(text, 0) if text else None), calls
+
+    async def _stream_calls(self, j: int, calls: list[dict]) -> None:
+        first = len(self.calls[j]) - len(calls)
+        for i in self.group.answers_of(j):
+            req = self.group.reqs[i]
+            await self._sse(P.chat_chunk(req, {"tool_calls": [
+                {"index": first + k, **c} for k, c in enumerate(calls)]}, None,
+                index=req.index))
 
     async def relay(self) -> int:
         group, kind = self.group, self.kind
@@ -178,18 +205,19 @@ class Relay(Answer):
             if stream and not started:
                 started = True
                 await self._start_stream(kind, group)
+            if isinstance(ev, Done) and self.splitters[j] is not None:
+                rest, calls = self.split(j, ev)
+                if self.calls[j] and ev.finish_reason == "stop":
+                    ev = dataclasses.replace(ev, finish_reason="tool_calls")
+                if rest is not None:  # the held-back text, as a delta of its own
+                    await self._on_delta(j, rest, texts, ids, lps, unsent, stream)
+                if calls and stream:
+                    await self._stream_calls(j, calls)
             if isinstance(ev, Delta):
-                texts[j].append(ev.text)
-                ids[j] += ev.ids
-                got = self._logprobs_of(group, j, ev)
-                lps[j] += got
-                unsent[j] += got
-                if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
-                    for i in group.answers_of(j):
-                        await self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
-                                                    unsent[j],
-                                                    len("".join(texts[j])) - len(ev.text)))
-                    unsent[j] = []
+                ev, calls = self.split(j, ev)
+                await self._on_delta(j, ev, texts, ids, lps, unsent, stream)
+                if calls and stream:
+                    await self._stream_calls(j, calls)
             elif isinstance(ev, Progress):
                 if stream:
                     await self._sse(self._progress_chunk(
@@ -213,6 +241,19 @@ class Relay(Answer):
             await self._end()
             return 200
         return await self._json(200, self._final_body(kind, group, texts, ids, dones, lps))
+
+    async def _on_delta(self, j: int, ev: Delta, texts, ids, lps, unsent, stream) -> None:
+        group, kind = self.group, self.kind
+        texts[j].append(ev.text)
+        ids[j] += ev.ids
+        got = self._logprobs_of(group, j, ev)
+        lps[j] += got
+        unsent[j] += got
+        if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
+            for i in group.answers_of(j):
+                await self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
+                                            unsent[j], len("".join(texts[j])) - len(ev.text)))
+            unsent[j] = []
 
     def _usage(self, group: JobGroup, dones: list) -> Usage:
         """The usage of the whole answer: every answer's, the prompts counted once."""
@@ -256,7 +297,7 @@ class Relay(Answer):
         reqs, job_of = group.reqs, group.job_of
         if kind in ("chat", "fim", "completion"):
             choices = [(r.index, "".join(texts[job_of[i]]), dones[job_of[i]].finish_reason,
-                        self._logprobs_json(kind, r, lps[job_of[i]]))
+                        self._logprobs_json(kind, r, lps[job_of[i]]), self.calls[job_of[i]])
                        for i, r in enumerate(reqs)]
             make = P.completion_body if kind == "completion" else P.chat_body
             return make(group.req, choices, self._usage(group, dones))
