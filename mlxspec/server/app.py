@@ -71,8 +71,8 @@ GET_ROUTES = ("/v1/models", "/models", "/health", "/v1/health", "/metrics", "/pr
 class Connection(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 connection (httptools), plus what it lacks: a deadline for a
     request's headers (a client that dribbles them, or idles between requests, is closed
-    after --read-timeout: slowloris holds nothing) and a smaller write buffer where
-    --send-buffer-bytes asks for one (a client that stops reading is found sooner)."""
+    after --read-timeout: slowloris holds nothing), TCP_NODELAY, and a smaller write buffer
+    where --send-buffer-bytes asks for one (a client that stops reading is found sooner)."""
 
     def __init__(self, *args, read_timeout: float, metrics: Metrics,
                  send_buffer_bytes: int | None = None, **kwargs):
@@ -90,6 +90,11 @@ class Connection(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # uvicorn writes an answer's headers and body apart: without TCP_NODELAY the body
+            # waits for the client's delayed ACK (~40 ms on a kept-alive connection)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.send_buffer_bytes:
             transport.set_write_buffer_limits(high=self.send_buffer_bytes)
         self._await_headers()
