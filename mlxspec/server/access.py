@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 import re
 import time
+
+from .answers import error_message
 
 log = logging.getLogger("mlxspec.server")
 
@@ -97,25 +98,13 @@ class AccessPolicy:
         return origin.strip() if self.origin_allowed(origin) else None
 
 
-def dumps(body) -> str:
-    """JSON as llama.cpp writes it: compact (llama.vim checks replies against
-    `"content"\\s*:"`, no space after the colon) and UTF-8."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+def refusal(path: str, status: int, message: str, type: str, code: str | None = None) -> dict:
+    """A refusal's body, in the shape the path's API family words errors in."""
+    if path.startswith(("/v1/messages", "/messages")):
+        from .anthropic import error_body
+        from .protocol import ApiError
 
-
-def error_message(status: int, body: dict, headers: dict | None = None, close: bool = False):
-    """The ASGI messages of a JSON answer (an error, or a refusal before any route runs)."""
-    data = dumps(body).encode()
-    raw = [(b"content-type", b"application/json; charset=utf-8"),
-           (b"content-length", str(len(data)).encode())]
-    raw += [(k.encode(), str(v).encode()) for k, v in (headers or {}).items()]
-    if close:
-        raw.append((b"connection", b"close"))
-    return ({"type": "http.response.start", "status": status, "headers": raw},
-            {"type": "http.response.body", "body": data})
-
-
-def refusal(status: int, message: str, type: str, code: str | None = None) -> dict:
+        return error_body(ApiError(status, message, type=type, code=code))
     return {"error": {"message": message, "type": type, "param": None,
                       "code": code if code is not None else status}}
 
@@ -181,7 +170,7 @@ class Gate:
         if not srv.access.host_allowed(value):
             name = split_host(value or "")
             return error_message(403, refusal(
-                403, f"requests addressed to host {value!r} are not answered: this server "
+                path, 403, f"requests addressed to host {value!r} are not answered: this server "
                      "only answers requests addressed to localhost, 127.0.0.1 or [::1] (a guard "
                      "against DNS rebinding); if you reach it under this name on purpose, start "
                      f"it with --allowed-host {name}", "permission_error", "host_not_allowed"),
@@ -189,7 +178,7 @@ class Gate:
         if scope["method"] == "OPTIONS":  # a CORS preflight (or a client asking what it may)
             if origin is not None and not srv.access.origin_allowed(origin):
                 return error_message(403, refusal(
-                    403, f"cross-origin requests from {origin} are not allowed; start the "
+                    path, 403, f"cross-origin requests from {origin} are not allowed; start the "
                          f"server with --cors-origin {origin} to allow them", "permission_error",
                     "origin_not_allowed"), close=True)
             headers = [(b"allow", b"GET, POST, OPTIONS"), (b"content-length", b"0")]
@@ -203,12 +192,12 @@ class Gate:
                     {"type": "http.response.body", "body": b""})
         if srv.api_key and path not in ("/health", "/v1/health") and not self.key_ok(scope):
             return error_message(401, refusal(
-                401, "missing or wrong API key (Authorization: Bearer ...)",
+                path, 401, "missing or wrong API key (Authorization: Bearer ...)",
                 "authentication_error"), close=True)
         if srv.open_connections() > srv.max_connections:
             srv.metrics.rejected("connections")
             return error_message(503, refusal(
-                503, f"the server has {srv.max_connections} connections open "
+                path, 503, f"the server has {srv.max_connections} connections open "
                      "(--max-connections); retry shortly", "server_busy",
                 "too_many_connections"), {"Retry-After": 1}, close=True)
         return None

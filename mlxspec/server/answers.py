@@ -1,14 +1,49 @@
-"""What clients get back: a request's usage, and each endpoint family's answer bodies and
-stream chunks (OpenAI's completions and chat, llama.cpp's `/completion` and `/infill`)."""
+"""What clients get back: JSON answers and errors, a request's usage, and the OpenAI and
+llama.cpp answer bodies and stream chunks (completions, chat, `/completion`, `/infill`)."""
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from starlette.responses import Response
+
 from ..stats import Stats
-from .protocol import LOWEST, SYSTEM_FINGERPRINT, GenRequest
+from .protocol import LOWEST, SYSTEM_FINGERPRINT, ApiError, GenRequest
+
+
+def dumps(body) -> str:
+    """JSON as llama.cpp writes it: compact (llama.vim checks replies against
+    `"content"\\s*:"`, no space after the colon) and UTF-8."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_message(status: int, body: dict, headers: dict | None = None, close: bool = False):
+    """The ASGI messages of a JSON answer (an error, or a refusal before any route runs)."""
+    data = dumps(body).encode()
+    raw = [(b"content-type", b"application/json; charset=utf-8"),
+           (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), str(v).encode()) for k, v in (headers or {}).items()]
+    if close:
+        raw.append((b"connection", b"close"))
+    return ({"type": "http.response.start", "status": status, "headers": raw},
+            {"type": "http.response.body", "body": data})
+
+
+def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(dumps(body), status, headers, media_type="application/json; charset=utf-8")
+
+
+def api_error(err: ApiError, close: bool = False, body: dict | None = None) -> Response:
+    """An error as JSON: OpenAI's shape, or `body` (another family's); 503s keep their
+    Retry-After; after one that leaves the body unread (408, 411, 413) the connection is
+    closed."""
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
+    if close or err.status in (408, 411, 413):
+        headers["Connection"] = "close"
+    return json_response(err.body() if body is None else body, err.status, headers)
 
 
 @dataclass

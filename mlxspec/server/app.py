@@ -35,7 +35,8 @@ from ..proposers import MODES
 from ..suffix_store import DEFAULT_BUDGET, SuffixStores, scope_key, tokenizer_fingerprint
 from ..suffix_store import load as load_suffix
 from ..suffix_store import save as save_suffix
-from .access import AccessPolicy, Gate, dumps, is_loopback, presented_key  # noqa: F401
+from .access import AccessPolicy, Gate, is_loopback, presented_key  # noqa: F401
+from .answers import api_error, dumps, json_response
 from .metrics import Metrics
 from .protocol import ApiError, RequestParser, ServerConfig
 from .relay import JobGroup, Relay
@@ -449,6 +450,9 @@ class MlxspecServer:
                 work = getattr(self.parser, name)
             answer = await asyncio.to_thread(work, body)
         except ApiError as e:
+            if "." in name:  # in the family's words
+                return importlib.import_module(
+                    f".{name.split('.')[0]}", __package__).error_response(e)
             return api_error(e)
         except Exception as e:  # a bug: answer 500 and keep serving
             log.exception("%s failed", request.url.path)
@@ -565,19 +569,6 @@ class MlxspecServer:
             "build_info": f"mlxspec {__version__}",
         }
 
-
-
-def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(dumps(body), status, headers, media_type="application/json; charset=utf-8")
-
-
-def api_error(err: ApiError, close: bool = False) -> Response:
-    """An error in OpenAI's shape; after one that leaves the body unread (408, 411, 413) the
-    connection is closed."""
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
-    if close or err.status in (408, 411, 413):
-        headers["Connection"] = "close"
-    return json_response(err.body(), err.status, headers)
 
 
 def mlx_memory() -> dict:

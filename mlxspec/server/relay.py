@@ -8,8 +8,7 @@ import asyncio
 import dataclasses
 
 from . import answers as P
-from .access import dumps, error_message
-from .answers import Usage
+from .answers import Usage, dumps, error_message
 from .protocol import ApiError
 from .tools import ToolCallSplitter, openai_call
 from .worker import Delta, Done, Failed, Job, Progress
