@@ -185,7 +185,10 @@ class Engine:
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
         """Generate a whole completion. Keyword arguments as `stream_steps`."""
         text, tokens, logprobs, out = [], [], [], None
-        for out in self.stream_steps(prompt, **kwargs):
+        for step in self.stream_steps(prompt, **kwargs):
+            if step is None:  # a step that only prefilled a chunk of the prompt
+                continue
+            out = step
             text.append(out.text)
             tokens.extend(out.tokens)
             if out.logprobs is not None:
@@ -196,7 +199,7 @@ class Engine:
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as they are decoded."""
         for out in self.stream_steps(prompt, **kwargs):
-            if out.text:
+            if out is not None and out.text:  # (None: a step that only prefilled)
                 yield out.text
 
     def stream_steps(self, prompt: str | list[int], **kwargs) -> Iterator[StepOutput | None]:

@@ -324,3 +324,18 @@ def test_a_lazy_draft_catches_up_at_its_first_proposal(arch):
         if a.draft_probs is not None:
             assert mx.allclose(a.draft_probs, b.draft_probs, atol=1e-5).item()
         assert eager.cached == lazy.cached == prompt
+
+
+@pytest.mark.parametrize("mode", ["none", "ngram", "draft", "lookahead", "suffix", "auto",
+                                  "quantspec"])
+def test_a_prompt_prefilled_in_chunks_gives_the_tokens_of_one_prefill(arch, mode):
+    """`prefill_chunk` shorter than the prompt: steps that only prefill yield nothing to
+    `generate` and `stream`, whose answer is the one without chunks."""
+    _, target, draft = arch
+    engine = make_engine(target, mode, draft_model=draft, num_draft=3)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 256) for _ in range(300)]
+    want = make_engine(target, "none").generate(prompt, max_tokens=12).tokens
+    got = engine.generate(prompt, max_tokens=12, prefill_chunk=128)
+    assert got.tokens == want and got.stats.prompt_tokens == 300
+    assert "".join(engine.stream(prompt, max_tokens=12, prefill_chunk=128)) == got.text
