@@ -20,8 +20,9 @@ import mlx.core as mx
 from . import caches
 from .admission import Admission
 from .caches.rows import Rows
+from .cost import forward_group
 from .errors import MlxspecError
-from .policy import BatchPolicy, forward_group
+from .planning import BatchPolicy
 from .proposal import Proposal
 from .proposers.draft import DraftRows, draft_proposer
 from .row import BatchRow

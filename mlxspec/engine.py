@@ -14,18 +14,11 @@ from mlx_lm.generate import wired_limit
 from . import backend, policy_store
 from .batch_step import BatchSpeculator, follow
 from .caches.prompt import PromptCache
+from .cost import StepCost
 from .errors import MlxspecError
 from .fim import detect_fim
-from .policy import (
-    AUTO_MAX_K,
-    DEFAULT_NUM_DRAFT,
-    AdaptiveK,
-    BatchPolicy,
-    FixedK,
-    Policy,
-    StepCost,
-    check_num_draft,
-)
+from .planning import BatchPolicy
+from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
 from .proposers import check_mode, make_proposer
 from .proposers.auto import draft_policy
 from .proposers.base import Proposer

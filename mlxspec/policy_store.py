@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .policy import BASE, AdaptiveK, SourceEstimate, StepCost
+from .cost import BASE, StepCost
+from .policy import AdaptiveK, SourceEstimate
 
 if TYPE_CHECKING:
     from .engine import Engine

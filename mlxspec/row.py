@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .caches.prompt import PromptCache
-from .policy import AdaptiveK, Policy, RowOffer, RowPolicy, StepCost
+from .choose_k import RowOffer
+from .cost import StepCost
+from .planning import RowPolicy
+from .policy import AdaptiveK, Policy
 from .proposers import auto
 from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, draft_proposer

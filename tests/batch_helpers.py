@@ -6,8 +6,9 @@ from __future__ import annotations
 from conftest import make_engine, next_output
 
 from mlxspec.batch_step import BatchSpeculator
+from mlxspec.cost import StepCost
 from mlxspec.engine import PromptCache
-from mlxspec.policy import BatchPolicy, StepCost
+from mlxspec.planning import BatchPolicy
 
 
 def drain(batch, rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):

@@ -93,7 +93,8 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     ends the cache holds every committed token but the last again."""
     from mlxspec.batch_step import BatchSpeculator, follow
     from mlxspec.engine import PromptCache
-    from mlxspec.policy import BatchPolicy, StepCost
+    from mlxspec.cost import StepCost
+    from mlxspec.planning import BatchPolicy
     from mlxspec.row import BatchRow
 
     # (the batch learns the cost model an adaptive policy plans with)
@@ -217,7 +218,7 @@ def coder_small_4bit():
 def observe_step(policy, source: str, drafted: int, accepted: int, seconds: float) -> None:
     """A speculative step of a row alone, told as its batch tells it: the cost model learns
     its time, the policy its acceptance."""
-    from mlxspec.policy import forward_group
+    from mlxspec.cost import forward_group
 
     policy.cost.add(1, 1 + drafted, drafted, {forward_group(source): drafted}, seconds,
                     policy.span)

@@ -181,7 +181,7 @@ def test_a_free_source_is_measured_while_the_draft_runs(batched):
     on (the coder pair on a prompt its answer copies: 0.40x the commit before, 4 draft
     forwards a step for what lookup proposes for nothing). `batched`: a row of a batch, which
     offers its source (`RowPolicy.offer`) and proposes what it offered."""
-    from mlxspec.policy import RowPolicy
+    from mlxspec.planning import RowPolicy
 
     target, _ = build_model("llama", seed=1, hidden=64, layers=8)
     same, _ = build_model("llama", seed=2, hidden=64, layers=2)

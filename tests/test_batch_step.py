@@ -27,9 +27,11 @@ from mlxspec import caches
 from mlxspec.admission import accepts
 from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
+from mlxspec.choose_k import RowOffer, choose_ks, survival
+from mlxspec.cost import StepCost
 from mlxspec.engine import PromptCache
 from mlxspec.errors import MlxspecError
-from mlxspec.policy import BatchPolicy, RowOffer, StepCost, choose_ks, survival
+from mlxspec.planning import BatchPolicy
 from mlxspec.prefill import prefill
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams

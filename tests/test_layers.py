@@ -9,6 +9,7 @@ import mlxspec
 
 PACKAGE = Path(mlxspec.__file__).parent
 LOOP = ["engine", "batch_step", "admission", "row", "request", "prefill", "step", "policy",
+        "cost", "choose_k", "planning",
         "policy_store", "loading"]
 
 

@@ -12,7 +12,8 @@ from conftest import REPO, observe_plain, observe_step
 
 import mlxspec
 from mlxspec import policy_store
-from mlxspec.policy import AdaptiveK, StepCost
+from mlxspec.cost import StepCost
+from mlxspec.policy import AdaptiveK
 from mlxspec.policy_store import (
     cost_state,
     policy_state,

@@ -24,7 +24,7 @@ from ..batch_step import BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
-from ..policy import BatchPolicy
+from ..planning import BatchPolicy
 from ..row import BatchRow
 from ..stats import Stats
 from ..suffix_store import SuffixStores
