@@ -65,13 +65,7 @@ class BatchPolicy:
                                    pipelined)
         ks = self.decide([o for _, o in offers], rows=slots, span=span, pipelined=pipelined)
         for r, (source, offer), k in zip(rows, offers, ks):
-            planner = r.planner
-            if not offer.group and k:  # a free source proposing: its step measures it
-                planner.watching = planner.watch_for = None
-            elif not offer.group:  # kept plain: what it would have proposed is watched
-                planner.watch(source, len(offer.survive), r.context)
-            elif not k:  # a draft kept plain (one running: a watch its offer started goes on)
-                planner.watch_for = None
+            r.planner.decided(source, offer, k, r.context)
         return [(source, k) for (source, _), k in zip(offers, ks)]
 
 
@@ -144,6 +138,17 @@ class RowPolicy:
         if context is not None and policy is self.policy and forward_group(source):
             self._watch_free(available, source, context)  # (a free one: the batch's to watch)
         return source, RowOffer(survival(policy.accept_probs(source), n), forward_group(source))
+
+    def decided(self, source: str, offer: RowOffer, k: int, context: list[int]) -> None:
+        """The batch gave this row's offer from `source` k tokens: a free source proposing is
+        measured by its step; one kept plain is watched; a draft kept plain (one running: a
+        watch its offer started goes on) is not."""
+        if not offer.group and k:
+            self.watching = self.watch_for = None
+        elif not offer.group:
+            self.watch(source, len(offer.survive), context)
+        elif not k:
+            self.watch_for = None
 
     def at(self, span: int) -> None:
         """The row's cached length, for its policies' cost predictions."""
