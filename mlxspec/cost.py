@@ -7,6 +7,7 @@ docs/HOW_IT_WORKS.md, "Several requests".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import mul
 
 import numpy as np
 
@@ -67,7 +68,9 @@ class StepCost:
         return BASE + self.groups.index(group)
 
     def _prior(self) -> np.ndarray:
-        forwards = [self.forward_prior.get(g, self.prior[BASE]) for g in self.groups]
+        forwards = []  # (loops, not comprehensions, here and in `add`: asked every step)
+        for g in self.groups:
+            forwards.append(self.forward_prior.get(g, self.prior[BASE]))
         return np.array(list(self.prior[:BASE]) + forwards)
 
     def coef(self) -> tuple[float, ...]:
@@ -126,7 +129,7 @@ class StepCost:
             # step every few ms but asks the fit only every few steps
             if not self._terms or self._unsolved >= 16 or len(self._terms) != len(values):
                 self.coef()
-            estimate = sum([c * x for c, x in zip(self._terms, values)])
+            estimate = sum(map(mul, self._terms, values))
             seconds = min(seconds, self.outlier * estimate)
         x, d = np.array(values), self.decay
         self.xx = self.xx * d + np.outer(x, x)

@@ -654,7 +654,7 @@ def test_batched_draft_rows_equal_each_request_alone(pair, same):
         if d is None or not hasattr(d, "cached"):
             continue
         p, _, n, _ = DRAFT_REQUESTS[i]
-        assert d.cached == (p + outs[i])[: len(d.cached)] and d._fed_drafts == 0
+        assert d.cached == (p + outs[i])[: len(d.cached)] and not d.pending
         assert caches.offset(d.cache) == len(d.cached)
         if len(d.cached) > 1:
             fresh = prefilled(engine, d.cached + [0])
