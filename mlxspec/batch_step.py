@@ -27,13 +27,11 @@ from .proposal import Proposal
 from .proposers.draft import DraftRows, draft_proposer
 from .row import BatchRow
 from .sampling import SamplingParams
-from .step import decode_step, draw_next
+from .step import GREEDY, decode_step, start_plain
 from .stopstrings import StepOutput, merged
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
 
 
 @dataclass
@@ -335,27 +333,20 @@ class BatchSpeculator:
 
     def _queue(self, fed: list[BatchRow | None], inputs: mx.array | None = None) -> None:
         """A plain step feeding fed[b] its last token (or inputs[b], the queued step's token,
-        unread), started (`mx.async_eval`; a sharded target's ranks then run the forwards'
-        collectives in the same order), not read back. A keyed row draws at the position of
-        the token after the one it is fed."""
+        unread), started (`step.start_plain`), not read back. A keyed row draws at the
+        position of the token after the one it is fed."""
         ahead = inputs is not None
         if inputs is None:
             inputs = mx.array([0 if r is None else r.context[-1] for r in fed], mx.uint32)
-        cache = self.cache
-        ckpt = cache.checkpoint() if cache.recurrent else None
-        logits = self.model(inputs[:, None], cache=cache.layers)
-        if None in fed:  # a row sitting out: what it was fed goes at once
-            cache.trim_rows([1 if r is None else 0 for r in fed])
-        if self.argmax == len(self.rows):  # (greedy rows only: one argmax, as mlx-lm's)
-            tokens = mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)
-        else:
-            tokens = draw_next(
-                logits[:, -1], [GREEDY if r is None else r.sampling for r in fed],
-                [None if r is None or r.seed is None else (r.seed, len(r.context) + ahead)
-                 for r in fed])
-        if self.sync is not None:
-            tokens = self.sync(tokens)
-        mx.async_eval(tokens)
+        samplings = seeds = idle = None
+        if self.argmax != len(self.rows):  # (greedy rows only: one argmax, as mlx-lm's)
+            samplings = [GREEDY if r is None else r.sampling for r in fed]
+            seeds = [None if r is None or r.seed is None else (r.seed, len(r.context) + ahead)
+                     for r in fed]
+        if None in fed:
+            idle = [1 if r is None else 0 for r in fed]
+        tokens, ckpt = start_plain(self.model, self.cache, inputs, samplings, seeds, idle,
+                                   self.sync)
         self.queued = QueuedPlainStep(fed, tokens, ckpt)
 
     def _deliver(self, again: bool = True, started: float | None = None) -> None:
