@@ -91,7 +91,7 @@ def open_in(batch, engines, requests, rows, pcs=None):
             if pcs is not None:
                 pcs.append(PromptCache())
                 kw = {**kw, "prompt_cache": pcs[-1]}
-            rows.append(batch.open(engines(i), p, max_tokens=n, mode=m, **kw))
+            rows.append(engines(i).join(batch, p, max_tokens=n, mode=m, **kw))
             return i
         return go
     return open_request
