@@ -292,6 +292,7 @@ def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypa
     target, _, _ = tiny
     cache = make_prompt_cache(target)
     target(mx.array(PROMPT[:-1])[None], cache=cache)
+    # (a spy: what the loop tells the cost model is where a stretch's timing shows)
     added = []
     add = StepCost.add
 
