@@ -37,12 +37,12 @@ def count_calls(engine, prompt, mode: str, max_tokens: int, top: int = 8) -> dic
             if path.startswith(PACKAGE):
                 calls[(path[len(PACKAGE) + 1:], frame.f_code.co_name)] += 1
 
-    while row.opening is not None:  # a prompt still prefilling (not counted)
+    while row.waiting:  # a prompt still prefilling (not counted)
         batch.step()
     forwards = row.stats.target_forwards
     sys.setprofile(profile)
     try:
-        while row.wants:
+        while row.live:
             batch.step()
     finally:
         sys.setprofile(None)

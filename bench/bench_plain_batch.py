@@ -27,8 +27,8 @@ from mlxspec.engine import PromptCache  # noqa: E402
 def ours(engine, slots, prompts, max_tokens: int) -> float:
     start = time.perf_counter()
     batch = BatchSpeculator(engine.model)
-    rows = [batch.open(slot, p, max_tokens=max_tokens, temperature=0.0, mode="none",
-                       prompt_cache=PromptCache()) for slot, p in zip(slots, prompts)]
+    rows = [slot.join(batch, p, max_tokens=max_tokens, temperature=0.0, mode="none",
+                      prompt_cache=PromptCache()) for slot, p in zip(slots, prompts)]
     n, live = 0, list(rows)
     while live:
         produced = batch.step()

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import statistics
 import sys
 import time
@@ -54,7 +53,7 @@ from mlx_lm.generate import generate_step
 from mlxspec import backend
 from mlxspec.engine import Engine, PromptCache
 from mlxspec.loading import load
-from mlxspec.prefill import cache_kind, new_cache, prefill
+from mlxspec.prefill import prefill
 from mlxspec.quant.memory import format_memory_table, hybrid_memory_table, kv_memory_for_model
 from mlxspec.quant.report import quality_report, step_bytes
 from mlxspec.recipe.heldout import heldout_eval_texts
@@ -269,7 +268,7 @@ def cache_cost(args, engines: dict | None = None) -> None:
         print(f"\nDecode steps interleaved token by token ({args.cost_steps} steps each, "
               "medians):\n")
         decode_steps_table(plain.model,
-                           {k: functools.partial(new_cache, e) for k, e in engines.items()},
+                           {k: e.target.new_cache for k, e in engines.items()},
                            lengths, args.cost_steps, plain.prefill_step_size, prompts)
 
 
@@ -277,8 +276,7 @@ def copied(pc: PromptCache, engine, proposer) -> PromptCache:
     """A copy of a prefilled hierarchical cache for `engine`: the reference and every draft
     variant use the same cache (the proposer binds it), so one prefill serves them all."""
     out = PromptCache()
-    out.cache, out.tokens = copy.deepcopy(pc.cache), list(pc.tokens)
-    out.kind = cache_kind(engine, proposer)
+    out.hold(copy.deepcopy(pc.cache), pc.tokens, engine.target.cache_kind(proposer))
     return out
 
 
@@ -316,7 +314,7 @@ def acceptance(args) -> None:
         prompts = context_prompts(base, length, args.prompts)
         for n, prompt in enumerate(prompts[args.skip_prompts:], args.skip_prompts + 1):
             prefilled = PromptCache()
-            prefill(ref, prompt, prefilled, None)
+            prefill(ref.target, prompt, prefilled, None)
             want = ref.generate(prompt, max_tokens=args.max_tokens,
                                 prompt_cache=copied(prefilled, ref, None))
             for label, eng in variants.items():

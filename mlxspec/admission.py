@@ -1,26 +1,20 @@
 """Admission, apart from decoding (as mlx-lm keeps prompt processing apart from generation): a
-request checked (`request.prepare`) becomes a row; its prompt is prefilled at once (a batch's
-first row), in chunks between steps, or with the round's other joiners in one forward; its
-proposer starts, and the row is handed to the batch ready to decode (`Admission.run`). "Can
-this request share a batch?" is decided here only (`shareable`).
+resolved request becomes a row; its prompt is prefilled at once (a batch's first row), in
+chunks between steps, or with the round's other joiners in one forward; its proposer starts,
+and the row is handed to the batch ready to decode (`Admission.run`). Whether a request may
+share a batch is the request's (`Target.shareable`, resolved once).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from . import caches
-from .caches.ragged import plain_attention
+from .cost import StepCost
 from .errors import MlxspecError
-from .policy import MAX_NUM_DRAFT
 from .prefill import GROUP_PREFILL_MAX, prefill, prefill_group, reuse, start_proposer
-from .proposers.base import Proposer
-from .request import prepare
+from .request import Request
 from .row import BatchRow
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .target import Target
 
 
 class Admission:
@@ -28,35 +22,31 @@ class Admission:
     the round's other joiners at the next step), `prefilling` (a long one, a chunk per step).
     `run()` hands the batch the rows ready to decode; nothing here touches the batch."""
 
-    def __init__(self, model, cost):
+    def __init__(self, model, cost: StepCost):
         self.model, self.cost = model, cost
         self.opening: list[BatchRow] = []
         self.prefilling: list[BatchRow] = []
         # prefilled rows, each with whether it may decode on its own cache (not a group's)
         self.ready: list[tuple[BatchRow, bool]] = []
 
-    def open(self, engine: Engine, prompt, members: list[BatchRow], *, progress=None,
-             prefill_chunk: int | None = None, **request) -> BatchRow:
+    def open(self, req: Request, target: Target, members: list[BatchRow], *, progress=None,
+             prefill_chunk: int | None = None) -> BatchRow:
         """As `BatchSpeculator.open`; `members`: the batch's rows (none: this one is prefilled
         now, by itself)."""
-        req = prepare(engine, prompt, **request)
-        pc, proposer, tokens = req.pc, req.proposer, req.tokens
-        if engine.model is not self.model:
+        if target.model is not self.model:
             raise MlxspecError("a row of another model cannot join this batch")
         members = self.opening + self.prefilling + [r for r, _ in self.ready] + members
-        row = BatchRow(engine, pc, list(tokens), proposer, req.policy, req.sampling, req.seed,
-                       req.stats, len(tokens) + req.max_tokens, req.num_draft or MAX_NUM_DRAFT,
-                       req.stops, self.cost)
-        row.shares = shareable(engine, proposer)
-        if members and not (row.shares and all(r.shares for r in members)):
+        if members and not (req.shares and all(r.shares for r in members)):
             raise MlxspecError("this request cannot run in the batched step")
-        if any(r.pc is pc for r in members):
+        if any(r.pc is req.pc for r in members):
             raise MlxspecError("two requests in a batch cannot share a prompt cache")
+        row = BatchRow(req, target, self.cost)
+        tokens, pc = req.tokens, req.pc
         start = time.perf_counter()
-        keep = reuse(engine, tokens, pc, proposer, req.cache_reuse)
-        row.opening = (req, keep, time.perf_counter() - start)
-        if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk:
-            row.chunk = prefill_chunk
+        keep = reuse(target, tokens, pc, req.proposer, req.cache_reuse)
+        chunk = prefill_chunk if prefill_chunk and len(tokens) - 1 - keep > prefill_chunk else 0
+        row.opened(keep, time.perf_counter() - start, chunk)
+        if chunk:
             self.prefilling.append(row)
         elif members and len(tokens) - len(pc.tokens) <= GROUP_PREFILL_MAX:
             self.opening.append(row)  # with the round's other joiners, at the next step
@@ -77,53 +67,49 @@ class Admission:
         for waiting in (self.opening, self.prefilling):
             if row in waiting:
                 waiting.remove(row)
-                row.opening = None
         self.ready = [(r, own) for r, own in self.ready if r is not row]
 
     def _prefill_chunks(self, empty: bool) -> None:
         """A chunk of every long prompt; one whose rest fits a chunk joins the round's other
         joiners (`empty`: there are no rows to join; prefilled by itself)."""
         for row in list(self.prefilling):
-            req, keep, seconds = row.opening
+            req = row.request
             start = time.perf_counter()
             try:
                 rest = len(req.tokens) - 1 - len(row.pc.tokens)
                 if rest > row.chunk:
-                    prefill(row.engine, req.tokens, row.pc, req.proposer, limit=row.chunk)
-                    row.opening = (req, keep, seconds + time.perf_counter() - start)
+                    prefill(row.target, req.tokens, row.pc, req.proposer, limit=row.chunk)
+                    row.prefilled_part(time.perf_counter() - start)
                     continue
                 self.prefilling.remove(row)
                 if empty:
                     self._prefill_alone(row)
                 else:
+                    row.joins_round()
                     self.opening.append(row)
             except Exception as e:
                 self._fail(row, e)
 
     def _prefill_alone(self, row: BatchRow, progress=None) -> None:
         """Prefill the rest of a row's prompt on its own cache, then start it."""
-        req = row.opening[0]
+        req = row.request
         start = time.perf_counter()
-        prefill(row.engine, req.tokens, row.pc, req.proposer, progress=progress)
+        prefill(row.target, req.tokens, row.pc, req.proposer, progress=progress)
         self._start(row, time.perf_counter() - start)
 
     def _start(self, row: BatchRow, spent: float, first: int | None = None) -> None:
         """A prefilled row starts its proposer and is ready; with its `first` token where a
         group's forward drew it (its cache then holds its whole prompt)."""
-        req, keep, seconds = row.opening
-        row.opening = None
-        row.stats.cached_tokens = keep  # reused at `open`, not the chunks prefilled since
-        start_proposer(row.engine, req, seconds + spent)
-        if first is not None:
-            row.pc.tokens = list(row.context)
-            row.commit([first], observe=False)
+        # (cached: reused at `open`, not the chunks prefilled since)
+        start_proposer(row.target, row.request, row.prefill_seconds + spent, row.reused)
+        row.started(first)
         self.ready.append((row, first is None))
 
     def _open_pending(self, empty: bool) -> None:
         """The rows opened since the last step prefill together (the last prompt token too),
         each with its first token: one forward and one wait for a round's joiners, not one
         each (each wait stalls the whole batch)."""
-        group = [r for r in self.opening if not r.closed]
+        group = [r for r in self.opening if r.waiting]
         self.opening = []
         if not group:
             return
@@ -148,26 +134,5 @@ class Admission:
         """A row whose prefill or start failed has `error` (its `output` raises it); its cache
         goes."""
         self.drop(row)
-        row.opening = None
         row.fail(e)
         row.pc.drop()
-
-
-def accepts(engine: Engine, mode: str | None = None) -> bool:
-    """Whether a request in `mode` can share a batch with others (`shareable`)."""
-    try:
-        proposer = engine.proposer_of(mode)
-    except MlxspecError:
-        return False  # the engine path reports it
-    return shareable(engine, proposer)
-
-
-def shareable(engine: Engine, proposer: Proposer | None) -> bool:
-    """Whether a request can share a batch with other requests (decided here only): a plain
-    attention cache (a window or a recurrent state has no ragged rows yet), a chain proposer
-    on the target's plain cache, an unsharded target. Others decode on their own cache."""
-    if engine.kv != "fp" or engine.sync is not None:
-        return False
-    if proposer is not None and (proposer.uses_trees or proposer.cache_kind != "kv"):
-        return False
-    return plain_attention(caches.make_cache(engine.model))  # (a CacheList layer: no rows)

@@ -13,26 +13,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from . import caches
 from .admission import Admission
 from .caches.rows import Rows
+from .cost import forward_group
 from .errors import MlxspecError
-from .policy import BatchPolicy, forward_group
+from .planning import BatchPolicy
 from .proposal import Proposal
-from .proposers.draft import DraftRows, draft_proposer
-from .row import BatchRow
+from .proposers.draft import DraftModelProposer, DraftRows, draft_proposer
+from .request import Request
+from .row import CLOSED, DECODING, BatchRow
 from .sampling import SamplingParams
-from .step import decode_step, draw_next
-from .stopstrings import StepOutput, merged
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-GREEDY = SamplingParams()  # what an empty slot of the batch is "sampled" with
+from .step import GREEDY, decode_step, start_plain
+from .stopstrings import StepOutput
+from .target import Target
 
 
 @dataclass
@@ -62,6 +59,8 @@ class BatchSpeculator:
         self.slots: list[BatchRow | None] = []
         self.cache = Rows(model)
         self.drafts: dict[int, DraftRows] = {}  # id(draft model) -> its rows' draft caches
+        # the rows whose draft model drafts in those shared rows, each with its proposer
+        self.drafting: dict[BatchRow, DraftModelProposer] = {}
         self.speculating = 0  # rows with a proposer: only they are planned
         self.stateful = 0  # rows whose next draw needs the last token read (no pipelining)
         self.argmax = 0  # rows whose next token is the argmax of the logits, nothing else
@@ -80,15 +79,16 @@ class BatchSpeculator:
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
         self._tree_model: bool | None = None  # the model's attention can verify token trees
 
-    def open(self, engine: Engine, prompt, **request) -> BatchRow:
-        """A request checked (`request.prepare`) joining the batch: each `step()` commits its
+    def open(self, req: Request, target: Target, *, progress=None,
+             prefill_chunk: int | None = None) -> BatchRow:
+        """A resolved request (`Engine.request`) joining the batch: each `step()` commits its
         tokens, and returns them as text; `close(row)` to leave. The batch's first row is
         prefilled here (`progress(done, total)`) and decodes at once; a later one's short rest
         of the prompt at the next step with the round's other joiners, `prefill_chunk` tokens
         per `step()` when longer, else here; it joins at the start of a step (a plain step
-        queued for the others is read first: `admission.py`). `request`: as
-        `request.prepare`."""
-        row = self.admission.open(engine, prompt, self.rows, **request)
+        queued for the others is read first: `admission.py`)."""
+        row = self.admission.open(req, target, self.rows, progress=progress,
+                                  prefill_chunk=prefill_chunk)
         if not self.rows:  # the first row decodes at once; others join at a step's start
             self.join(self.admission.ready)
             self.admission.ready = []
@@ -102,13 +102,11 @@ class BatchSpeculator:
         their drafts in the draft's rows (`Admission.run` hands them over)."""
         grouped = sum(not own for _, own in ready)
         for row, own in ready:
-            if row.detok is not None:
-                row.detok.start = time.perf_counter()  # decoding starts (its prefill is done)
+            row.joined()
             try:
                 if own and not self.slots:
-                    self.cache.put_row(0, row.pc.cache)
+                    self.cache.put_row(0, row.pc.take())  # given back on leaving
                     self.slots = [row]
-                    row.pc.cache = None  # the batch holds it now; given back on leaving
                 else:
                     if not row.shares or any(not r.shares for r in self.rows):
                         raise MlxspecError("this request cannot run in the batched step")
@@ -158,16 +156,15 @@ class BatchSpeculator:
         else:
             slots[b] = row
         mx.async_eval(self.cache.evaluate())
-        row.pc.cache = None  # the batch holds it now; given back on leaving
+        row.pc.take()  # the batch holds it now; given back on leaving
         self._join_draft(row)
 
     def _join_draft(self, row: BatchRow) -> None:
         """A shared row's draft model drafts in the draft's rows, with the other rows'."""
         draft = draft_proposer(row.proposer)
-        if draft is not None and DraftRows.joins(draft) and not any(
-                r.draft is draft for r in self.rows if r is not row):
+        if draft is not None and DraftRows.joins(draft) and draft not in self.drafting.values():
             self.drafts.setdefault(id(draft.model), DraftRows(draft.model)).join(draft)
-            row.draft = draft
+            self.drafting[row] = draft
 
     def _trees_here(self) -> bool:
         """Whether a token tree can be verified now: a row on its own cache, of a model whose
@@ -194,12 +191,12 @@ class BatchSpeculator:
     def close(self, row: BatchRow) -> None:
         """A row leaves (whatever its state); its cache goes back to its prompt cache (every
         committed token but the last) and its proposer is told."""
-        if row.closed:
+        if row.state == CLOSED:
             return
         self.admission.drop(row)
         if row in self.rows:
             self._leave(row)
-        row.finish()
+        row.leave()
 
     def _leave(self, row: BatchRow) -> None:
         q = self.queued
@@ -212,17 +209,17 @@ class BatchSpeculator:
         self.argmax -= _argmax_only(row.sampling)
         b = self.slots.index(row)
         self.slots[b] = None
-        if row.draft is not None:
-            batch = self.drafts[id(row.draft.model)]
-            batch.leave(row.draft, failed=row.error is not None)
+        draft = self.drafting.pop(row, None)
+        if draft is not None:
+            batch = self.drafts[id(draft.model)]
+            batch.leave(draft, failed=row.error is not None)
             if not batch.members:
-                del self.drafts[id(row.draft.model)]
-            row.draft = None
+                del self.drafts[id(draft.model)]
         layers = self.cache.take_row(b)
         if row.error is not None:  # state unknown after a failed step: not reused
             row.pc.drop()
         else:
-            row.pc.cache, row.pc.tokens = layers, row.context[:-1]
+            row.pc.hold(layers, row.context[:-1])
         if not self.rows:
             self.cache, self.slots, self.queued = Rows(self.model), [], None
         else:
@@ -261,14 +258,13 @@ class BatchSpeculator:
         produced = {}
         for r in self.rows:
             if r.outputs:
-                outs, r.outputs = r.outputs, []
-                produced[r] = outs[0] if len(outs) == 1 else merged(outs)
+                produced[r] = r.take_output()
         return produced
 
     def _decode(self) -> None:
         fed, rows = [], []  # rows: in the order of the cache's rows
         for r in self.slots:
-            wants = r is not None and r.wants
+            wants = r is not None and r.state == DECODING
             fed.append(r if wants else None)
             if wants:
                 rows.append(r)
@@ -301,9 +297,6 @@ class BatchSpeculator:
         self.policy.cost.add(len(self.slots), 1 + widest, proposed, forwards, seconds,
                             self._span())
         for r, (arm, _), res in zip(rows, plans, results):
-            if r.draft is not None and res.source == "draft":  # (before its proposer hears)
-                self.drafts[id(r.draft.model)].update(r.draft, r.context + res.tokens,
-                                                      res.accepted)
             r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
                      seconds if res.drafted else None)
 
@@ -334,27 +327,20 @@ class BatchSpeculator:
 
     def _queue(self, fed: list[BatchRow | None], inputs: mx.array | None = None) -> None:
         """A plain step feeding fed[b] its last token (or inputs[b], the queued step's token,
-        unread), started (`mx.async_eval`; a sharded target's ranks then run the forwards'
-        collectives in the same order), not read back. A keyed row draws at the position of
-        the token after the one it is fed."""
+        unread), started (`step.start_plain`), not read back. A keyed row draws at the
+        position of the token after the one it is fed."""
         ahead = inputs is not None
         if inputs is None:
             inputs = mx.array([0 if r is None else r.context[-1] for r in fed], mx.uint32)
-        cache = self.cache
-        ckpt = cache.checkpoint() if cache.recurrent else None
-        logits = self.model(inputs[:, None], cache=cache.layers)
-        if None in fed:  # a row sitting out: what it was fed goes at once
-            cache.trim_rows([1 if r is None else 0 for r in fed])
-        if self.argmax == len(self.rows):  # (greedy rows only: one argmax, as mlx-lm's)
-            tokens = mx.argmax(logits[:, -1], axis=-1).astype(mx.uint32)
-        else:
-            tokens = draw_next(
-                logits[:, -1], [GREEDY if r is None else r.sampling for r in fed],
-                [None if r is None or r.seed is None else (r.seed, len(r.context) + ahead)
-                 for r in fed])
-        if self.sync is not None:
-            tokens = self.sync(tokens)
-        mx.async_eval(tokens)
+        samplings = seeds = idle = None
+        if self.argmax != len(self.rows):  # (greedy rows only: one argmax, as mlx-lm's)
+            samplings = [GREEDY if r is None else r.sampling for r in fed]
+            seeds = [None if r is None or r.seed is None else (r.seed, len(r.context) + ahead)
+                     for r in fed]
+        if None in fed:
+            idle = [1 if r is None else 0 for r in fed]
+        tokens, ckpt = start_plain(self.model, self.cache, inputs, samplings, seeds, idle,
+                                   self.sync)
         self.queued = QueuedPlainStep(fed, tokens, ckpt)
 
     def _deliver(self, again: bool = True, started: float | None = None) -> None:
@@ -365,8 +351,9 @@ class BatchSpeculator:
         q, self.queued = self.queued, None
         span = self._span() if self.speculating else 0  # (the row's length before it)
         try:
-            fed = [r if r is not None and len(r.context) + 2 <= r.end else None
-                   for r in q.rows]
+            fed = []  # (a loop, not a comprehension: a call less per token)
+            for r in q.rows:
+                fed.append(r if r is not None and len(r.context) + 2 <= r.end else None)
             if again and fed.count(None) < len(fed) and not self.stateful and not (
                     started is None and self.speculating and self._replan(fed)):
                 self._queue(fed, q.tokens)
@@ -391,7 +378,10 @@ class BatchSpeculator:
                 self.rows_stepped += 1
                 r.commit([token], seconds=seconds)
         nxt = self.queued
-        ended = [r is not None and not r.wants for r in nxt.rows] if nxt is not None else ()
+        ended = []
+        if nxt is not None:
+            for r in nxt.rows:
+                ended.append(r is not None and r.state != DECODING)
         if True in ended:  # a row ended (a stop string, an end token): its queued token goes
             self.cache.trim_rows([int(e) for e in ended], ckpt=nxt.ckpt)
             nxt.rows = [None if e else r for r, e in zip(nxt.rows, ended)]
@@ -435,8 +425,8 @@ class BatchSpeculator:
         for i, (r, (source, k)) in enumerate(zip(rows, plans)):
             if not k:
                 continue
-            if source == "draft" and r.draft is not None:
-                by_draft.setdefault(id(r.draft.model), []).append(i)
+            if source == "draft" and r in self.drafting:
+                by_draft.setdefault(id(self.drafting[r].model), []).append(i)
                 continue
             p = proposals[i] = r.proposer.propose(r.context, k, r.seed, source=source)
             if p is not None and (not isinstance(p.tokens, mx.array)
@@ -448,7 +438,8 @@ class BatchSpeculator:
         widest = 0
         for model_id, members in by_draft.items():
             made = self.drafts[model_id].propose(
-                [(rows[i].draft, rows[i].context, plans[i][1], rows[i].seed) for i in members])
+                [(self.drafting[rows[i]], rows[i].context, plans[i][1], rows[i].seed)
+                 for i in members])
             for i, prop in zip(members, made):
                 proposals[i] = prop
             self.batched_drafts += len(members)
@@ -466,9 +457,9 @@ def follow(batch: BatchSpeculator, row: BatchRow) -> Iterator[StepOutput | None]
     try:
         while True:
             out = row.output(batch.step())
-            if out is not None or row.opening is not None:
+            if out is not None or row.waiting:
                 yield out
-            if not row.wants:
+            if not row.live:
                 return
     finally:
         batch.close(row)  # the cache holds every committed token but the last

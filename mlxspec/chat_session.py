@@ -190,6 +190,8 @@ class ChatSession:
         finish = None
         try:
             for out in steps:
+                if out is None:  # a step that only prefilled a chunk of the prompt
+                    continue
                 last = out
                 pieces.append(out.text)
                 out_tokens.extend(out.tokens)

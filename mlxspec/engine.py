@@ -14,24 +14,19 @@ from mlx_lm.generate import wired_limit
 from . import backend, policy_store
 from .batch_step import BatchSpeculator, follow
 from .caches.prompt import PromptCache
+from .cost import StepCost
 from .errors import MlxspecError
 from .fim import detect_fim
-from .policy import (
-    AUTO_MAX_K,
-    DEFAULT_NUM_DRAFT,
-    AdaptiveK,
-    BatchPolicy,
-    FixedK,
-    Policy,
-    StepCost,
-    check_num_draft,
-)
+from .planning import BatchPolicy
+from .policy import AUTO_MAX_K, DEFAULT_NUM_DRAFT, AdaptiveK, FixedK, Policy, check_num_draft
 from .proposers import check_mode, make_proposer
 from .proposers.auto import draft_policy
 from .proposers.base import Proposer
+from .request import Request, checked, resolved, signal_ids, workload_signal
 from .row import BatchRow
 from .stats import Stats
 from .stopstrings import StepOutput  # noqa: F401  (public API, re-exported)
+from .target import PrefillMeter, Target
 
 
 @dataclass
@@ -80,16 +75,16 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.adaptive = adaptive
         self.prompt_cache = PromptCache()
-        self.prefill_seconds_per_token = 0.0  # the last prefill of 16+ tokens (`prefill`)
+        self.prefill_meter = PrefillMeter()  # its prefill's time per token (`prefill.prefill`)
         self._proposers: dict = {}
         # (id(proposer), workload signal) -> (the key its state is kept under, policy): kept
         # between processes by `policy_store`
         self.policies: dict[tuple[int, str], tuple[str, Policy]] = {}
         # what a step costs on this model and machine: one model for every request and batch
         self.cost = StepCost()
-        self.signal_ids: dict[int, str] | None = None  # token id -> signal (`request.workload_signal`)
-        self._fim_markers: tuple[int | None, int | None] | None = None  # (`fim_markers`)
-        # where adaptive policies are kept between processes (`policy_store.keep`); None: priors
+        self.signal_ids: dict[int, str] | None = None  # token id -> signal (`workload_signal`)
+        self.fim_ids: tuple[int | None, int | None] | None = None  # (`fim_markers`, kept by clones)
+        # where adaptive policies are kept between processes (`keep_policies`); None: priors
         self.policy_file: Path | None = None
         self.sync = None  # a sharded target: rank 0's tokens on every rank (distributed.py)
         self.num_draft_set = num_draft is not None
@@ -107,7 +102,7 @@ class Engine:
             kv_buffer_size=self.kv_buffer_size, draft_source=self.draft_source,
             load_draft=self.load_draft, **extra)
         other.cost = self.cost  # the same weights on the same machine
-        other.signal_ids, other._fim_markers = self.signal_ids, self._fim_markers
+        other.signal_ids, other.fim_ids = self.signal_ids, self.fim_ids
         other.set_mode(self.mode, **self.mode_options)
         return other
 
@@ -164,15 +159,42 @@ class Engine:
                 policy = FixedK(self.num_draft)
             mode = getattr(proposer, "name", "none")
             self.policies[key] = (f"{mode}/{signal}" if signal else mode, policy)
-            policy_store.resume(self)
+            policy_store.resume(self.policy_file, self.cost, self.policies.values())
         return self.policies[key][1]
+
+    def keep_policies(self, path: Path | None) -> None:
+        """Start the adaptive policies from what earlier processes kept at `path`, and keep
+        this one's there (`save_policies`)."""
+        self.policy_file = path
+        policy_store.resume(path, self.cost, self.policies.values())
+
+    def save_policies(self) -> None:
+        """Keep what the adaptive policies measured at the policy file (`keep_policies`)."""
+        policy_store.save(self.policy_file, self.cost, self.policies.values())
+
+    @property
+    def prefill_seconds_per_token(self) -> float:
+        """The target's prefill time per token, as last measured (0: not yet)."""
+        return self.prefill_meter.seconds_per_token
+
+    @property
+    def target(self) -> Target:
+        """The target as the decode loop sees it: everything below the engine takes this."""
+        return Target(self.model, self.tokenizer, self.kv, self.kv_group_size,
+                      self.kv_buffer_size, self.prefill_step_size, self.sync, self.prefill_meter)
+
+    def workload_signal(self, tokens: list[int], prediction) -> str:
+        """The kind of request (`request.workload_signal`), for its policy."""
+        if self.signal_ids is None:
+            self.signal_ids = signal_ids(self.tokenizer)
+        return workload_signal(self.signal_ids, tokens, prediction)
 
     def fim_markers(self) -> tuple[int | None, int | None]:
         """The model's FIM suffix and middle token ids ((None, None): it has none)."""
-        if self._fim_markers is None:
+        if self.fim_ids is None:
             fim = detect_fim(getattr(self.tokenizer, "get_vocab", dict)())
-            self._fim_markers = (fim.suffix, fim.middle) if fim else (None, None)
-        return self._fim_markers
+            self.fim_ids = (fim.suffix, fim.middle) if fim else (None, None)
+        return self.fim_ids
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -185,7 +207,10 @@ class Engine:
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
         """Generate a whole completion. Keyword arguments as `stream_steps`."""
         text, tokens, logprobs, out = [], [], [], None
-        for out in self.stream_steps(prompt, **kwargs):
+        for step in self.stream_steps(prompt, **kwargs):
+            if step is None:  # a step that only prefilled a chunk of the prompt
+                continue
+            out = step
             text.append(out.text)
             tokens.extend(out.tokens)
             if out.logprobs is not None:
@@ -196,20 +221,77 @@ class Engine:
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as they are decoded."""
         for out in self.stream_steps(prompt, **kwargs):
-            if out.text:
+            if out is not None and out.text:  # (None: a step that only prefilled)
                 yield out.text
 
     def stream_steps(self, prompt: str | list[int], **kwargs) -> Iterator[StepOutput | None]:
         """Generate, yielding after every target forward (None after a step that only
-        prefilled a chunk). Keyword arguments as `request.prepare`, and `progress(done, total)`
+        prefilled a chunk). Keyword arguments as `request`, and `progress(done, total)`
         during prefill and `prefill_chunk` (a longer prompt prefilled that many tokens a step)."""
         with wired_limit(self.model):
             backend.reset_peak_memory()
             yield from follow(*self.open(prompt, **kwargs))
+
+    def request(self, prompt: str | list[int], *, mode: str | None = None,
+                prediction: str | list[int] | None = None, policy: Policy | None = None,
+                prompt_cache: PromptCache | None = None, max_tokens: int = 128,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                min_p: float = 0.0, seed: int | None = None,
+                stop: list[str] | str | None = None, num_draft: int | None = None,
+                cache_reuse: int = 0, logit_bias=None, logprobs: int | None = None,
+                post_probs: bool = False, grammar=None, json_schema=None,
+                regex: str | None = None) -> Request:
+        """A prompt and its options as a self-contained request (checked before any work, with
+        clear errors): its tokens, sampling, the proposer of its `mode` (default: the
+        engine's), its policy (`policy`, or the engine's for its mode and kind of request) and
+        its prompt cache (`prompt_cache`, default the engine's: reused where the prompt
+        shares a prefix with it). `prediction` (text or ids): a predicted output the n-gram
+        proposer copies from; `num_draft`: a cap on k; `seed`: at T > 0 each token is drawn
+        from noise keyed by (seed, its position), so every mode, batch and k draws the same
+        tokens (None: MLX's global generator, exact in distribution only); `cache_reuse`
+        N > 0: past the common prefix, runs of at least N cached tokens are reused where they
+        moved (llama.cpp's `--cache-reuse`: not bit-identical to a fresh prefill,
+        `caches/shift.py`).
+
+        Per-row work on the target's logits, exact in every mode (`constrain.py`):
+        `logit_bias` ({id: bias} or [[id or text, bias], ...], false bans), `logprobs` (None,
+        or the number of top alternatives reported with each token's log-probability;
+        `post_probs`: probabilities after bias, grammar and sampling transforms), and one
+        grammar: `json_schema` (a JSON Schema, or True for any JSON object), `regex`, or
+        `grammar` (GBNF or Lark text, or a (kind, spec) pair of `constrain.grammar_text`)."""
+        target, tokens = self.target, self.encode(prompt)
+        req = checked(target, tokens, self.max_context, max_tokens=max_tokens,
+                      temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                      seed=seed, stop=stop, num_draft=num_draft, cache_reuse=cache_reuse,
+                      logit_bias=logit_bias, logprobs=logprobs, post_probs=post_probs,
+                      grammar=grammar, json_schema=json_schema, regex=regex)
+        mode = mode or self.mode
+        proposer = self.proposer_of(mode)
+        if isinstance(prediction, str):
+            prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
+        if policy is None:
+            policy = self.policy_for(proposer, self.workload_signal(tokens, prediction))
+        pc = prompt_cache if prompt_cache is not None else self.prompt_cache
+        return resolved(req, target, mode, proposer, policy, pc, prediction)
+
+    def join(self, batch: BatchSpeculator, prompt: str | list[int], *, progress=None,
+             prefill_chunk: int | None = None, **options) -> BatchRow:
+        """A request of this engine opened in `batch` (`BatchSpeculator.open`); `options`: as
+        `request`."""
+        return batch.open(self.request(prompt, **options), self.target, progress=progress,
+                          prefill_chunk=prefill_chunk)
 
     def open(self, prompt: str | list[int], **kwargs) -> tuple[BatchSpeculator, BatchRow]:
         """A request by itself, opened: a batch of one on its own cache (of any kind), and its
         row. Whoever holds them steps the batch (`batch_step.follow`, the server's worker) and
         closes the row through it. Keyword arguments as `stream_steps`."""
         batch = BatchSpeculator(self.model, BatchPolicy(self.cost), sync=self.sync)
-        return batch, batch.open(self, prompt, **kwargs)
+        return batch, self.join(batch, prompt, **kwargs)
+
+    def accepts(self, mode: str | None = None) -> bool:
+        """Whether a request in `mode` can share a batch with others (`Target.shareable`)."""
+        try:
+            proposer = self.proposer_of(mode)
+        except MlxspecError:
+            return False  # the request reports it
+        return self.target.shareable(proposer)

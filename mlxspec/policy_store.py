@@ -10,14 +10,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .policy import BASE, AdaptiveK, SourceEstimate, StepCost
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .cost import BASE, StepCost
+from .policy import AdaptiveK, SourceEstimate
 
 log = logging.getLogger("mlxspec")
 COST_KEY = "step-cost"  # the cost model's entry (no mode has this name)
@@ -25,35 +22,29 @@ COST_KEY = "step-cost"  # the cost model's entry (no mode has this name)
 COST_VERSION, POLICY_VERSION = 1, 2
 
 
-def keep(engine: Engine, path: Path | None) -> None:
-    """Start `engine`'s adaptive policies from what earlier processes kept at `path`, and keep
-    this one's there (`save`)."""
-    engine.policy_file = path
-    resume(engine)
-
-
-def resume(engine: Engine) -> None:
-    """The engine's adaptive policies and cost model that have measured nothing yet start from
-    their kept states."""
-    states = read_states(engine.policy_file) if engine.policy_file is not None else {}
-    if not engine.cost.seconds and states.get(COST_KEY):
-        resume_cost(engine.cost, states[COST_KEY])
-    for key, policy in engine.policies.values():
+def resume(path: Path | None, cost: StepCost, policies) -> None:
+    """The cost model and the adaptive policies (`policies`: (key, policy) pairs) that have
+    measured nothing yet start from their states kept at `path` (None: nothing kept)."""
+    states = read_states(path) if path is not None else {}
+    if not cost.seconds and states.get(COST_KEY):
+        resume_cost(cost, states[COST_KEY])
+    for key, policy in policies:
         if isinstance(policy, AdaptiveK) and not policy.sources and states.get(key):
             resume_policy(policy, states[key])
 
 
-def save(engine: Engine) -> None:
-    """Keep what the engine's adaptive policies measured at its `policy_file`."""
-    states = {key: policy_state(policy) for key, policy in engine.policies.values()
+def save(path: Path | None, cost: StepCost, policies) -> None:
+    """Keep what the cost model and the adaptive policies ((key, policy) pairs) measured at
+    `path` (None: nowhere)."""
+    states = {key: policy_state(policy) for key, policy in policies
               if isinstance(policy, AdaptiveK) and policy.sources}
-    if states and engine.cost.seconds:
-        states[COST_KEY] = cost_state(engine.cost)
-    if states and engine.policy_file is not None:
+    if states and cost.seconds:
+        states[COST_KEY] = cost_state(cost)
+    if states and path is not None:
         try:
-            write_states(engine.policy_file, states)
+            write_states(path, states)
         except OSError as e:  # measurements only: never fail a command over them
-            log.warning("could not keep the policy at %s (%s)", engine.policy_file, e)
+            log.warning("could not keep the policy at %s (%s)", path, e)
 
 
 def cost_state(cost: StepCost) -> dict:

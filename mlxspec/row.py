@@ -1,68 +1,130 @@
-"""One request in the decode loop: a row of a `BatchSpeculator`. It holds what the request
-committed (`context`), its proposer and its side of the planning (`RowPolicy`), its sampling
-and seed, and the text its steps produced (detokenized as committed). The batch steps it and
-hands it back its tokens (`commit`); it holds no reference to the batch: whoever opened it
-closes it through the batch (`BatchSpeculator.close`), which gives its cache back to the
-prompt cache.
+"""One request in the decode loop: a row of a `BatchSpeculator`. It holds its request (tokens,
+sampling, proposer, policy, prompt cache), what it committed (`context`), its side of the
+planning (`RowPolicy`) and the text its steps produced (detokenized as committed). Its life is
+one state, changed by its own methods only (admission and the batch ask them):
+
+    opening ──> decoding ──> finished
+       │  ^         │
+       v  │         └──────> failed   (and from any state: closed, by `leave`)
+    prefilling
+
+`opening`: its prompt's rest is prefilled with the round's other joiners at the next step;
+`prefilling`: a long prompt, a chunk per step; `decoding`: each step commits its tokens;
+`finished`: an end-of-sequence token, a stop string or max_tokens; `failed`: a step or its
+prefill raised (`output` raises it); `closed`: it left its batch (`BatchSpeculator.close`),
+which gave its cache back to its prompt cache. It holds no reference to the batch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
 
 import mlx.core as mx
 
-from .caches.prompt import PromptCache
-from .policy import AdaptiveK, Policy, RowOffer, RowPolicy, StepCost
+from .cost import StepCost
+from .planning import RowOffer, RowPolicy
+from .policy import AdaptiveK
 from .proposers import auto
-from .proposers.base import Proposer
 from .proposers.draft import DRAFT_ARMS, TREE, draft_proposer
-from .sampling import SamplingParams
-from .stats import Stats
+from .request import Request
 from .step import draw_next
-from .stopstrings import Detokenizer, StepOutput
+from .stopstrings import Detokenizer, StepOutput, merged
+from .target import Target
 
-if TYPE_CHECKING:
-    from .engine import Engine
+OPENING, PREFILLING, DECODING = "opening", "prefilling", "decoding"
+FINISHED, FAILED, CLOSED = "finished", "failed", "closed"
+LIVE = (OPENING, PREFILLING, DECODING)  # not ended, failed or left
 
 
 class BatchRow:
-    """One request in a `BatchSpeculator`: `step()` commits its tokens and returns them."""
+    """One request in a `BatchSpeculator`: `step()` commits its tokens and returns them.
+    `target` None: a raw row (tests, tools), tokens without text."""
 
-    def __init__(self, engine: Engine | None, pc: PromptCache, context: list[int],
-                 proposer: Proposer | None, policy: Policy, sampling: SamplingParams,
-                 seed: int | None, stats: Stats, end: int, num_draft: int, stops: list[str],
-                 cost: StepCost):
-        self.engine, self.pc = engine, pc
-        self.context, self.proposer = context, proposer
-        self.planner = RowPolicy(policy, proposer, cost=cost)
+    def __init__(self, request: Request, target: Target | None, cost: StepCost):
+        self.request, self.target = request, target
+        self.pc, self.proposer, self.stats = request.pc, request.proposer, request.stats
+        self.sampling = request.sampling
+        self.context = list(request.tokens)
+        self.planner = RowPolicy(request.policy, request.proposer, cost=cost)
         # A sampled row with a seed draws by position (`sampling.keyed_draw`): the same tokens
         # whatever is proposed, accepted or batched with it. Without one: MLX's generator.
-        self.seed = None if sampling.greedy else seed
-        self.sampling, self.stats = sampling, stats
-        self.end, self.num_draft = end, num_draft
-        self.draft = None  # its DraftModelProposer, while that drafts in the batch's DraftRows
-        # (request, tokens reused, seconds prefilling) until it joins; `chunk`: tokens per step
-        self.opening: tuple | None = None
-        self.chunk: int | None = None
-        # What this step produced: detokenized as committed (a row stops at its end at once)
+        self.seed = None if self.sampling.greedy else request.seed
+        self.end, self.num_draft = request.end, request.k_cap
+        self.shares = request.shares
+        self._enter(DECODING if len(self.context) < self.end else FINISHED)
+        self.error: BaseException | None = None  # what a failed row's `output` raises
+        self.reused = 0  # prompt tokens reused from its prompt cache (`opening`)
+        self.prefill_seconds = 0.0  # spent prefilling so far
+        self.chunk = 0  # prompt tokens prefilled per step (`prefilling`)
+        # What its steps produced since the batch last asked (`take_output`)
         self.outputs: list[StepOutput] = []
-        self.shares = False  # may share a batch with other rows (`shareable`, set at `open`)
-        self.error: BaseException | None = None
-        self.closed = False
-        self.detok = None if engine is None else Detokenizer(engine.tokenizer, stops, stats)
-        # It has not ended, left or failed: kept as each of those happens (read every step)
-        self.wants = len(context) < end
+        self.detok = (None if target is None
+                      else Detokenizer(target.tokenizer, request.stops, self.stats))
+
+    # -- its life
+    def opened(self, reused: int, seconds: float, chunk: int = 0) -> None:
+        """Checked, `reused` prompt tokens back from its prompt cache in `seconds`: its rest is
+        prefilled with the next round (`chunk` > 0: that many tokens a step)."""
+        self._enter(PREFILLING if chunk else OPENING)
+        self.reused, self.prefill_seconds, self.chunk = reused, seconds, chunk
+
+    def prefilled_part(self, seconds: float) -> None:
+        """A chunk of its prompt was prefilled."""
+        self.prefill_seconds += seconds
+
+    def joins_round(self) -> None:
+        """Its rest fits a round: prefilled with the other joiners at the next step."""
+        self._enter(OPENING)
+
+    def started(self, first: int | None = None) -> None:
+        """Prefilled, its proposer started: it decodes; with its `first` token where a group's
+        forward drew it."""
+        self._enter(DECODING)
+        if first is not None:
+            self.commit([first], observe=False)
+
+    def joined(self) -> None:
+        """It joined its batch: decoding starts now."""
+        if self.detok is not None:
+            self.detok.restart()
+
+    def fail(self, e: BaseException) -> None:
+        """Its step or prefill failed: `output` raises `e`."""
+        if self.state != CLOSED:
+            self._enter(FAILED)
+        self.error = e
+
+    def leave(self) -> bool:
+        """It left its batch (`BatchSpeculator.close`): its proposer is told; False if it had
+        already."""
+        if self.state == CLOSED:
+            return False
+        self._enter(CLOSED)
+        if self.proposer is not None:
+            self.proposer.finish()  # the answer is in the suffix store for the next request
+        return True
+
+    @property
+    def wants(self) -> bool:
+        """It decodes: the next step commits tokens for it."""
+        return self.state == DECODING
+
+    def _enter(self, state: str) -> None:
+        self.state = state
+        # it has not ended, failed or left (it may still be prefilling): read every step
+        self.live = state in LIVE
+
+    @property
+    def waiting(self) -> bool:
+        """Its prompt is still being prefilled."""
+        return self.state in (OPENING, PREFILLING)
 
     @property
     def ended(self) -> bool:
         """It has ended (an end-of-sequence token, a stop string, max_tokens)."""
         return self.detok is not None and self.detok.done
 
-    def fail(self, e: BaseException) -> None:
-        """Its step or prefill failed: `output` raises `e`."""
-        self.error, self.wants = e, False
-
+    # -- a step
     def available(self, trees: bool = False) -> dict[str, int] | None:
         """Its proposer's offer per source, k <= remaining - 1 (None: no proposal can be); a
         draft tree only where the row's cache can verify one (`trees`)."""
@@ -76,8 +138,8 @@ class BatchRow:
         policy = self.planner.policy
         if "draft" in offered and isinstance(policy, AdaptiveK) and (
                 draft := draft_proposer(self.proposer)) is not None:
-            # (at the target's prefill time per token, as the engine last measured it)
-            per_token = getattr(self.engine, "prefill_seconds_per_token", 0.0)
+            # (at the target's prefill time per token, as last measured)
+            per_token = self.target.meter.seconds_per_token if self.target else 0.0
             if not auto.catch_up_pays(policy, len(self.context) - len(draft.cached),
                                       self.end - len(self.context), per_token):
                 offered = {s: n for s, n in offered.items() if s not in DRAFT_ARMS}
@@ -96,25 +158,39 @@ class BatchRow:
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
                accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
         """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's); its
-        proposer, policies (not for its prefill's token) and stats are told (its draft's rows
-        by the batch, `BatchSpeculator`)."""
+        proposer, policies (not for its prefill's token) and stats are told."""
         context = self.context
         context.extend(tokens)
         if self.proposer is not None:
             self.proposer.update(context, accepted)
             if observe:
                 self.planner.observe(arm, drafted, accepted, seconds, context)
-        record_step(self.stats, source, drafted, accepted, len(tokens))
         detok = self.detok
-        if detok is None:  # a raw row (tests, tools): tokens only
+        if detok is None:  # a raw row: tokens only
+            self.stats.record_step(source, drafted, accepted, len(tokens))
             self.outputs.append(StepOutput("", list(tokens), self.stats))
         elif not detok.done:
             sampling = self.sampling
             logprobs = None if sampling.logprobs is None else sampling.take_logprobs(
                 len(context) - len(tokens), len(tokens))
-            self.outputs.append(detok.feed(tokens, len(context) >= self.end, logprobs))
-        self.wants = (len(context) < self.end and (detok is None or not detok.done)
-                      and not self.closed and self.error is None)
+            out = detok.feed(tokens, len(context) >= self.end, logprobs)
+            # (the peak once per answer: reading it is a call into MLX)
+            self.stats.record_step(source, drafted, accepted, len(out.tokens),
+                                   time.perf_counter() - detok.start,
+                                   mx.get_peak_memory() / 1e9 if detok.done else None)
+            self.outputs.append(out)
+        else:  # (past its end)
+            self.stats.record_step(source, drafted, accepted, len(tokens))
+        if self.live and (len(context) >= self.end or (detok is not None and detok.done)):
+            self._enter(FINISHED)
+
+    def take_output(self) -> StepOutput | None:
+        """What its steps produced since the last call, as one output (None: nothing)."""
+        outs = self.outputs
+        if not outs:
+            return None
+        self.outputs = []
+        return outs[0] if len(outs) == 1 else merged(outs)
 
     def output(self, produced: dict[BatchRow, StepOutput]) -> StepOutput | None:
         """Its output in what a `step()` produced (None: none this step); raises the error of
@@ -122,30 +198,3 @@ class BatchRow:
         if self.error is not None:
             raise self.error
         return produced.get(self)
-
-    def finish(self) -> None:
-        """It left its batch (`BatchSpeculator.close`): its proposer is told."""
-        self.closed, self.wants = True, False
-        if self.proposer is not None:
-            self.proposer.finish()  # the answer is in the suffix store for the next request
-
-
-def record_step(stats: Stats, source: str, drafted: int, accepted: int, emitted: int) -> None:
-    """A step's target forward, tokens, and drafted and accepted tokens (by position and by
-    source) in a request's `stats`."""
-    stats.target_forwards += 1
-    stats.generated_tokens += emitted
-    if not drafted:
-        return
-    stats.drafted += drafted
-    stats.accepted += accepted
-    grow = drafted - len(stats.drafted_by_position)
-    if grow > 0:
-        stats.drafted_by_position += [0] * grow
-        stats.accepted_by_position += [0] * grow
-    for i in range(drafted):
-        stats.drafted_by_position[i] += 1
-    for i in range(accepted):
-        stats.accepted_by_position[i] += 1
-    stats.drafted_by_source[source] = stats.drafted_by_source.get(source, 0) + drafted
-    stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + accepted

@@ -53,6 +53,37 @@ class Stats:
         accepted = self.accepted_by_source.get("prediction", 0)
         return accepted, self.drafted_by_source.get("prediction", 0) - accepted
 
+    def record_step(self, source: str, drafted: int, accepted: int, emitted: int,
+                    decode_seconds: float | None = None,
+                    peak_memory_gb: float | None = None) -> None:
+        """A step's target forward, the tokens it emitted (`emitted`: not those after an
+        end-of-sequence token), its drafted and accepted tokens (by position and by source);
+        the decoding time so far, and the peak memory where the answer ends."""
+        self.target_forwards += 1
+        self.generated_tokens += emitted
+        if decode_seconds is not None:
+            self.decode_seconds = decode_seconds
+        if peak_memory_gb is not None:
+            self.peak_memory_gb = peak_memory_gb
+        if not drafted:
+            return
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(accepted):
+            self.accepted_by_position[i] += 1
+        self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
+        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
+
+    def prefilled(self, seconds: float, cached: int) -> None:
+        """The prompt was prefilled in `seconds`, `cached` of its tokens reused."""
+        self.prefill_seconds, self.cached_tokens = seconds, cached
+
     def add(self, other: Stats) -> None:
         """Add another generation's counts to these (statistics summed over generations): the
         lists position by position, the dicts key by key; peak memory is the larger, the mode

@@ -23,10 +23,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import Checkpoint
-from .caches.rows import as_rows
+from .caches.rows import Rows, as_rows
 from .constrain import adjust_next, adjust_rows
 from .proposal import Proposal
 from .sampling import SamplingParams, keyed_draw, probs_from_logits, sample
+
+GREEDY = SamplingParams()  # what an empty slot of a batch is "sampled" with
 
 # A keyed row's (seed, absolute position of its next token): its draws are functions of these
 # (`sampling.keyed_draw`), so it draws the same tokens in every mode and batch. None: a greedy
@@ -161,11 +163,10 @@ def _draw(logits: mx.array, samplings: list[SamplingParams],
 def start_step(model: nn.Module, cache, last_tokens: list[int | None],
                proposals: list[Proposal | None], samplings: list[SamplingParams],
                seeds: list[SeedAt], max_accepts: list[int | None] | None = None,
-               sync=None, inputs: mx.array | None = None) -> StartedStep:
+               sync=None) -> StartedStep:
     """Row b verifies proposals[b] (None or empty: plain) after last_tokens[b] (None: sits
-    out), accepting at most max_accepts[b] draft tokens. `inputs`: a plain step's (B,) last
-    tokens already on the device (a pipelined step feeds the previous one's, unread). `sync`
-    (a sharded target) maps the result to rank 0's, so every rank commits the same tokens."""
+    out), accepting at most max_accepts[b] draft tokens. `sync` (a sharded target) maps the
+    result to rank 0's, so every rank commits the same tokens."""
     rows = as_rows(model, cache)
     if rows.alone and len(last_tokens) != 1:
         raise ValueError("several rows need ragged rows (`caches.rows.Rows`)")
@@ -177,16 +178,14 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
             break
     positions = rows.lengths if adjusted else None  # of the token each row is fed
     drafts, qs, sizes, masks = _drafts(proposals, max_accepts, samplings, last_tokens,
-                                       positions, inputs)
+                                       positions)
     width = 1 + max(sizes)
-    if inputs is None:
-        fed = []
-        for last, d, k in zip(last_tokens, drafts, sizes):
-            head = mx.array([0 if last is None else last], mx.uint32)
-            fed.append(mx.concatenate([head, d, mx.repeat(head, width - 1 - k)]))  # pad: trimmed
-        inputs = mx.stack(fed)
+    fed = []
+    for last, d, k in zip(last_tokens, drafts, sizes):
+        head = mx.array([0 if last is None else last], mx.uint32)
+        fed.append(mx.concatenate([head, d, mx.repeat(head, width - 1 - k)]))  # pad: trimmed
     ckpt = rows.checkpoint()
-    logits = model(inputs.reshape(len(last_tokens), width), cache=rows.layers)
+    logits = model(mx.stack(fed), cache=rows.layers)
     if None in last_tokens:  # a row sitting out: everything it was fed goes at once
         rows.trim_rows([width if last is None else 0 for last in last_tokens])
     lps = None
@@ -208,7 +207,7 @@ def start_step(model: nn.Module, cache, last_tokens: list[int | None],
                        list(samplings) if adjusted else None, positions, lps)
 
 
-def _drafts(proposals, max_accepts, samplings, last_tokens, positions, inputs):
+def _drafts(proposals, max_accepts, samplings, last_tokens, positions):
     """Each row's draft tokens (k of them, cut where its grammar refuses one), their q, k, and
     its grammar's masks over the positions verified (None: no grammar)."""
     drafts, qs, sizes, masks = [], [], [], []
@@ -220,9 +219,9 @@ def _drafts(proposals, max_accepts, samplings, last_tokens, positions, inputs):
         constraint = getattr(samplings[b].state, "constraint", None)
         mask = None
         if constraint is not None and last_tokens[b] is not None:
-            # the matcher after the token fed (read back if a pipelined step feeds it unread)
+            # the matcher after the token fed
             state = samplings[b].state
-            state.known(positions[b], last_tokens[b] if inputs is None else inputs[b])
+            state.known(positions[b], last_tokens[b])
             state.align(positions[b] + 1)
             draft = prop.tokens[:k].tolist() if k else []
             k = constraint.cut(draft)  # the first token the grammar refuses, and after: cut
@@ -254,6 +253,30 @@ def _verify_rows(logits, drafts, qs, sizes, samplings, seeds, last_tokens) -> mx
             n, t = verify_chain(logits[b, : k + 1], draft, q, samplings[b])
             outs.append(mx.concatenate([mx.stack([n, t]).astype(mx.uint32), draft]))
     return mx.concatenate(outs)
+
+
+def start_plain(model: nn.Module, rows: Rows, inputs: mx.array,
+                samplings: list[SamplingParams] | None = None, seeds: list[SeedAt] | None = None,
+                idle: list[int] | None = None, sync=None) -> tuple[mx.array, Checkpoint | None]:
+    """A plain step (k = 0 for every row) fed `inputs` (B,) on the device: a pipelined step
+    feeds the previous one's tokens unread. `samplings` and `seeds` per row (None: every row
+    greedy with nothing to adjust: one argmax, as mlx-lm's loop); `idle`: 1 for a row sitting
+    out (its input goes at once). Returns the lazy next tokens, started (`mx.async_eval`; a
+    sharded target's ranks then run the forwards' collectives in the same order), and the
+    checkpoint that undoes the step (`Rows.trim_rows`). Rows whose draw needs the last token
+    read (a grammar) are not fed this way."""
+    ckpt = rows.checkpoint() if rows.recurrent else None
+    logits = model(inputs[:, None], cache=rows.layers)[:, -1]
+    if idle is not None:
+        rows.trim_rows(idle)
+    if samplings is None:
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    else:
+        tokens = draw_next(logits, samplings, seeds)
+    if sync is not None:
+        tokens = sync(tokens)
+    mx.async_eval(tokens)
+    return tokens, ckpt
 
 
 def _record(step: StartedStep, b: int, tokens: list[int]) -> list | None:

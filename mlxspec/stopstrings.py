@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from .stats import Stats
 
 
@@ -120,14 +118,19 @@ def merged(outs: list[StepOutput]) -> StepOutput:
 
 class Detokenizer:
     """A generation's committed tokens to `StepOutput`s, the one detokenizer of every path:
-    text up to an end-of-sequence token or a stop string, the stats' decode time."""
+    text up to an end-of-sequence token or a stop string (`stats`: what each output carries,
+    counted by the row, `BatchRow.commit`)."""
 
     def __init__(self, tokenizer, stops: list[str], stats: Stats):
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.text = TextStream(tokenizer, stops)
         self.stats = stats
-        self.start = time.perf_counter()  # decoding started (reset when a row joins its batch)
+        self.start = time.perf_counter()  # decoding started (`restart`)
         self.done = False
+
+    def restart(self) -> None:
+        """Decoding starts now (a row joins its batch: its prefill is done)."""
+        self.start = time.perf_counter()
 
     def feed(self, tokens: list[int], last: bool = False,
              logprobs: list | None = None) -> StepOutput:
@@ -145,15 +148,11 @@ class Detokenizer:
             pieces.append(self.text.add(t)[0])
         finish = "stop" if self.text.stopping_word else None
         if len(emitted) < len(tokens):  # an end-of-sequence token
-            self.stats.generated_tokens -= len(tokens) - len(emitted)
             pieces.append(self.text.finish())
             finish = "stop"
         elif last and finish is None:
             pieces.append(self.text.finish())
             finish = "length"
-        self.stats.decode_seconds = time.perf_counter() - self.start
         self.done = finish is not None
-        if self.done:  # (once per answer: reading it is a call into MLX)
-            self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
         return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word,
                           None if logprobs is None else list(logprobs[: len(emitted)]))

@@ -6,8 +6,9 @@ from __future__ import annotations
 from conftest import make_engine, next_output
 
 from mlxspec.batch_step import BatchSpeculator
+from mlxspec.cost import StepCost
 from mlxspec.engine import PromptCache
-from mlxspec.policy import BatchPolicy, StepCost
+from mlxspec.planning import BatchPolicy
 
 
 def drain(batch, rows, outs, close_at: dict | None = None, join: dict | None = None, rounds=10_000):
@@ -90,7 +91,7 @@ def open_in(batch, engines, requests, rows, pcs=None):
             if pcs is not None:
                 pcs.append(PromptCache())
                 kw = {**kw, "prompt_cache": pcs[-1]}
-            rows.append(batch.open(engines(i), p, max_tokens=n, mode=m, **kw))
+            rows.append(engines(i).join(batch, p, max_tokens=n, mode=m, **kw))
             return i
         return go
     return open_request

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 REPO = Path(__file__).resolve().parent.parent
 # Commands run by the tests start from the priors: what one test's run measured must not
-# change how another's proposes (test_policy_file turns it back on in its own cache).
+# change how another's proposes (test_policy_store turns it back on in its own cache).
 os.environ["MLXSPEC_POLICY_CACHE"] = "0"
 
 
@@ -92,17 +92,22 @@ def decode(model, cache: list, context: list[int], proposer, policy, sampling, m
     one scheduler: yields the tokens each step commits; `context` grows in place. When it
     ends the cache holds every committed token but the last again."""
     from mlxspec.batch_step import BatchSpeculator, follow
-    from mlxspec.engine import PromptCache
-    from mlxspec.policy import BatchPolicy, StepCost
+    from mlxspec.caches.prompt import PromptCache
+    from mlxspec.cost import StepCost
+    from mlxspec.planning import BatchPolicy
+    from mlxspec.request import Request
     from mlxspec.row import BatchRow
 
     # (the batch learns the cost model an adaptive policy plans with)
     cost = getattr(policy, "cost", None) or StepCost()
     batch = BatchSpeculator(model, BatchPolicy(cost), sync=sync)
-    row = BatchRow(None, PromptCache(cache), context, proposer, policy, sampling, seed, stats,
-                   len(context) + max_tokens, num_draft, [], cost)
+    req = Request(list(context), sampling, max_tokens, [], seed, num_draft, proposer=proposer,
+                  policy=policy, pc=PromptCache(cache), stats=stats)
+    row = BatchRow(req, None, cost)
     batch.join([(row, True)])
     for out in follow(batch, row):
+        if out is not None:
+            context.extend(out.tokens)
         yield [] if out is None else out.tokens
 
 
@@ -122,7 +127,7 @@ def next_output(batch, row):
         outs = kept.pop(row, None)
         if outs:
             return merged(outs)
-        if row.closed or not row.wants:
+        if not row.live:
             raise StopIteration
         for r, out in batch.step().items():
             kept.setdefault(r, []).append(out)
@@ -243,7 +248,7 @@ def coder_small_4bit():
 def observe_step(policy, source: str, drafted: int, accepted: int, seconds: float) -> None:
     """A speculative step of a row alone, told as its batch tells it: the cost model learns
     its time, the policy its acceptance."""
-    from mlxspec.policy import forward_group
+    from mlxspec.cost import forward_group
 
     policy.cost.add(1, 1 + drafted, drafted, {forward_group(source): drafted}, seconds,
                     policy.span)

@@ -11,6 +11,7 @@ from conftest import decode
 from mlx_lm.models.cache import make_prompt_cache
 from scipy.stats import chisquare
 
+from mlxspec.choose_k import RowOffer, survival
 from mlxspec.policy import FixedK
 from mlxspec.stats import Stats
 
@@ -56,3 +57,8 @@ def generate_with(model, proposer_factory, prompt, max_tokens, sampling, seed=0,
                                   stats if stats is not None else Stats()):
         out += new
     return out
+
+
+def offers(accept: float, rows: int, cap: int = 4, **kw) -> list[RowOffer]:
+    """`rows` rows' offers at acceptance `accept` per position, up to `cap` tokens each."""
+    return [RowOffer(survival([accept] * cap, cap), **kw) for _ in range(rows)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 from conftest import build_model, make_engine, observe_plain, observe_step
 
-from mlxspec import policy_store
 from mlxspec.policy import AdaptiveK
 from mlxspec.policy_store import read_states
 from mlxspec.proposers import auto
@@ -19,7 +18,6 @@ from mlxspec.proposers.auto import (
     draft_priors,
 )
 from mlxspec.proposers.draft import CATCH_UP_APART, DraftModelProposer
-from mlxspec.request import workload_signal
 from mlxspec.sampling import SamplingParams
 
 
@@ -59,16 +57,16 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     draft, _ = build_model("llama", seed=2, layers=1)
     engine = make_engine(target, "auto", draft_model=draft)
     # (ByteTokenizer has no special tokens: text, or an edit with a predicted output)
-    assert workload_signal(engine, [1, 2, 3], None) == ""
-    assert workload_signal(engine, [1, 2, 3], [1, 2]) == "edit"
+    assert engine.workload_signal([1, 2, 3], None) == ""
+    assert engine.workload_signal([1, 2, 3], [1, 2]) == "edit"
     engine.signal_ids = {100: "fim", 101: "chat"}
-    assert workload_signal(engine, [5, 101, 6], None) == "chat"
-    assert workload_signal(engine, [5, 101, 100], None) == "fim"
+    assert engine.workload_signal([5, 101, 6], None) == "chat"
+    assert engine.workload_signal([5, 101, 100], None) == "fim"
     plain = engine.policy_for(engine.proposer)
     assert plain is engine.policy
     fim = engine.policy_for(engine.proposer, "fim")
     assert fim is not plain and fim is engine.policy_for(engine.proposer, "fim")
-    policy_store.keep(engine, tmp_path / "policy.json")
+    engine.keep_policies(tmp_path / "policy.json")
     unit = [5, 9, 13, 17, 21, 25, 29]
     engine.generate(unit * 6, max_tokens=24)
     engine.generate(unit * 6, max_tokens=64, prediction=unit * 12)
@@ -76,12 +74,12 @@ def test_each_kind_of_request_learns_its_own_policy(tmp_path):
     chat = engine.policy_for(engine.proposer, "chat")
     assert not chat.sources and chat.cost is plain.cost is fim.cost is engine.cost
     assert engine.cost.seconds > 0
-    policy_store.save(engine)
+    engine.save_policies()
     states = read_states(tmp_path / "policy.json")
     assert {"auto", "auto/edit", "step-cost"} <= set(states)
     # The next engine starts each kind from its own state.
     again = make_engine(target, "auto", draft_model=draft)
-    policy_store.keep(again, tmp_path / "policy.json")
+    again.keep_policies(tmp_path / "policy.json")
     assert set(again.policy_for(again.proposer, "edit").sources) == set(
         states["auto/edit"]["sources"])
     assert not again.policy_for(again.proposer, "fim").sources
@@ -181,7 +179,7 @@ def test_a_free_source_is_measured_while_the_draft_runs(batched):
     on (the coder pair on a prompt its answer copies: 0.40x the commit before, 4 draft
     forwards a step for what lookup proposes for nothing). `batched`: a row of a batch, which
     offers its source (`RowPolicy.offer`) and proposes what it offered."""
-    from mlxspec.policy import RowPolicy
+    from mlxspec.planning import RowPolicy
 
     target, _ = build_model("llama", seed=1, hidden=64, layers=8)
     same, _ = build_model("llama", seed=2, hidden=64, layers=2)

@@ -24,12 +24,11 @@ from batch_helpers import (
 from conftest import build_model, make_engine, next_output, observe_plain, observe_step
 
 from mlxspec import caches
-from mlxspec.admission import accepts
 from mlxspec.batch_step import BatchSpeculator
 from mlxspec.caches.ragged import RaggedKVCache
 from mlxspec.engine import PromptCache
 from mlxspec.errors import MlxspecError
-from mlxspec.policy import BatchPolicy, RowOffer, StepCost, choose_ks, survival
+from mlxspec.planning import BatchPolicy
 from mlxspec.prefill import prefill
 from mlxspec.proposers.base import Proposal
 from mlxspec.sampling import SamplingParams
@@ -56,7 +55,7 @@ def greedy_path(model, prompt: list[int], n: int) -> list[int]:
 def prefilled(engine, tokens: list[int]) -> list:
     """A single-request cache holding tokens[:-1]."""
     pc = PromptCache()
-    prefill(engine, tokens, pc, None)
+    prefill(engine.target, tokens, pc, None)
     return pc.cache
 
 
@@ -171,7 +170,7 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
     batch = BatchSpeculator(target)
     engine = base.clone()
     pc = PromptCache()
-    row = batch.open(engine, prompt, max_tokens=20, prompt_cache=pc)
+    row = engine.join(batch, prompt, max_tokens=20, prompt_cache=pc)
     outs = [list(next_output(batch, row).tokens)]  # alone in its round: prefilled as the engine does
     assert batch.cache.alone and pc.cache is None  # on its own cache, held by the batch
     drain(batch, [row], outs)
@@ -193,12 +192,12 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     reqs = [(list(range(3, 40)), "auto", 30, {}), ([1, 2, 3, 4, 5, 6] * 3, "ngram", 20, {})]
     want = alone(base, reqs)
     batch = BatchSpeculator(target)
-    rows = [batch.open(base.clone(), reqs[0][0], max_tokens=30, mode="auto")]
+    rows = [base.clone().join(batch, reqs[0][0], max_tokens=30, mode="auto")]
     outs = [[], []]
     for _ in range(5):
         outs[0].extend(next_output(batch, rows[0]).tokens)
     assert batch.slots == rows[:1] and batch.cache.alone  # on its own cache
-    rows.append(batch.open(base.clone(), reqs[1][0], max_tokens=20, mode="ngram"))
+    rows.append(base.clone().join(batch, reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next_output(batch, rows[1]).tokens)  # its prefill; the lone row moves in
     assert not batch.cache.alone
     assert batch.slots == rows  # two rows wide: no empty slot fed padding every step
@@ -215,10 +214,10 @@ def test_two_rows_cannot_share_a_prompt_cache_even_while_one_prefills_in_chunks(
     prompt = list(range(3, 60))
     want = alone(base, [(prompt, "none", 6, {})])
     batch, pc = BatchSpeculator(target), PromptCache()
-    row = batch.open(base.clone(), prompt, max_tokens=6, prompt_cache=pc, prefill_chunk=8)
+    row = base.clone().join(batch, prompt, max_tokens=6, prompt_cache=pc, prefill_chunk=8)
     assert batch.admission.prefilling == [row]
     with pytest.raises(MlxspecError, match="cannot share a prompt cache"):
-        batch.open(base.clone(), [5, 6, 7], max_tokens=4, prompt_cache=pc)
+        base.clone().join(batch, [5, 6, 7], max_tokens=4, prompt_cache=pc)
     outs = [[]]
     drain(batch, [row], outs)
     assert outs == want
@@ -249,9 +248,9 @@ def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(pair):
 
     def run(companions):
         batch = BatchSpeculator(target)
-        rows = [batch.open(base.clone(), prompt, **kw)]
+        rows = [base.clone().join(batch, prompt, **kw)]
         for p, m, n, extra in companions:
-            rows.append(batch.open(base.clone(), p, max_tokens=n, mode=m, temperature=1.0,
+            rows.append(base.clone().join(batch, p, max_tokens=n, mode=m, temperature=1.0,
                                    seed=len(rows), **extra))
         outs = [[] for _ in rows]
         drain(batch, rows, outs)
@@ -295,18 +294,18 @@ def test_the_joiners_of_a_round_prefill_together_in_one_forward(pair):
             (much_cached, "none", 6, {}), (long_prompt, "none", 5, {})]
     want = alone(base, reqs)
     cached = [PromptCache(), PromptCache()]  # 30 tokens of the fourth prompt; all but 4 of
-    prefill(base.clone(), reqs[3][0][:31], cached[0], None)  # the fifth
-    prefill(base.clone(), much_cached[:-3], cached[1], None)
+    prefill(base.clone().target, reqs[3][0][:31], cached[0], None)  # the fifth
+    prefill(base.clone().target, much_cached[:-3], cached[1], None)
     batch = BatchSpeculator(counted)
     counted.calls.clear()
-    rows = [batch.open(base.clone(), p, max_tokens=n,
+    rows = [base.clone().join(batch, p, max_tokens=n,
                        prompt_cache=cached[i - 3] if i in (3, 4) else None)
             for i, (p, _, n, _) in enumerate(reqs)]
     # the first by itself at open (the batch was empty: all but its last token), the long one
     # at open too
     assert counted.calls == [(1, len(reqs[0][0]) - 1), (1, len(long_prompt) - 1)]
-    assert rows[0].opening is None and rows[5].opening is None
-    assert all(r.opening is not None for r in rows[1:5])
+    assert not rows[0].waiting and not rows[5].waiting
+    assert all(r.waiting for r in rows[1:5])
     outs = [[]] + [list(next_output(batch, r).tokens) for r in rows[1:5]]
     # the row with much cached alone on its own cache (4 tokens), the others in one forward:
     # 3, 1 and 35 - 30 tokens, padded to the widest
@@ -337,9 +336,9 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
     reqs = [([7, 1, 9], "none", 12, {}), (long_prompt, "none", 6, {})]
     want = alone(base, reqs)
     pc = PromptCache()
-    prefill(base.clone(), long_prompt[:20], pc, None)  # 19 tokens cached
+    prefill(base.clone().target, long_prompt[:20], pc, None)  # 19 tokens cached
     batch = BatchSpeculator(counted)
-    rows, outs = [batch.open(base.clone(), reqs[0][0], max_tokens=12)], [[], []]
+    rows, outs = [base.clone().join(batch, reqs[0][0], max_tokens=12)], [[], []]
 
     def one_round():
         produced = batch.step()
@@ -350,7 +349,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
 
     one_round()
     counted.calls.clear()
-    rows.append(batch.open(base.clone(), long_prompt, max_tokens=6, prompt_cache=pc,
+    rows.append(base.clone().join(batch, long_prompt, max_tokens=6, prompt_cache=pc,
                            prefill_chunk=32))
     assert counted.calls == [] and rows[1] in batch.admission.prefilling  # nothing prefilled at open
     fed = len(outs[0])
@@ -369,7 +368,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_while_the_others_decode(pair):
         batch.close(r)
 
     pc = PromptCache()
-    row = batch.open(base.clone(), long_prompt, max_tokens=6, prompt_cache=pc,
+    row = base.clone().join(batch, long_prompt, max_tokens=6, prompt_cache=pc,
                      prefill_chunk=32)
     batch.step()
     batch.close(row)  # mid-prefill: the cache keeps the chunk
@@ -391,10 +390,10 @@ def test_a_joiner_whose_queued_step_lost_every_row_still_decodes(pair):
             ([50, 60, 70], "none", 12, {})]
     want = alone(base, reqs)
     batch = BatchSpeculator(target)
-    rows = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:2]]
+    rows = [base.clone().join(batch, p, max_tokens=n) for p, _, n, _ in reqs[:2]]
     outs = [[], [], []]
     drain(batch, rows, outs, rounds=3)
-    rows.append(batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2]))
+    rows.append(base.clone().join(batch, reqs[2][0], max_tokens=reqs[2][2]))
     outs[2].extend(next_output(batch, rows[2]).tokens)  # its prefill's token
     batch.close(rows[0])
     batch.close(rows[1])
@@ -417,20 +416,20 @@ def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair,
     want = alone(base, reqs)
     batch = BatchSpeculator(target)
     pcs = [PromptCache() for _ in reqs]
-    prefill(base.clone(), reqs[1][0][:10], pcs[1], None)
+    prefill(base.clone().target, reqs[1][0][:10], pcs[1], None)
     failing = base.clone()
     from mlxspec import admission
 
     start_proposer = admission.start_proposer
 
-    def broken(engine, req, seconds):
-        if engine is failing:
+    def broken(target, req, seconds, cached):
+        if req.pc is pcs[2]:  # the third request's
             raise MemoryError("no memory for the draft")
-        start_proposer(engine, req, seconds)
+        start_proposer(target, req, seconds, cached)
 
     monkeypatch.setattr(admission, "start_proposer", broken)
     engines = [base.clone(), base.clone(), failing, base.clone()]
-    rows = [batch.open(e, p, max_tokens=n, prompt_cache=pc)
+    rows = [e.join(batch, p, max_tokens=n, prompt_cache=pc)
             for e, (p, _, n, _), pc in zip(engines, reqs, pcs)]
     batch.close(rows[1])
     assert pcs[1].tokens == reqs[1][0][:9] and caches.offset(pcs[1].cache) == 9
@@ -478,12 +477,12 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     # A row that joins while a step is queued, read before the others (as a server may):
     # its first token at once (from its prefill, no step run for it), then it joins the next.
     batch = BatchSpeculator(target)
-    first = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:2]]
+    first = [base.clone().join(batch, p, max_tokens=n) for p, _, n, _ in reqs[:2]]
     got = [[] for _ in reqs[:3]]
     for _ in range(3):
         for i, r in enumerate(first):
             got[i].extend(next_output(batch, r).tokens)
-    late = batch.open(base.clone(), reqs[2][0], max_tokens=reqs[2][2])
+    late = base.clone().join(batch, reqs[2][0], max_tokens=reqs[2][2])
     got[2].extend(next_output(batch, late).tokens)
     assert len(got[2]) == 1
     drain(batch, first + [late], got)
@@ -491,7 +490,7 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
 
     def sampled(pipeline: bool) -> list[list[int]]:
         b = BatchSpeculator(target, pipeline=pipeline)
-        rs = [b.open(base.clone(), p, max_tokens=n, temperature=1.0, seed=i)
+        rs = [base.clone().join(b, p, max_tokens=n, temperature=1.0, seed=i)
               for i, (p, _, n, _) in enumerate(reqs)]
         got = [[] for _ in rs]
         drain(b, rs, got)
@@ -507,83 +506,19 @@ def test_refuses_what_it_cannot_batch():
     from mlxspec.errors import MlxspecError
 
     gemma = build("gemma3_text", seed=0, sliding_window=4)
-    assert not accepts(make_engine(gemma, mode="ngram"))
+    assert not make_engine(gemma, mode="ngram").accepts()
     llama, _ = build_model("llama", seed=3)
-    assert accepts(make_engine(llama, mode="ngram"))
-    assert not accepts(make_engine(llama, mode="lookahead"))
+    assert make_engine(llama, mode="ngram").accepts()
+    assert not make_engine(llama, mode="lookahead").accepts()
     # by itself a request of any kind decodes in a batch (on its own cache); company is refused
     batch = BatchSpeculator(gemma)
-    batch.open(make_engine(gemma, mode="ngram"), [1, 2, 3, 4, 5, 6, 7], max_tokens=4)
+    make_engine(gemma, mode="ngram").join(batch, [1, 2, 3, 4, 5, 6, 7], max_tokens=4)
     with pytest.raises(MlxspecError, match="cannot run in the batched step"):
-        batch.open(make_engine(gemma, mode="ngram"), [3, 4, 5], max_tokens=4)
+        make_engine(gemma, mode="ngram").join(batch, [3, 4, 5], max_tokens=4)
     batch = BatchSpeculator(llama)
-    batch.open(make_engine(llama, mode="ngram"), [1, 2, 3], max_tokens=4)
+    make_engine(llama, mode="ngram").join(batch, [1, 2, 3], max_tokens=4)
     with pytest.raises(MlxspecError, match="cannot run in the batched step"):
-        batch.open(make_engine(llama, mode="lookahead"), [3, 4, 5], max_tokens=4)
-
-
-# ----------------------------------------------------------------------------- the batch's policy
-
-
-def offers(accept: float, rows: int, cap: int = 4, **kw) -> list[RowOffer]:
-    return [RowOffer(survival([accept] * cap, cap), **kw) for _ in range(rows)]
-
-
-def test_batch_policy_steps_plainly_when_proposals_do_not_pay_and_wide_when_they_do():
-    """Injected costs and acceptance, no timing: with the prior cost 5 % acceptance makes a
-    plain batch (W = 1), 60 % a middle width, 90 % the full width; a long context (attention
-    over many keys for every padded position) turns the 60 % batch plain."""
-    cost = StepCost()
-    ks, _ = choose_ks(cost, offers(0.05, 4))
-    assert ks == [0, 0, 0, 0]
-    ks, rate = choose_ks(cost, offers(0.9, 4))
-    assert ks == [4, 4, 4, 4]
-    assert rate > 4 / cost.time(4, 1)  # beats the all-plain step it was compared with
-    assert choose_ks(cost, offers(0.6, 4))[0] in ([2, 2, 2, 2], [3, 3, 3, 3])
-    assert choose_ks(cost, offers(0.6, 4), span=4000)[0] == [0, 0, 0, 0]
-    # an all-plain step queued behind the previous one (pipelined) is cheaper still
-    assert cost.time(4, 1, synced=False) < cost.time(4, 1)
-
-
-def test_plain_steps_alone_teach_the_batch_the_price_of_width():
-    """Measured plain steps at different batch sizes and context lengths, no wide step ever
-    taken: a query row costs 50 % of the intercept plus 50 % per 1024 keys. The fit prices a
-    wide step from them (a padded position costs a row), and 60 % acceptance stops paying."""
-    def seconds(rows, width, span):
-        n = rows * width
-        return 0.01 * (1 + 0.5 * n + 0.5 * n * (span + width) / 1024)
-
-    learned = BatchPolicy()
-    assert learned.decide(offers(0.6, 4), span=800) != [0, 0, 0, 0]  # the prior speculates
-    for _ in range(10):
-        for b in (2, 4, 6, 8):
-            for span in (100, 400, 800, 1600):
-                learned.cost.add(b, 1, 0, None, seconds(b, 1, span), span, synced=False)
-    assert learned.cost.time(4, 3, 8, span=800, synced=False) == pytest.approx(
-        seconds(4, 3, 800), rel=0.1)
-    assert learned.decide(offers(0.6, 4), span=800, pipelined=True) == [0, 0, 0, 0]
-    assert min(learned.decide(offers(0.99, 1, cap=8), span=100)) >= 6  # near-certain: pays
-
-
-def test_a_row_whose_proposal_does_not_pay_proposes_nothing_while_another_speculates():
-    cost = StepCost()
-    # a draft row at 10 %: its draft forwards do not pay; the n-gram row at 90 % does
-    good, bad = offers(0.9, 1)[0], offers(0.1, 1, group="draft")[0]
-    assert choose_ks(cost, [good, bad])[0] == [4, 0]
-    # draft rows at 90 % draft beside it (the shared draft forwards now pay)
-    assert choose_ks(cost, [good] + offers(0.9, 2, group="draft"))[0] == [4, 4, 4]
-    # a position below its marginal cost (e * rate) is not proposed even inside the width
-    assert choose_ks(cost, [good, offers(0.01, 1)[0]])[0] == [4, 0]
-    assert choose_ks(cost, [good, offers(0.5, 1)[0]])[0] == [4, 4]
-    pricey = BatchPolicy(StepCost(prior=(1.0, 0.3, 0.05, 0.4, 0.3, 0.3)))  # 30 % per token
-    assert pricey.decide([good, offers(0.5, 1)[0]]) == [3, 1]
-    # a probe (forced) widens a batch that would step plainly; the others fill the width
-    ks, _ = choose_ks(cost, offers(0.05, 3) + [RowOffer([0.4, 0.2], forced=2)])
-    assert ks[3] == 2 and max(ks) == 2
-    # caps hold: a row never proposes more than it offered
-    assert choose_ks(cost, [RowOffer([0.9]), good])[0] == [1, 4]
-
-
+        make_engine(llama, mode="lookahead").join(batch, [3, 4, 5], max_tokens=4)
 
 
 def test_a_policy_choosing_k_keeps_every_request_exact(pair):
@@ -594,7 +529,7 @@ def test_a_policy_choosing_k_keeps_every_request_exact(pair):
     base = make_engine(target, mode="ngram", draft_model=draft)
     want = alone(base, REQUESTS)
     batch = frozen_batch(target, base)
-    rows = [batch.open(base.clone(), p, max_tokens=n, mode=m, **kw) for p, m, n, kw in REQUESTS]
+    rows = [base.clone().join(batch, p, max_tokens=n, mode=m, **kw) for p, m, n, kw in REQUESTS]
     outs = [[] for _ in REQUESTS]
     drain(batch, rows, outs)
     assert outs == want
@@ -652,7 +587,7 @@ def test_batched_draft_rows_equal_each_request_alone(pair, same):
         if d is None or not hasattr(d, "cached"):
             continue
         p, _, n, _ = DRAFT_REQUESTS[i]
-        assert d.cached == (p + outs[i])[: len(d.cached)] and d._fed_drafts == 0
+        assert d.cached == (p + outs[i])[: len(d.cached)] and not d.pending
         assert caches.offset(d.cache) == len(d.cached)
         if len(d.cached) > 1:
             fresh = prefilled(engine, d.cached + [0])
@@ -714,8 +649,8 @@ def test_rows_force_nothing_but_a_due_probe(pair):
     base = make_engine(target, mode="draft", draft_model=draft)
     batch = BatchSpeculator(target)
     prompt = list(range(10, 40))
-    hot = batch.open(base.clone(), prompt, max_tokens=20, temperature=0.8, seed=3)
-    cold = batch.open(base.clone(), prompt, max_tokens=20)
+    hot = base.clone().join(batch, prompt, max_tokens=20, temperature=0.8, seed=3)
+    cold = base.clone().join(batch, prompt, max_tokens=20)
     for row in (hot, cold):  # (its shadow's probe of the draft may be due)
         source, offer = row.offer()
         assert source == "draft" and (offer.forced == 0 or offer.probe)
@@ -723,7 +658,7 @@ def test_rows_force_nothing_but_a_due_probe(pair):
     observe_plain(policy, 4, 0.04)
     for _ in range(20):  # the draft rejected at once, every time: the arm goes off
         observe_step(policy, "draft", 4, 0, 0.02)
-    auto = batch.open(base.clone(), prompt, max_tokens=20, mode="auto", policy=policy)
+    auto = base.clone().join(batch, prompt, max_tokens=20, mode="auto", policy=policy)
     assert policy.choose("draft") == 0
     policy.clock = policy.probes["draft"].due  # a probe is due
     source, offer = auto.offer()
@@ -732,27 +667,6 @@ def test_rows_force_nothing_but_a_due_probe(pair):
     assert auto.offer()[1].forced == 0
     for row in (hot, cold, auto):
         batch.close(row)
-
-
-def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
-    """A due probe widens the batch (forced) when the probed arm could pay at this batch's
-    cost were it accepted at OPTIMISTIC; where width is dear (8 rows, a query row costing a
-    whole intercept) it is offered unforced; and at most one forced step per probe_gap. (A
-    lone draft row's probe does not pay even where width is cheap: its draft forwards
-    serve one row of eight.)"""
-    probe = ("ngram", RowOffer(survival([0.2] * 4, 4), forced=4, probe=True))
-    others = [("ngram", RowOffer(survival([0.1] * 4, 4))) for _ in range(7)]
-    dear = (1.0, 0.3, 1.0, 2.0, 0.01, 3.0)
-    for prior, forced in ((CHEAP_WIDTH, 4), (dear, 0)):
-        policy = BatchPolicy(FrozenCost(prior=prior))
-        offers = policy.limit_probes([probe] + others, step=0, rows=8, span=100)
-        assert offers[0][1].forced == forced and offers[1:] == others
-        again = policy.limit_probes([probe] + others, step=1, rows=8, span=100)
-        assert again[0][1].forced == 0  # the gap
-    policy = BatchPolicy(FrozenCost(prior=CHEAP_WIDTH))
-    lone_draft = ("draft", RowOffer(probe[1].survive, group="draft", forced=4, probe=True))
-    assert policy.limit_probes([lone_draft] + others, step=0, rows=8,
-                               span=100)[0][1].forced == 0
 
 
 def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
@@ -769,8 +683,8 @@ def test_a_source_the_batch_keeps_plain_is_still_measured(pair):
     dear = (1.0, 0.3, 3.0, 2.0, 0.01, 3.0)  # width never pays
     batch = BatchSpeculator(target, policy=BatchPolicy(FrozenCost(prior=dear)))
     right, wrong = AdaptiveK(max_k=4), AdaptiveK(max_k=4)
-    rows = [batch.open(base.clone(), prompt, max_tokens=24, prediction=answer, policy=right),
-            batch.open(base.clone(), prompt, max_tokens=24,
+    rows = [base.clone().join(batch, prompt, max_tokens=24, prediction=answer, policy=right),
+            base.clone().join(batch, prompt, max_tokens=24,
                        prediction=[t ^ (i % 2) for i, t in enumerate(answer)], policy=wrong)]
     outs = [[], []]
     drain(batch, rows, outs)
@@ -823,11 +737,11 @@ def test_sampling_is_exact_for_one_row_of_a_mixed_batch(mode, seeded, monkeypatc
         for seed in range(1000, 1000 + runs):
             mx.random.seed(seed)  # (the unseeded row's generator: a fixed draw too)
             batch = BatchSpeculator(target, policy=BatchPolicy(cost))
-            rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N,
+            rows = [slots[0].join(batch, ex.PROMPT, max_tokens=ex.N,
                                seed=seed if seeded else None, **ex.SAMPLING,
                                **kwargs)]
             for j, (p, m, n) in enumerate(companions[: 1 + seed % 2]):
-                rows.append(batch.open(slots[1 + j], p, max_tokens=n, mode=m, seed=10_000 + seed,
+                rows.append(slots[1 + j].join(batch, p, max_tokens=n, mode=m, seed=10_000 + seed,
                                        temperature=1.0))
             outs = [[] for _ in rows]
             drain(batch, rows, outs)
@@ -868,9 +782,9 @@ def test_unseeded_rows_of_a_plain_stretch_draw_together_exactly(monkeypatch):
         out, pipelined = np.zeros((ex.VOCAB,) * ex.N), 0
         for run in range(ex.RUNS):
             batch = BatchSpeculator(target)
-            rows = [batch.open(slots[0], ex.PROMPT, max_tokens=ex.N, seed=None,
+            rows = [slots[0].join(batch, ex.PROMPT, max_tokens=ex.N, seed=None,
                                **ex.SAMPLING)]
-            rows += [batch.open(slots[j], [j, 3, 1, 2][: 2 + run % 3], max_tokens=ex.N + j,
+            rows += [slots[j].join(batch, [j, 3, 1, 2][: 2 + run % 3], max_tokens=ex.N + j,
                                 seed=None, **ex.SAMPLING) for j in (1, 2)]
             outs = [[] for _ in rows]
             drain(batch, rows, outs)
@@ -929,9 +843,9 @@ def test_a_long_prompt_opened_while_a_plain_step_is_queued_joins_at_the_next_ste
             ([11, 12], "none", 24, {}), (list(range(3, 83)), "none", 12, {})]
     want = alone(base, reqs)
     batch = BatchSpeculator(target)
-    rows = [batch.open(base.clone(), p, max_tokens=n) for p, _, n, _ in reqs[:3]]
+    rows = [base.clone().join(batch, p, max_tokens=n) for p, _, n, _ in reqs[:3]]
     outs = [[] for _ in reqs]
     drain(batch, rows, outs, rounds=3)
-    rows.append(batch.open(base.clone(), reqs[3][0], max_tokens=reqs[3][2]))
+    rows.append(base.clone().join(batch, reqs[3][0], max_tokens=reqs[3][2]))
     drain(batch, rows, outs)
     assert outs == want

@@ -96,7 +96,7 @@ def test_auto_tries_the_tree_and_keeps_choosing_by_measurement(pair):
         tree_drafted += got.stats.drafted_by_source.get(TREE, 0)
     assert tree_drafted > 0 and auto.policy.measured(TREE) > 0
     batch = BatchSpeculator(target)
-    rows = [batch.open(auto.clone(), p, max_tokens=8) for p in PROMPTS[:2]]
+    rows = [auto.clone().join(batch, p, max_tokens=8) for p in PROMPTS[:2]]
     batch.step()
     assert all(TREE not in (r.available() or {}) for r in rows)
 

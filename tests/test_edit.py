@@ -25,7 +25,6 @@ from mlxspec.editing import (
 from mlxspec.engine import StepOutput
 from mlxspec.errors import MlxspecError
 from mlxspec.recipe.corpus import format_chat
-from mlxspec.row import record_step
 from mlxspec.stats import Stats
 
 SOURCE = '''\
@@ -93,7 +92,7 @@ class ScriptedEngine:
         step = max(1, len(answer) // 3)
         for i in range(0, len(answer), step):
             piece = answer[i : i + step]
-            record_step(stats, "prediction", len(piece), len(piece) - 1, len(piece))
+            stats.record_step("prediction", len(piece), len(piece) - 1, len(piece))
             yield StepOutput(piece, self.encode(piece), stats)
         yield StepOutput("", [], stats, "stop")
 

@@ -14,7 +14,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.policy import FixedK
 from mlxspec.proposers.base import Proposal, Proposer
-from mlxspec.row import BatchRow
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
 
@@ -269,26 +268,24 @@ def test_stretches_hand_back_to_ngram_and_stay_exact(arch, mode, monkeypatch):
     """Greedy output equals `none` while plain stretches and n-gram steps alternate; n-gram
     drafts, and gets tokens accepted, right after stretches."""
     _, target, _ = arch
-    steps = []
-    commit = BatchRow.commit
-
-    def spy(self, tokens, arm="", source="", drafted=0, accepted=0, *args, **kwargs):
-        steps.append((source, drafted, accepted))
-        commit(self, tokens, arm, source, drafted, accepted, *args, **kwargs)
-
-    monkeypatch.setattr(BatchRow, "commit", spy)
     plain = make_engine(target, "none")
     spec = make_engine(target, mode, num_draft=4, min_ngram=2)
     handed_back = accepted = 0
     for prompt in prompts(30, seed=7):
         want = plain.generate(prompt, max_tokens=40).tokens
-        steps.clear()
-        got = spec.generate(prompt, max_tokens=40)
-        assert got.tokens == want
-        for before, after in zip(steps, steps[1:]):
-            if before[1] == 0 and after[0] == "ngram" and after[1] > 0:
+        got, steps, before = [], [], (0, 0, 0)
+        for out in spec.stream_steps(prompt, max_tokens=40):  # an output per step
+            got += out.tokens
+            s = out.stats  # (drafted in all, and by n-gram lookup: drafted, accepted)
+            now = (s.drafted, s.drafted_by_source.get("ngram", 0),
+                   s.accepted_by_source.get("ngram", 0))
+            steps.append(tuple(n - b for n, b in zip(now, before)))
+            before = now
+        assert got == want
+        for previous, step in zip(steps, steps[1:]):
+            if previous[0] == 0 and step[1] > 0:  # a plain step, then an n-gram proposal
                 handed_back += 1
-                accepted += after[2]
+                accepted += step[2]
     assert handed_back > 0 and accepted > 0
 
 
@@ -324,3 +321,18 @@ def test_a_lazy_draft_catches_up_at_its_first_proposal(arch):
         if a.draft_probs is not None:
             assert mx.allclose(a.draft_probs, b.draft_probs, atol=1e-5).item()
         assert eager.cached == lazy.cached == prompt
+
+
+@pytest.mark.parametrize("mode", ["none", "ngram", "draft", "lookahead", "suffix", "auto",
+                                  "quantspec"])
+def test_a_prompt_prefilled_in_chunks_gives_the_tokens_of_one_prefill(arch, mode):
+    """`prefill_chunk` shorter than the prompt: steps that only prefill yield nothing to
+    `generate` and `stream`, whose answer is the one without chunks."""
+    _, target, draft = arch
+    engine = make_engine(target, mode, draft_model=draft, num_draft=3)
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 256) for _ in range(300)]
+    want = make_engine(target, "none").generate(prompt, max_tokens=12).tokens
+    got = engine.generate(prompt, max_tokens=12, prefill_chunk=128)
+    assert got.tokens == want and got.stats.prompt_tokens == 300
+    assert "".join(engine.stream(prompt, max_tokens=12, prefill_chunk=128)) == got.text

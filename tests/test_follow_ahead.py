@@ -11,8 +11,8 @@ import pytest
 from conftest import ByteTokenizer, make_engine
 from server_helpers import post, start, stop
 
+from mlxspec.cost import StepCost
 from mlxspec.engine import Engine
-from mlxspec.policy import StepCost
 
 N_PREDICT = 48
 

@@ -11,15 +11,9 @@ from conftest import build_model, decode, make_engine, observe_plain, observe_st
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlxspec.sampling as sampling_module
-from mlxspec.policy import (
-    KEEP_DEFAULT,
-    AdaptiveK,
-    FixedK,
-    RowOffer,
-    StepCost,
-    choose_ks,
-    survival,
-)
+from mlxspec.choose_k import KEEP_DEFAULT, RowOffer, choose_ks, survival
+from mlxspec.cost import StepCost
+from mlxspec.policy import AdaptiveK, FixedK
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
@@ -293,11 +287,12 @@ def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypa
     back. Its first step is synced and learnt as such; its last (computed while the host
     planned, nothing queued after it) is not learnt: timed, it made plain decoding look
     several times cheaper than it is, and `auto` proposed too little."""
-    from mlxspec.policy import StepCost
+    from mlxspec.cost import StepCost
 
     target, _, _ = tiny
     cache = make_prompt_cache(target)
     target(mx.array(PROMPT[:-1])[None], cache=cache)
+    # (a spy: what the loop tells the cost model is where a stretch's timing shows)
     added = []
     add = StepCost.add
 

@@ -125,10 +125,10 @@ def test_a_seeded_row_draws_the_same_in_any_batch(llama, mode):
             (repetitive_prompt(20 + j), dict(max_tokens=12 + 3 * j, mode=m, **o))
             for j, (m, o) in enumerate(others[:n_others])]
         step = 0
-        while pending or any(r.wants for r in rows):
+        while pending or any(r.live for r in rows):
             if pending and step >= join_at * len(rows):
                 p, options = pending.pop(0)
-                rows.append(batch.open(base.clone(), p, **options))
+                rows.append(base.clone().join(batch, p, **options))
             for r, out in batch.step().items():
                 outs.setdefault(id(r), []).extend(out.tokens)
             step += 1

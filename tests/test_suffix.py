@@ -328,7 +328,7 @@ def test_a_generation_enters_the_store_when_it_ends(tiny):
     assert len(r.tokens) == 12
     assert store.documents() == [engine.encode(PROMPTS[0]) + r.tokens]
     batch = BatchSpeculator(engine.model)
-    rows = [batch.open(engine.clone(), p, max_tokens=12) for p in PROMPTS[1:]]
+    rows = [engine.clone().join(batch, p, max_tokens=12) for p in PROMPTS[1:]]
     answers = [[] for _ in rows]
     live = list(zip(rows, answers))
     while live:

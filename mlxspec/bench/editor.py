@@ -136,15 +136,15 @@ class Server:
         self.host, self.port = self.srv.server_address[:2]
         self.usages: list = []
         self.lock = threading.Lock()
-        worker = self.srv.worker
-        original = worker._done
+        metrics = self.srv.worker.metrics  # told each answer's usage (`Metrics.generation`)
+        count = metrics.generation
 
-        def done(job, ev):
+        def generation(usage) -> None:
             with self.lock:
-                self.usages.append(ev.usage)
-            return original(job, ev)
+                self.usages.append(usage)
+            count(usage)
 
-        worker._done = done
+        metrics.generation = generation
         threading.Thread(target=self.srv.serve_forever, daemon=True).start()
 
     def close(self) -> None:

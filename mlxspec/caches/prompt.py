@@ -56,6 +56,22 @@ class PromptCache:
                 return at
         return 0
 
+    def hold(self, cache: list, tokens: list[int], kind: str | None = None) -> None:
+        """It holds `cache`, which holds `tokens` (a fresh cache of `kind`: no checkpoint), or
+        its cache back from a batch."""
+        self.cache, self.tokens = cache, list(tokens)
+        if kind is not None:
+            self.kind, self.checkpoint = kind, None
+
+    def fed(self, tokens: list[int]) -> None:
+        """Its cache took `tokens` after those it held (a prefill's chunk)."""
+        self.tokens = self.tokens + list(tokens)
+
+    def take(self) -> list:
+        """The cache, handed over (to a batch, which gives it back by `hold`)."""
+        cache, self.cache = self.cache, None
+        return cache
+
     def drop(self) -> None:
         """Forget the cache: its state is unknown (a failed step or prefill)."""
         self.cache, self.tokens, self.checkpoint = None, [], None

@@ -4,10 +4,11 @@
 one is that request's own cache of any kind (attention, sliding window, recurrent, QuantSpec's
 hierarchical, a sharded target's), as it is, no copy: the fastest for one request. A second
 request joining moves them into ragged rows (`RaggedKVCache`: plain attention of different
-lengths; only such requests share a batch, `admission.shareable`). The loop never asks which:
+lengths; only such requests share a batch, `Target.shareable`). One interface for both:
 `lengths`, `checkpoint` before a forward that may be undone, `trim_rows` after it,
 `put_row`/`take_row` to move a request's cache in and out, `keep_rows` and `add_empty_rows`
-to resize. `alone`: it holds one request's own cache (which can verify a token tree).
+to resize. `alone`: it holds one request's own cache (the batch plans such a row by its own
+policy, and it can verify a token tree).
 """
 
 from __future__ import annotations

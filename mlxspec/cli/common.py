@@ -209,10 +209,8 @@ def load_engine(model, draft_model, mode, num_draft, quiet: bool = False,
     engine = load(model, mode=mode, draft=draft_model, num_draft=num_draft, announce=announce,
                   **options)
     if remember:
-        from .. import policy_store
-
-        policy_store.keep(engine, policy_file(engine))
-        atexit.register(policy_store.save, engine)
+        engine.keep_policies(policy_file(engine))
+        atexit.register(engine.save_policies)
     return engine
 
 

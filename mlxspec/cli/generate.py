@@ -92,6 +92,8 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         return
     stats = finish = None
     for out in engine.stream_steps(prompt, **kwargs):
+        if out is None:  # a step that only prefilled a chunk of the prompt
+            continue
         click.echo(out.text, nl=False)
         stats, finish = out.stats, out.finish_reason or finish
     click.echo()

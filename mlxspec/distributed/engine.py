@@ -8,8 +8,6 @@ import threading
 import time
 
 from ..errors import MlxspecError
-from ..prefill import cache_kind
-from ..request import prepare
 from .group import Coordinator, DistributedFailure, fail, lost
 from .synced import SyncedPolicy, SyncedProposer
 
@@ -86,7 +84,7 @@ def _engine_class():
                 pc = kwargs["prompt_cache"] = self.prompt_cache
             tokens = self.encode(prompt)
             if tokens:  # an empty prompt is refused by the engine, the cache left as it is
-                self.agree_prefix(pc, tokens, cache_kind(self, proposer))
+                self.agree_prefix(pc, tokens, self.target.cache_kind(proposer))
             return Engine.open(self, prompt, **kwargs)
 
         def agree_prefix(self, pc: PromptCache, tokens: list[int], kind: str) -> int:
@@ -132,8 +130,8 @@ def _request(engine, prompt, kwargs) -> dict:
     kw = dict(kwargs)
     kw.pop("progress", None)
     # a misspelt keyword is refused here (TypeError), before any rank hears of the request
-    inspect.signature(prepare).bind(engine, prompt, **{k: v for k, v in kw.items()
-                                                       if k != "prefill_chunk"})
+    inspect.signature(engine.request).bind(prompt, **{k: v for k, v in kw.items()
+                                                      if k != "prefill_chunk"})
     policy = kw.pop("policy", None)
     kw.pop("prompt_cache", None)
     if kw.get("seed") is None:  # one seed for every rank (their draws keyed alike)
@@ -213,12 +211,12 @@ class MirroredRow:
         return self.row.ended
 
     @property
-    def wants(self) -> bool:
-        return not self.done and self.error is None and self.row.wants
+    def live(self) -> bool:
+        return not self.done and self.error is None and self.row.live
 
     @property
-    def opening(self):
-        return self.row.opening
+    def waiting(self) -> bool:
+        return self.row.waiting
 
     @property
     def pc(self):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from mlx.utils import tree_flatten
 
-from ..policy import PRIOR, AdaptiveK, StepCost
+from ..cost import PRIOR, StepCost
+from ..policy import AdaptiveK
 from ..sampling import SamplingParams
 from .base import Proposal, Proposer
 from .draft import CONTINUED, DRAFT_ARMS, TREE, TREE_WIDTH, DraftModelProposer

@@ -54,24 +54,72 @@ class DraftModelProposer(Proposer):
         # (auto, which may not use the draft in a request): the first `propose` catches up.
         self.prefill_at_reset = prefill_at_reset
         self.cache: list | None = caches.make_cache(draft_model)  # None: in a batch's rows
-        self.cached: list[int] = []
+        self.cached: list[int] = []  # the tokens its draft cache holds as context
         self.sampling = SamplingParams()
-        self._fed_drafts = 0  # draft tokens fed to the draft cache by the last propose
-        self._checkpoint: caches.Checkpoint | None = None
-        self._fed_tokens: mx.array | None = None  # those tokens, where a tree may branch off
-        self._own_rows: DraftRows | None = None  # (`_own`)
+        # Drafted tokens its cache took beyond `cached` by the last proposal, settled by
+        # `update` once the verify says how many were accepted (0: none pending)
+        self.pending = 0
+        self._checkpoint: caches.Checkpoint | None = None  # (a recurrent draft's, before them)
+        self._pending_tokens: mx.array | None = None  # those tokens, where a tree may branch off
+        # the rows it drafts in: a batch of one on its own draft cache, or a batch's shared
+        # rows while it lends them its cache (`lend_cache`)
+        self._rows = DraftRows(draft_model, Rows(draft_model, self.cache), [self])
+        self._shared = False
 
-    def _own(self) -> DraftRows:
-        """A batch of one on its own draft cache (kept while that cache is the same)."""
-        own = self._own_rows
-        if own is None or own.rows.layers is not self.cache:
-            own = self._own_rows = DraftRows(self.model, Rows(self.model, self.cache), [self])
-        return own
+    # -- its draft cache's state, changed by the rows it drafts in (`DraftRows`)
+    def took(self, tokens: list[int]) -> None:
+        """Its draft cache took `tokens` as context."""
+        self.cached += tokens
+
+    def forgot(self, n: int, fresh: list | None = None) -> None:
+        """Its draft cache lost its last `n` tokens of context; `fresh`: it could not trim
+        and starts again on this cache (its own, not a batch's rows)."""
+        if fresh is not None:  # (its rows hold the fresh cache already)
+            self.cached = []
+            if not self._shared:
+                self.cache = fresh
+            return
+        del self.cached[len(self.cached) - n :]
+
+    def drafted(self, fed: int, checkpoint: caches.Checkpoint | None,
+                tokens: mx.array | None = None) -> None:
+        """A proposal fed its cache `fed` drafted tokens (a tree's first chain: `tokens`), after
+        `checkpoint`; `update` keeps what the verify accepts."""
+        self.pending, self._checkpoint, self._pending_tokens = fed, checkpoint, tokens
+
+    def settle(self, num_accepted: int, context: list[int]) -> tuple[int, int, caches.Checkpoint | None]:
+        """The verify accepted `num_accepted` tokens, `context` the committed ones: its pending
+        tokens that the context holds (a tree's accepted path may leave the chain fed) kept as
+        context; returns (kept, pending, the checkpoint before them)."""
+        start, pending, ckpt = len(self.cached), self.pending, self._checkpoint
+        kept = min(num_accepted, pending)
+        if self._pending_tokens is not None:  # (verified: read back without a wait)
+            kept = common_prefix_len(self._pending_tokens.tolist()[:kept],
+                                     context[start : start + kept])
+        self.cached += context[start : start + kept]
+        self.pending, self._checkpoint, self._pending_tokens = 0, None, None
+        return kept, pending, ckpt
+
+    def lend_cache(self, rows: DraftRows) -> list:
+        """Its draft cache, lent to a batch's shared `rows` (given back by `cache_back`)."""
+        cache, self.cache, self._rows, self._shared = self.cache, None, rows, True
+        return cache
+
+    def cache_back(self, cache: list | None) -> None:
+        """Its draft cache back from a batch's rows (None: its state is unknown after a failed
+        step: a fresh one)."""
+        self.pending, self._checkpoint, self._pending_tokens = 0, None, None
+        if cache is None:
+            self.cache, self.cached = caches.make_cache(self.model), []
+        else:
+            self.cache = cache
+        self._rows = DraftRows(self.model, Rows(self.model, self.cache), [self])
+        self._shared = False
 
     def reset(self, prompt: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
-        rows = self._own()
-        if self._fed_drafts:  # an interrupted step left speculative tokens in the cache
+        rows = self._rows
+        if self.pending:  # an interrupted step left speculative tokens in the cache
             rows.update(self, self.cached, 0)
         keep = common_prefix_len(self.cached, prompt[:-1])
         rows.forget(0, len(self.cached) - keep)
@@ -80,7 +128,7 @@ class DraftModelProposer(Proposer):
 
     def catch_up(self, prompt: list[int]) -> None:
         """Read the prompt now (prefill time), as the target's prefill did."""
-        rows = self._own()
+        rows = self._rows
         rows.feed([prompt[len(self.cached) : -1]], self.prefill_step_size)
         mx.eval(rows.rows.evaluate())
 
@@ -92,7 +140,7 @@ class DraftModelProposer(Proposer):
         if num_draft < 1:
             return None
         width = (self.tree_width if self.uses_trees else TREE_WIDTH) if source == TREE else 1
-        return self._own().propose([(self, context, num_draft, seed)], [width])[0]
+        return self._rows.propose([(self, context, num_draft, seed)], [width])[0]
 
     def continues(self) -> bool:
         """Whether `propose_after` can run: a draft on its own cache that trims (a recurrent
@@ -105,11 +153,11 @@ class DraftModelProposer(Proposer):
         num_draft tokens in all: the draft reads the chain as context in one forward and
         drafts the rest. One proposal, the chain's tokens deterministic (q one-hot)."""
         n = len(chain)
-        rest = self._own().propose([(self, context + chain, num_draft - n, seed)])[0]
+        rest = self._rows.propose([(self, context + chain, num_draft - n, seed)])[0]
         # the chain went in as context; it is as speculative as the draft's own tokens
         del self.cached[len(self.cached) - n :]
-        self._fed_drafts += n
-        self._fed_tokens = mx.concatenate([mx.array(chain, mx.uint32), rest.tokens[:-1]])
+        self.drafted(self.pending + n, self._checkpoint,
+                     mx.concatenate([mx.array(chain, mx.uint32), rest.tokens[:-1]]))
         q = None
         if rest.draft_probs is not None:
             vocab = rest.draft_probs.shape[-1]
@@ -120,8 +168,8 @@ class DraftModelProposer(Proposer):
                         draft_probs=q, source=CONTINUED, setup_seconds=rest.setup_seconds)
 
     def update(self, context: list[int], num_accepted: int) -> None:
-        if self._fed_drafts:  # (nothing to do after a plain step, or drafting in shared rows)
-            self._own().update(self, context, num_accepted)
+        if self.pending:  # (nothing to do after a plain step)
+            self._rows.update(self, context, num_accepted)
 
 
 def draft_proposer(proposer) -> DraftModelProposer | None:
@@ -145,15 +193,14 @@ class DraftRows:
     def joins(proposer: DraftModelProposer) -> bool:
         """Only drafts with plain `KVCache` layers share rows; others draft on their own."""
         return (proposer.cache is not None and plain_attention(proposer.cache)
-                and not proposer._fed_drafts)
+                and not proposer.pending)
 
     def join(self, proposer: DraftModelProposer) -> None:
         if self.rows is None:
             self.rows = Rows(self.model)
-        self.rows.put_row(len(self.members), proposer.cache)
+        self.rows.put_row(len(self.members), proposer.lend_cache(self))  # back by `leave`
         # Started, not waited for: a queued step may still be running; the copy joins it.
         mx.async_eval(self.rows.evaluate())
-        proposer.cache = None  # held here; given back by `leave`
         self.members.append(proposer)
 
     def leave(self, proposer: DraftModelProposer, failed: bool = False) -> None:
@@ -162,11 +209,7 @@ class DraftRows:
         self.members.pop(b)
         layers = self.rows.take_row(b)
         self.rows.keep_rows([i for i in range(len(self.members) + 1) if i != b])
-        proposer._fed_drafts, proposer._checkpoint, proposer._fed_tokens = 0, None, None
-        if failed:
-            proposer.cache, proposer.cached = caches.make_cache(self.model), []
-        else:
-            proposer.cache = layers
+        proposer.cache_back(None if failed else layers)
         if not self.members:
             self.rows = None
 
@@ -180,12 +223,10 @@ class DraftRows:
             self.rows.trim_rows([n if i == b else 0 for i in range(len(self.members))])
         elif not caches.trim_exact(self.rows.layers, n):
             fresh = caches.make_cache(self.model)
-            if p.cache is self.rows.layers:  # (its own rows: the proposer holds them too)
-                p.cache = fresh
-            self.rows.layers = fresh
-            p.cached = []
+            self.rows = Rows(self.model, fresh)
+            p.forgot(n, fresh)
             return
-        del p.cached[len(p.cached) - n :]
+        p.forgot(n)
 
     def _forward(self, tokens: list[mx.array | None]) -> mx.array:
         """Logits (B, width, vocab) of one forward feeding row b tokens[b] (None: sits out);
@@ -209,14 +250,17 @@ class DraftRows:
         longest = max(map(len, pending), default=0)
         for start in range(0, longest, chunk):
             part = pending if longest <= chunk else [t[start : start + chunk] for t in pending]
-            out = self._forward([mx.array(t, mx.uint32) if t else None for t in part])
+            fed = []  # (a loop, not a comprehension: a call less per step)
+            for t in part:
+                fed.append(mx.array(t, mx.uint32) if t else None)
+            out = self._forward(fed)
             for b, t in enumerate(part):
                 if t and start + len(t) == len(pending[b]):
                     logits[b] = out[b, len(t) - 1]
             if start + chunk < longest:
                 mx.eval(self.rows.evaluate())
         for p, t in zip(self.members, pending):
-            p.cached += t
+            p.took(t)
         return logits
 
     def _read_context(self, requests) -> tuple[list[int], dict[int, mx.array], float]:
@@ -255,7 +299,6 @@ class DraftRows:
         # per request: (j, its row, k, seed, position of its first drafted token, greedy)
         tokens, probs, guides, drafting, deepest = [], [], {}, [], 0
         for j, ((p, context, k, seed), b) in enumerate(zip(requests, rows)):
-            p._checkpoint = ckpt
             tokens.append([])
             probs.append([])
             if getattr(p.sampling.state, "constraint", None) is not None:
@@ -299,8 +342,7 @@ class DraftRows:
         proposals = []
         for (p, _, k, _), toks, qs, width in zip(requests, tokens, probs, widths):
             # the draft cache now also holds toks[:-1]; their fate is known after verify
-            p._fed_drafts = k - 1
-            p._fed_tokens = mx.stack(toks[:-1]) if width > 1 and k > 1 else None
+            p.drafted(k - 1, ckpt, mx.stack(toks[:-1]) if width > 1 and k > 1 else None)
             if width > 1:
                 prop = _tree(qs, width)
             else:
@@ -312,24 +354,20 @@ class DraftRows:
         return proposals
 
     def update(self, proposer: DraftModelProposer, context: list[int], num_accepted: int) -> None:
-        """After verification: keep the accepted drafted tokens, drop the rest."""
-        if not proposer._fed_drafts:
+        """After verification (`DraftModelProposer.update`, the one path): the member's
+        accepted drafted tokens kept, the rest dropped from its draft cache."""
+        if not proposer.pending:
             return
         b = self.members.index(proposer)
         start = len(proposer.cached)
-        kept = min(num_accepted, proposer._fed_drafts)
-        if proposer._fed_tokens is not None:  # a tree: the accepted path may leave the fed one
-            # (verified: read back without a wait)
-            kept = common_prefix_len(proposer._fed_tokens.tolist()[:kept],
-                                     context[start : start + kept])
-        drop = proposer._fed_drafts - kept
+        kept, pending, ckpt = proposer.settle(num_accepted, context)
+        drop = pending - kept
         if drop:
             # (a recurrent draft's state is restored and the accepted tokens fed again)
             fed = context[start : start + kept] + [0] * drop
-            self.rows.trim_rows([drop if i == b else 0 for i in range(len(self.members))],
-                                [fed], proposer._checkpoint)
-        proposer.cached += context[start : start + kept]
-        proposer._fed_drafts, proposer._checkpoint, proposer._fed_tokens = 0, None, None
+            drops = [0] * len(self.members)
+            drops[b] = drop
+            self.rows.trim_rows(drops, [fed], ckpt)
 
 
 def _top(logits: mx.array, width: int) -> mx.array:

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
-from ..admission import accepts, shareable
 from ..batch_step import BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
-from ..policy import BatchPolicy
+from ..planning import BatchPolicy
 from ..row import BatchRow
 from ..stats import Stats
 from ..suffix_store import SuffixStores
@@ -152,7 +151,7 @@ class Worker(threading.Thread):
         self.last_prompt: list[int] = []  # the most recent job's prompt ids (for tests, logs)
         self.tasks = 0  # jobs submitted
         # (sliding-window and recurrent models: each request on its own cache, `shareable`)
-        self.batchable = shareable(engine, None)
+        self.batchable = engine.target.shareable(None)
 
     # -- handler side
     def submit(self, req: GenRequest, events=None) -> Job:
@@ -325,11 +324,11 @@ class Worker(threading.Thread):
             kwargs["progress"] = progress
         # (a seeded request draws the same tokens in the shared batch as alone: by position)
         if ((self.batch_spec or over) and not r.warmup
-                and accepts(job.slot, kwargs["mode"])):
+                and job.slot.accepts(kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
-            job.batch, job.row = self.spec_batch, self.spec_batch.open(job.slot, r.prompt,
-                                                                       **kwargs)
+            job.batch, job.row = self.spec_batch, job.slot.join(self.spec_batch, r.prompt,
+                                                                 **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
             job.batch, job.row = job.slot.open(r.prompt, **kwargs)
 

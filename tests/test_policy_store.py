@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, observe_plain, observe_step
 
 import mlxspec
-from mlxspec import policy_store
-from mlxspec.policy import AdaptiveK, StepCost
+from mlxspec.cost import StepCost
+from mlxspec.policy import AdaptiveK
 from mlxspec.policy_store import (
     cost_state,
     policy_state,
@@ -96,7 +96,7 @@ def test_a_command_keeps_its_policy_for_the_next_run(model_dirs, tmp_path):
     assert state["sources"] and states["step-cost"]["seconds"][0] > 0
     # The next engine on this model starts from it.
     engine = mlxspec.load(str(model_dirs["llama"]), mode="auto")
-    policy_store.keep(engine, files[0])
+    engine.keep_policies(files[0])
     policy = engine.policy_for(engine.proposer)
     assert set(policy.sources) == set(state["sources"])
     assert policy.cost is engine.cost and engine.cost.seconds > 0
