@@ -8,7 +8,6 @@ worker, so bad input is answered without ever queueing behind generation.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from .. import __version__
 from ..chat_session import check_chat_template, render_chat
 from ..fim import FimTokens, detect_fim  # noqa: F401  (FimTokens: re-exported)
-from .tools import tool_syntax
+from .tools import choose_calls, template_calls, tool_syntax
 
 # llama-server's `system_fingerprint` is "b<build>-<commit>"; clients check the "b".
 SYSTEM_FINGERPRINT = f"b{__version__}-mlxspec"
@@ -487,7 +486,7 @@ class GenRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
 
     def engine_options(self) -> dict:
-        """What `request.prepare` takes for this request's per-row work (keyword arguments
+        """What `Engine.request` takes for this request's per-row work (keyword arguments
         beside max_tokens, temperature, ...): empty when it asks for none."""
         out: dict[str, Any] = {}
         if self.logit_bias:
@@ -515,29 +514,6 @@ def _text_parts(content, where: str) -> str:
         else:
             raise bad(f"{where}: only text parts are supported", where)
     return "".join(out)
-
-
-def template_calls(calls, where: str) -> list[dict]:
-    """An assistant message's `tool_calls` as chat templates read them: each
-    {"id", "type", "function": {"name", "arguments"}} with the arguments an object (OpenAI
-    sends them as a JSON string)."""
-    if not isinstance(calls, list):
-        raise bad(f"'{where}' must be a list of calls", where)
-    out = []
-    for i, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad(f"'{where}[{i}]' must be {{\"type\": \"function\", \"function\": "
-                      "{\"name\": ..., \"arguments\": ...}}", f"{where}[{i}]")
-        args = fn.get("arguments") or {}
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError as e:
-                raise bad(f"'{where}[{i}].function.arguments' is not valid JSON: {e}",
-                          f"{where}[{i}].function.arguments") from None
-        out.append({**c, "type": "function", "function": {**fn, "arguments": args}})
-    return out
 
 
 @dataclass
@@ -731,7 +707,7 @@ class RequestParser:
             timings_per_token=bool(r.timings_per_token))
         self._row_options(r, kind, req)
         if kind == "chat":
-            self._tool_choice(r, req)
+            choose_calls(r, req, self.tool_syntax, self.tokenizer)
         if getattr(r, "prediction", None) is not None:  # OpenAI's predicted output
             text = _text_parts(r.prediction.content, "prediction.content")
             req.prediction = self.encode(text) if text else None
@@ -758,62 +734,6 @@ class RequestParser:
             req.logprobs = r.n_probs
             req.post_probs = bool(r.post_sampling_probs)
         req.grammar = self._grammar(r)
-
-    def _tool_choice(self, r: ChatRequest, req: GenRequest) -> None:
-        """`tools` and `tool_choice`: which calls the answer's text is parsed for, and for
-        "required" or a named function the grammar that makes the answer such a call."""
-        choice = "auto" if r.tool_choice is None else r.tool_choice
-        named = None
-        if isinstance(choice, dict):
-            fn = choice.get("function")
-            named = fn.get("name") if isinstance(fn, dict) else choice.get("name")
-            if choice.get("type", "function") != "function" or not isinstance(named, str):
-                raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                          "tool_choice")
-        elif choice not in ("none", "auto", "required"):
-            raise bad(f"'tool_choice' must be \"none\", \"auto\", \"required\" or a "
-                      f"function, got {choice!r}", "tool_choice")
-        if not r.tools:
-            if choice not in ("none", "auto"):
-                raise bad("'tool_choice' asks for a tool call, and 'tools' lists none",
-                          "tool_choice")
-            return
-        names = [t.function.name for t in r.tools]
-        if named is not None and named not in names:
-            raise bad(f"'tool_choice' names the function {named!r}, which is not in 'tools' "
-                      f"({', '.join(names)})", "tool_choice")
-        if choice == "none":
-            return
-        syntax = self.tool_syntax
-        if syntax is None:
-            if choice == "auto":
-                return  # the template shows the tools; the answer is text
-            raise bad("this model has no tool-call syntax (its chat template does not say how "
-                      "it calls tools): 'tool_choice' cannot require a call", "tool_choice")
-        req.tools = [t.model_dump(exclude_none=True) for t in r.tools]
-        if choice == "auto":
-            return
-        if req.grammar is not None:
-            raise bad("'tool_choice' requiring a call cannot be combined with "
-                      "'response_format' or a grammar", "tool_choice")
-        if not syntax.parse.__module__.endswith("json_tools"):
-            raise bad("'tool_choice' can require a call only of models whose calls are JSON "
-                      f"between {syntax.start} and {syntax.end}", "tool_choice")
-        from ..constrain import check_grammar
-        from ..errors import MlxspecError
-        from .tools import call_grammar
-
-        # One call unless the request allows several (llama-server's default: a small model
-        # asked for calls keeps calling).
-        grammar = ("lark", call_grammar(syntax, req.tools, named,
-                                        parallel=r.parallel_tool_calls is True))
-        try:
-            check_grammar(self.tokenizer, *grammar)
-        except MlxspecError as e:
-            raise bad(f"a tool's 'parameters' is not a JSON Schema this server can follow: {e}",
-                      "tools") from None
-        req.grammar = grammar
 
     def _grammar(self, r: Generation) -> tuple | None:
         """The request's grammar (kind, spec), compiled once here to answer a bad one 400."""

@@ -1,6 +1,8 @@
-"""Tool calls: the model's own call syntax found in its answer (mlx-lm's tool parsers, chosen
-from the model's chat template as mlx-lm chooses them), and the grammar that makes a
-`tool_choice` of "required" or a named function hold from the answer's first token."""
+"""Tool calls: a request's `tools` and `tool_choice` resolved (`choose_calls`), earlier calls
+rendered for the template (`template_calls`), the model's own call syntax found in its answer
+(mlx-lm's tool parsers, chosen from the model's chat template as mlx-lm chooses them), and the
+grammar that makes a `tool_choice` of "required" or a named function hold from the answer's
+first token."""
 
 from __future__ import annotations
 
@@ -141,3 +143,85 @@ def call_grammar(syntax: ToolSyntax, tools: list[dict], name: str | None,
            f'{marker(syntax.end, syntax.end_id)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return f"{start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+
+
+def choose_calls(r, req, syntax: ToolSyntax | None, tokenizer) -> None:
+    """A chat request's (`r`) `tools` and `tool_choice` on its `GenRequest` (`req`): which
+    calls the answer's text is parsed for (`req.tools`), and for "required" or a named
+    function the grammar that makes the answer such a call (`req.grammar`)."""
+    from ..constrain import check_grammar
+    from ..errors import MlxspecError
+    from .protocol import bad
+
+    choice = "auto" if r.tool_choice is None else r.tool_choice
+    named = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+        if choice.get("type", "function") != "function" or not isinstance(named, str):
+            raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                      "tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise bad(f"'tool_choice' must be \"none\", \"auto\", \"required\" or a "
+                  f"function, got {choice!r}", "tool_choice")
+    if not r.tools:
+        if choice not in ("none", "auto"):
+            raise bad("'tool_choice' asks for a tool call, and 'tools' lists none",
+                      "tool_choice")
+        return
+    names = [t.function.name for t in r.tools]
+    if named is not None and named not in names:
+        raise bad(f"'tool_choice' names the function {named!r}, which is not in 'tools' "
+                  f"({', '.join(names)})", "tool_choice")
+    if choice == "none":
+        return
+    if syntax is None:
+        if choice == "auto":
+            return  # the template shows the tools; the answer is text
+        raise bad("this model has no tool-call syntax (its chat template does not say how "
+                  "it calls tools): 'tool_choice' cannot require a call", "tool_choice")
+    req.tools = [t.model_dump(exclude_none=True) for t in r.tools]
+    if choice == "auto":
+        return
+    if req.grammar is not None:
+        raise bad("'tool_choice' requiring a call cannot be combined with "
+                  "'response_format' or a grammar", "tool_choice")
+    if not syntax.parse.__module__.endswith("json_tools"):
+        raise bad("'tool_choice' can require a call only of models whose calls are JSON "
+                  f"between {syntax.start} and {syntax.end}", "tool_choice")
+    # One call unless the request allows several (llama-server's default: a small model
+    # asked for calls keeps calling).
+    grammar = ("lark", call_grammar(syntax, req.tools, named,
+                                    parallel=r.parallel_tool_calls is True))
+    try:
+        check_grammar(tokenizer, *grammar)
+    except MlxspecError as e:
+        raise bad(f"a tool's 'parameters' is not a JSON Schema this server can follow: {e}",
+                  "tools") from None
+    req.grammar = grammar
+
+
+def template_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as chat templates read them: each
+    {"id", "type", "function": {"name", "arguments"}} with the arguments an object (OpenAI
+    sends them as a JSON string)."""
+    from .protocol import bad
+
+    if not isinstance(calls, list):
+        raise bad(f"'{where}' must be a list of calls", where)
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"'{where}[{i}]' must be {{\"type\": \"function\", \"function\": "
+                      "{\"name\": ..., \"arguments\": ...}}", f"{where}[{i}]")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise bad(f"'{where}[{i}].function.arguments' is not valid JSON: {e}",
+                          f"{where}[{i}].function.arguments") from None
+        out.append({**c, "type": "function", "function": {**fn, "arguments": args}})
+    return out
