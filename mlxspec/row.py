@@ -173,7 +173,9 @@ class BatchRow:
             sampling = self.sampling
             logprobs = None if sampling.logprobs is None else sampling.take_logprobs(
                 len(context) - len(tokens), len(tokens))
-            out = detok.feed(tokens, len(context) >= self.end, logprobs)
+            # a step's accepted proposal, then the target's own token(s)
+            sources = [source or "target"] * accepted + ["target"] * (len(tokens) - accepted)
+            out = detok.feed(tokens, len(context) >= self.end, logprobs, sources)
             # (the peak once per answer: reading it is a call into MLX)
             self.stats.record_step(source, drafted, accepted, len(out.tokens),
                                    time.perf_counter() - detok.start,

@@ -105,6 +105,9 @@ class StepOutput:
     stop_string: str = ""  # the stop string that ended the answer, if one did
     # per token of `tokens` its `constrain.TokenLogprob` (a request asking for them)
     logprobs: list | None = None
+    # per token of `tokens` where it came from: the proposal's source ("ngram", "draft",
+    # "suffix", ...) for a proposed token the target accepted, "target" for its own
+    sources: list[str] | None = None
 
 
 def merged(outs: list[StepOutput]) -> StepOutput:
@@ -112,8 +115,10 @@ def merged(outs: list[StepOutput]) -> StepOutput:
     last = outs[-1]
     logprobs = (None if any(o.logprobs is None for o in outs)
                 else [e for o in outs for e in o.logprobs])
+    sources = (None if any(o.sources is None for o in outs)
+               else [s for o in outs for s in o.sources])
     return StepOutput("".join(o.text for o in outs), [t for o in outs for t in o.tokens],
-                      last.stats, last.finish_reason, last.stop_string, logprobs)
+                      last.stats, last.finish_reason, last.stop_string, logprobs, sources)
 
 
 class Detokenizer:
@@ -132,12 +137,12 @@ class Detokenizer:
         """Decoding starts now (a row joins its batch: its prefill is done)."""
         self.start = time.perf_counter()
 
-    def feed(self, tokens: list[int], last: bool = False,
-             logprobs: list | None = None) -> StepOutput:
+    def feed(self, tokens: list[int], last: bool = False, logprobs: list | None = None,
+             sources: list[str] | None = None) -> StepOutput:
         """The output of a step that committed `tokens`; `last`: the answer ends after them
         (max_tokens reached) unless an end-of-sequence token or a stop string ended it;
-        `logprobs`: one entry per token (`SamplingParams.take_logprobs`), kept for the tokens
-        emitted."""
+        `logprobs`, `sources`: one entry per token (`SamplingParams.take_logprobs`; where
+        each came from), kept for the tokens emitted."""
         emitted = []
         for t in tokens:
             if t in self.eos:
@@ -155,4 +160,5 @@ class Detokenizer:
             finish = "length"
         self.done = finish is not None
         return StepOutput("".join(pieces), emitted, self.stats, finish, self.text.stopping_word,
-                          None if logprobs is None else list(logprobs[: len(emitted)]))
+                          None if logprobs is None else list(logprobs[: len(emitted)]),
+                          None if sources is None else sources[: len(emitted)])

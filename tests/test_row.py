@@ -102,3 +102,18 @@ def test_the_first_draw_is_the_plain_steps():
     logits = target(mx.array([[3, 4, 5]]), cache=cache)[0, -1]
     row = raw_row([3, 4, 5], max_tokens=2)
     assert row.first_draw(logits).tolist() == [int(mx.argmax(logits).item())]
+
+
+def test_each_output_token_says_where_it_came_from(model_dirs):
+    """A step's accepted proposal is the proposal's source's, the rest the target's own: as
+    many proposed tokens in the outputs as the stats accepted."""
+    import mlxspec
+
+    engine = mlxspec.load(str(model_dirs["llama"]), mode="ngram", num_draft=4)
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+    outs = [o for o in engine.stream_steps(prompt, max_tokens=40, temperature=0)
+            if o is not None]
+    sources = [s for o in outs for s in o.sources]
+    assert len(sources) == sum(len(o.tokens) for o in outs)
+    assert set(sources) <= {"ngram", "target"}
+    assert sources.count("ngram") == outs[-1].stats.accepted > 0

@@ -44,6 +44,7 @@ class Delta:
     ids: list[int] = field(default_factory=list)  # the tokens' ids
     timings: dict | None = None  # llama.cpp's timings so far (`timings_per_token`)
     logprobs: list | None = None  # per token its `constrain.TokenLogprob` (asked for)
+    sources: list[str] | None = None  # per token where it came from (`StepOutput.sources`)
 
 
 @dataclass
@@ -434,7 +435,7 @@ class Worker(threading.Thread):
             timings = (Usage.from_stats(out.stats).timings() if job.req.timings_per_token
                        else None)
             job.events.put(Delta(text, len(out.tokens), list(out.tokens), timings,
-                                 out.logprobs))
+                                 out.logprobs, out.sources))
         if cut:  # n_indent: llama.cpp reports it as a limit
             self._finish_engine(job, "length", out.stats)
         elif out.finish_reason:
