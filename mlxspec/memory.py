@@ -116,6 +116,117 @@ def estimate(info: ModelInfo, context: int, *, gpu: bool, name: str = "",
                         not is_gguf or "quant" in str(gguf_weights or "")))
 
 
+@dataclass(frozen=True)
+class ServingMemory:
+    """The server's memory (`server/worker.py` admits requests by it): the process's limit, the
+    loaded weights, and what a request holds at `tokens` (its prompt + max_tokens): every
+    model's KV cache in 256-token steps, and the working set of its prefill chunk (forwards run
+    one at a time, so only the largest of the open requests' counts)."""
+
+    limit: int
+    source: str  # what the limit is: "the --memory-limit", "the control group's limit (FILE)"
+    weights: int
+    infos: tuple[ModelInfo, ...]  # the target's shape, then the draft's
+    act: int  # bytes per KV element
+    chunk: int  # the server's prefill chunk
+    gpu: bool = False
+
+    @property
+    def margin(self) -> int:
+        """Kept free: the runtime (Python, the libraries) and 5% for what is not counted."""
+        return RUNTIME_BYTES + self.limit // 20
+
+    @property
+    def room(self) -> int:
+        """The bytes requests and the prompt caches kept may take together."""
+        return self.limit - self.margin - self.weights
+
+    def kv(self, tokens: int) -> int:
+        return sum(kv_bytes(i, tokens, self.act) for i in self.infos)
+
+    def work(self, tokens: int) -> int:
+        return max(work_bytes(i, tokens, self.act, self.chunk, self.gpu) for i in self.infos)
+
+    def alone(self, tokens: int) -> int:
+        """What a request of `tokens` needs with nothing else running."""
+        return self.kv(tokens) + self.work(tokens)
+
+    def longest_max_tokens(self, prompt: int) -> int:
+        """The largest max_tokens with which a request of `prompt` tokens fits alone; -1 where
+        its prompt alone does not."""
+        if self.alone(prompt) > self.room:
+            return -1
+        fits, over = 0, KV_STEP
+        while self.alone(prompt + over) <= self.room:
+            fits, over = over, over * 2
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if self.alone(prompt + mid) <= self.room else (fits, mid)
+        return fits
+
+    def describe(self) -> str:
+        tokens = self.room // max(self.kv(KV_STEP) // KV_STEP, 1)
+        return (f"memory: limit {self.limit / GB:.1f} GB ({self.source}); "
+                f"weights {self.weights / GB:.1f} GB, margin {self.margin / GB:.1f} GB: "
+                f"{max(self.room, 0) / GB:.1f} GB for requests and prompt caches (about "
+                f"{max(tokens, 0)} tokens of KV cache, prompts + max_tokens of the requests "
+                f"running); more wait in the queue")
+
+
+def serving_memory(engine, limit: int, source: str, chunk: int) -> ServingMemory:
+    """The ServingMemory of a loaded engine under `limit` (`source`: what `budget` said of it):
+    its weights as loaded (and its draft's, estimated where it loads on first use), the shapes
+    from the models' configs."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from . import backend
+
+    def loaded(model) -> tuple[int, ModelInfo]:
+        params = [p for _, p in tree_flatten(model.parameters())]
+        args = getattr(model, "args", None)  # mlx-lm's ModelArgs
+        config = {**engine.config, **(vars(args) if args is not None else {})}
+        return sum(p.nbytes for p in params), config_info(config, sum(p.size for p in params))
+
+    weights, info = loaded(engine.model)
+    infos = [info]
+    if engine.draft_model is not None:
+        w, d = loaded(engine.draft_model)
+        weights, infos = weights + w, infos + [d]
+    elif getattr(engine, "draft_source", None) is not None:
+        found = info_for(engine.draft_source)
+        if found is not None:
+            weights += estimate(found[0], 1, gpu=False, is_gguf=found[1]).weights
+            infos.append(found[0])
+    gpu = backend.device_name() != "cpu"
+    # (the CPU backend computes in float32; elsewhere half-precision weights mean a half cache)
+    halves = (mx.float16, mx.bfloat16)
+    act = 2 if gpu and any(p.dtype in halves for _, p in tree_flatten(
+        engine.model.parameters())) else 4
+    source = source.removeprefix("is ") if source.startswith("is ") else (
+        "the memory available at start")
+    return ServingMemory(limit, source, weights, tuple(infos), act, chunk, gpu)
+
+
+def config_info(config: dict, params: int) -> ModelInfo:
+    """A ModelInfo of the shape a model config gives (a loaded model's `args`)."""
+    text = config.get("text_config") or {}
+    c = {**text, **config} if isinstance(text, dict) else config
+
+    def get(*keys: str, default: int = 0) -> int:
+        return next((int(c[k]) for k in keys if c.get(k) is not None), default)
+
+    hidden, heads = get("hidden_size", "n_embd", "d_model"), get("num_attention_heads", default=1)
+    return ModelInfo(
+        architecture=str(c.get("model_type", "?")), hidden=hidden, heads=heads,
+        layers=get("num_hidden_layers", "n_layer", "num_layers"),
+        kv_heads=get("num_key_value_heads", default=heads) or heads,
+        head_dim=get("head_dim", default=hidden // max(heads, 1)),
+        ffn=get("intermediate_size"), vocab_rows=get("vocab_size"),
+        context=get("max_position_embeddings"), params=params, stored={}, tokenizer="",
+        vocab=get("vocab_size"), quantized=False)
+
+
 def info_for(source: str | Path) -> tuple[ModelInfo, bool] | None:
     """(ModelInfo, is a GGUF file still to convert) for a model folder, a GGUF file or a family
     name not fetched yet (its published shape); None where nothing is known."""
@@ -147,11 +258,28 @@ def info_for(source: str | Path) -> tuple[ModelInfo, bool] | None:
     return None
 
 
+# Where the control groups are (tests point these at fake files).
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+NO_LIMIT = 1 << 60  # cgroup v1 says "no limit" with a number near 2**63
+_limit_set: int | None = None  # --memory-limit
+
+
+def set_limit(size: int | None) -> None:
+    """--memory-limit: the figure `budget` gives from now on (None: detect it again)."""
+    global _limit_set
+    _limit_set = size
+
+
 def budget() -> tuple[int | None, str]:
-    """(bytes the models may take, what that is): Metal's recommended working set (what MLX
-    can wire), else the memory available now (Linux MemAvailable, macOS free + inactive)."""
+    """(bytes the process may take, what that figure is, as said after "N GB"): --memory-limit,
+    else Metal's recommended working set (what MLX can wire), else the control group's limit
+    where lower than the memory available now, else that (Linux MemAvailable, macOS free +
+    inactive)."""
     from . import backend
 
+    if _limit_set is not None:
+        return _limit_set, "is the --memory-limit"
     if backend.device_name() == "metal":
         import mlx.core as mx
 
@@ -159,8 +287,41 @@ def budget() -> tuple[int | None, str]:
             info = mx.device_info()
         except AttributeError:  # older MLX
             info = mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]), "Metal can wire"
-    return available_memory(), "is available"
+        return int(info["max_recommended_working_set_size"]), "is what Metal can wire"
+    free, group = available_memory(), cgroup_limit()
+    if group is not None and (free is None or group[0] < free):
+        return group[0], f"is the control group's limit ({group[1]})"
+    return free, "of memory is available"
+
+
+def cgroup_limit() -> tuple[int, str] | None:
+    """(bytes, file) of the lowest memory limit of the process's control group and the groups
+    above it (v2 `memory.max`, v1 `memory.limit_in_bytes`); None where none is set."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    files = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # v2: mounted at the root, or beside v1 as "unified"
+            mounts, name = (CGROUP_ROOT, CGROUP_ROOT / "unified"), "memory.max"
+        elif "memory" in controllers.split(","):
+            mounts, name = (CGROUP_ROOT / "memory",), "memory.limit_in_bytes"
+        else:
+            continue
+        for mount in mounts:
+            folder = mount / group.strip("/")
+            files += [f / name for f in (folder, *folder.parents) if f.is_relative_to(mount)]
+    lowest = None
+    for file in files:
+        try:
+            value = int(file.read_text().strip())
+        except (OSError, ValueError):  # absent, or "max"
+            continue
+        if value < NO_LIMIT and (lowest is None or value < lowest[0]):
+            lowest = (value, str(file))
+    return lowest
 
 
 def available_memory() -> int | None:
@@ -243,7 +404,7 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
     fits_text = ("what would fit: " + "; ".join(options)) if options else (
         "nothing smaller of these fits: use a smaller model")
     raise MlxspecError(f"{what} needs about {need / GB:.1f} GB ({parts}) but "
-                       f"{limit / GB:.1f} GB {budget_word(gpu)}: {fits_text}")
+                       f"{limit / GB:.1f} GB {budget()[1]}: {fits_text}")
 
 
 def fitting_context(target: Estimate, draft: Estimate | None, target_info: ModelInfo,
@@ -255,10 +416,6 @@ def fitting_context(target: Estimate, draft: Estimate | None, target_info: Model
     fits = _longest(limit, weights, infos, target_info, _act_of(target, target_info),
                     target.context, gpu)
     return fits if fits is not None and fits < target.context else None
-
-
-def budget_word(gpu: bool) -> str:
-    return "is what Metal can wire" if gpu else "of memory is available"
 
 
 def _act_of(target: Estimate, info: ModelInfo | None) -> int:

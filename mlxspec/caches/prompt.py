@@ -117,8 +117,14 @@ class PromptCacheStore:
             return
         self.entries = [e for e in self.entries if e is not pc]
         self.entries.append(pc)
-        while self.entries and (len(self.entries) > self.max_entries
-                                or self.nbytes() > self.max_bytes):
+        while len(self.entries) > self.max_entries:
+            self.entries.pop(0)
+        self.shrink(self.max_bytes)
+
+    def shrink(self, max_bytes: int) -> None:
+        """Give memory back: the least recently used entries out until the rest hold at most
+        `max_bytes`."""
+        while self.entries and self.nbytes() > max_bytes:
             self.entries.pop(0)
 
     def clear(self) -> None:

@@ -49,6 +49,13 @@ def parse_size(text: str) -> int:
               help="Memory budget of the prompt caches kept between requests.")
 @click.option("--prompt-cache-entries", type=int, default=8, show_default=True,
               help="Most prompt caches kept (one per recent conversation or file).")
+@click.option("--memory-limit", default=None,
+              help="Memory the server may use, e.g. 12GB (default: Metal's recommended working "
+                   "set on macOS; on Linux the control group's limit where lower than the "
+                   "memory available at start). Requests start while the weights, every running "
+                   "request's KV cache at its prompt + max_tokens, the kept prompt caches and a "
+                   "margin fit under it; more wait in the queue; one that cannot fit alone is "
+                   "answered 400.")
 @click.option("--prefill-chunk", type=int, default=512, show_default=True,
               help="Long prompts are prefilled this many tokens per worker round, so other "
                    "requests keep streaming meanwhile.")
@@ -135,7 +142,8 @@ def parse_size(text: str) -> int:
 @distributed_option
 @exits_cleanly
 def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency, max_batch,
-          max_queue, prompt_cache_size, prompt_cache_entries, prefill_chunk, max_tokens, temp, max_context,
+          max_queue, prompt_cache_size, prompt_cache_entries, memory_limit, prefill_chunk,
+          max_tokens, temp, max_context,
           max_body_bytes, model_name, model_aliases, api_key, accept_any_model, allowed_hosts,
           cors_origins, log_requests, log_prompts, max_connections, read_timeout,
           write_timeout, request_timeout, shutdown_grace, batch_spec=True, suffix_scope="client",
@@ -143,6 +151,7 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
           default_seed=-1, slots=True, slots_debug=False, distributed=None):
     """Serve OpenAI /v1/completions (with FIM `suffix`), /v1/chat/completions (with predicted
     outputs), llama.cpp /infill, /v1/models, /health and /metrics over HTTP."""
+    from .. import memory
     from ..server.app import is_loopback, make_server
 
     if (spec_max_concurrency or 0) < 0 or max_batch < 1 or max_queue < 1:
@@ -153,6 +162,10 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
                            "--request-timeout > 0, --shutdown-grace >= 0")
     logging.basicConfig(level=logging.INFO if log_requests or log_prompts else logging.WARNING,
                         format="%(asctime)s %(message)s")
+    if memory_limit is not None:
+        memory.set_limit(parse_size(memory_limit))
+    # the limit before loading (the memory available afterwards has the weights taken out)
+    limit, source = memory.budget()
     # --distributed: only rank 0 returns here and serves HTTP; the others follow its worker
     engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context,
                          distributed=distributed, **({"interactive": True} if distributed else {}))
@@ -172,7 +185,9 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
             read_timeout=read_timeout, write_timeout=write_timeout,
             request_timeout=request_timeout, suffix_scope=suffix_scope,
             suffix_cache=suffix_cache, suffix_budget=suffix_budget, cache_reuse=cache_reuse,
-            follow_ahead=follow_ahead, slots=slots, slots_debug=slots_debug)
+            follow_ahead=follow_ahead, slots=slots, slots_debug=slots_debug,
+            # (a sharded target's memory is each rank's: not admitted by this one's)
+            memory_limit=None if distributed else limit, memory_source=source)
     except OSError as e:
         raise MlxspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     if getattr(engine, "coord", None) is not None:
@@ -183,6 +198,9 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
                f"(k={engine.num_draft}, speculative up to {server.worker.spec_max_concurrency} "
                f"concurrent requests, then batched plain decoding) | FIM "
                f"{fim.style if fim else 'none'}",
+               err=True)
+    click.echo(server.memory.describe() if server.memory is not None else
+               "memory: no limit known; requests are not admitted by memory (--memory-limit)",
                err=True)
     if "*" in cors_origins:
         click.echo("warning: --cors-origin '*': every web page open in a browser on this "

@@ -30,6 +30,7 @@ from .. import __version__
 from ..caches.shift import check_shiftable
 from ..engine import Engine
 from ..errors import MlxspecError
+from ..memory import serving_memory
 from ..prefill import new_cache
 from ..proposers import MODES
 from ..suffix_store import DEFAULT_BUDGET, SuffixStores, scope_key, tokenizer_fingerprint
@@ -141,7 +142,8 @@ class MlxspecServer:
                  batch_spec: bool = True, suffix_scope: str = "client",
                  suffix_budget: int = DEFAULT_BUDGET, suffix_cache: str | None = None,
                  cache_reuse: int = 0, follow_ahead: bool = True, slots: bool = True,
-                 slots_debug: bool = False):
+                 slots_debug: bool = False, memory_limit: int | None = None,
+                 memory_source: str = "is the --memory-limit"):
         if spec_max_concurrency is None:  # batched: an upper bound; round robin: a forward each
             spec_max_concurrency = SPEC_MAX_CONCURRENCY if batch_spec else 2
         # Earlier requests' text for the suffix source, one store per scope: `client` (the
@@ -202,12 +204,15 @@ class MlxspecServer:
         mx.eval(engine.model.parameters())
         if engine.draft_model is not None:
             mx.eval(engine.draft_model.parameters())
+        # requests are admitted by memory under `memory_limit` (what `memory.budget` said)
+        self.memory = (serving_memory(engine, memory_limit, memory_source, prefill_chunk)
+                       if memory_limit else None)
         self.worker = Worker(engine, spec_max_concurrency=spec_max_concurrency,
                              max_batch=max_batch, max_queue=max_queue, cache_bytes=cache_bytes,
                              cache_entries=cache_entries, prefill_chunk=prefill_chunk,
                              metrics=self.metrics, request_timeout=request_timeout,
                              batch_spec=batch_spec, suffix=self.suffix,
-                             follow_ahead=follow_ahead)
+                             follow_ahead=follow_ahead, memory=self.memory)
         coord = getattr(engine, "coord", None)
         if coord is not None:  # --distributed: a lost rank fails the requests, then we exit
             coord.on_lost = self.worker.fail_all
@@ -490,7 +495,7 @@ class MlxspecServer:
                 "mlxspec_prompt_cache_entries": ("Prompt caches kept.", len(w.cache.entries)),
                 "mlxspec_prompt_cache_bytes": ("Bytes held by kept prompt caches.",
                                                w.cache.nbytes()),
-                **mlx_memory(),
+                **mlx_memory(), **self._memory_gauges(),
             }), media_type="text/plain; version=0.0.4; charset=utf-8")
         if path == "/props":
             return json_response(self._props())
@@ -503,6 +508,22 @@ class MlxspecServer:
                               "endpoints": sorted([*POST_ROUTES, *FAMILY_ROUTES,
                                                    *UTILITY_ROUTES])
                               + list(GET_ROUTES[:-1])})
+
+    def _memory_gauges(self) -> dict:
+        """The memory budget's gauges (none without one)."""
+        m, w = self.memory, self.worker
+        if m is None:
+            return {}
+        return {
+            "mlxspec_requests_waiting_for_memory": (
+                "Requests waiting to start until their memory fits.", w.waiting_for_memory()),
+            "mlxspec_memory_limit_bytes": ("The memory limit requests are admitted under.",
+                                           m.limit),
+            "mlxspec_memory_reserved_bytes": (
+                "Weights, margin, and what open requests and kept prompt caches reserve.",
+                m.limit - m.room + w.reserved() + w.cache.nbytes()),
+        }
+
     def _slots(self) -> list[dict]:
         """llama-server's `GET /slots`: each slot (a job's place, `--spec-max-concurrency`
         + `--max-batch` of them) and the request it serves; the prompt's and answer's text
@@ -537,6 +558,15 @@ class MlxspecServer:
                     slot["prompt"] = srv.parser.prompt_text(r.prompt)
                     slot["generated"] = job.text_so_far
             out.append(slot)
+        # then the requests waiting for memory, in their order (not slots: they have none yet)
+        m = srv.memory
+        for job in [j for j in list(srv.worker.jobs) if j.waiting_for_memory and not j.opened]:
+            out.append({"id": None, "id_task": job.task_id, "is_processing": False,
+                        "waiting_for": "memory", "n_prompt_tokens": len(job.req.prompt),
+                        "params": {"n_predict": job.req.max_tokens},
+                        "memory": {"needed_bytes": m.alone(job.tokens),
+                                   "limit_bytes": m.limit,
+                                   "reserved_bytes": srv.worker.reserved()}})
         return out
 
     def _props(self) -> dict:

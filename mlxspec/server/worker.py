@@ -23,6 +23,7 @@ from ..batch_step import BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
+from ..memory import GB, ServingMemory
 from ..planning import BatchPolicy
 from ..row import BatchRow
 from ..stats import Stats
@@ -101,6 +102,12 @@ class Job:
     opened_at: float = 0.0  # perf_counter time it opened (prompt_progress's time_ms)
     reported: int = -1  # the prompt tokens processed at its last prompt_progress
     prompt_cached: int = 0  # of them, reused from the prompt cache
+    waiting_for_memory: bool = False  # its memory does not fit yet: it waits to open
+
+    @property
+    def tokens(self) -> int:
+        """The tokens its caches hold at most: its prompt and max_tokens."""
+        return len(self.req.prompt) + (1 if self.req.warmup else self.req.max_tokens)
 
     def __post_init__(self) -> None:
         if self.req.n_indent > 0:
@@ -127,7 +134,7 @@ class Worker(threading.Thread):
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
                  batch_spec: bool = True, suffix: SuffixStores | None = None,
-                 follow_ahead: bool = True):
+                 follow_ahead: bool = True, memory: ServingMemory | None = None):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         # earlier requests' text per scope, for the suffix source (this thread only)
@@ -142,6 +149,8 @@ class Worker(threading.Thread):
         self.ending: str | None = None  # set: every job ends at its next step with this reason
         self.inbox: queue.Queue[Job | None] = queue.Queue()
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
+        # set: a job opens only when its memory fits beside the open jobs' (`_may_open`)
+        self.memory = memory
         self.jobs: list[Job] = []
         # made on this thread (their proposers' arrays live there) from the engine's weights
         self.idle_slots: list[Engine] = []
@@ -168,6 +177,7 @@ class Worker(threading.Thread):
                                 "running); retry shortly", type="server_busy",
                            code="queue_full", retry_after=1)
         job = Job(req) if events is None else Job(req, events=events)
+        self._check_memory(job)
         self.tasks += 1
         job.task_id = self.tasks
         if self.request_timeout:
@@ -235,11 +245,17 @@ class Worker(threading.Thread):
         # (or the process may abort at exit: "terminate called without an active exception").
         # The weights stay wired (Metal) while it runs, for every request alike.
         stream = mx.new_stream(mx.default_device())
+        # with a memory budget MLX's allocator frees the buffers it keeps for reuse before the
+        # process's MLX memory passes it
+        previous = (mx.set_memory_limit(self.memory.limit - self.memory.margin)
+                    if self.memory is not None else None)
         try:
             with mx.stream(stream), wired_limit(self.engine.model, [stream]):
                 self._loop(stream)
         finally:
             mx.synchronize(stream)
+            if previous is not None:
+                mx.set_memory_limit(previous)
             if hasattr(mx, "clear_streams"):
                 mx.clear_streams()
 
@@ -253,6 +269,8 @@ class Worker(threading.Thread):
                 for job in list(self.jobs):
                     if (not job.opened and self._live(job)
                             and opened < self.spec_max_concurrency + self.max_batch):
+                        if not self._may_open(job):
+                            break  # first come, first served: the jobs after it wait too
                         opened += 1
                         self._guarded(job, self._open_job)
                 self._step_all()
@@ -296,12 +314,71 @@ class Worker(threading.Thread):
     def _start_engine(self, job: Job) -> None:
         # a slot: the same weights, its own proposers, policies and prompt cache
         job.slot = self.idle_slots.pop() if self.idle_slots else self.engine.clone()
-        job.cache = self.cache.take(job.req.prompt, job.req.cache_reuse)
         self.jobs.append(job)
+
+    # -- memory (`ServingMemory`: docs/SERVER.md, "Memory")
+    def _check_memory(self, job: Job) -> None:
+        """Refuse (400, with the numbers) a request that does not fit even alone."""
+        m = self.memory
+        if m is None or m.alone(job.tokens) <= m.room:
+            return
+        prompt, need = len(job.req.prompt), m.alone(job.tokens)
+        longest = m.longest_max_tokens(prompt)
+        self.metrics.rejected("memory")
+        raise ApiError(
+            400, f"this request needs about {need / GB:.2f} GB ({prompt} prompt tokens + "
+                 f"max_tokens {job.req.max_tokens}: KV cache and prefill working set) but the "
+                 f"server leaves {max(m.room, 0) / GB:.2f} GB for requests (its "
+                 f"{m.limit / GB:.1f} GB limit, {m.source}, less {m.weights / GB:.2f} GB of "
+                 f"weights and a {m.margin / GB:.2f} GB margin): "
+                 + (f"max_tokens {longest} would fit" if longest >= 0 else
+                    "its prompt alone does not fit"),
+            param="max_tokens", code="exceeds_memory",
+            extra={"memory": {"prompt_tokens": prompt, "max_tokens": job.req.max_tokens,
+                              "needed_bytes": need, "available_bytes": max(m.room, 0),
+                              "limit_bytes": m.limit, "longest_max_tokens": longest}})
+
+    def _take_cache(self, job: Job) -> None:
+        """The job takes the kept prompt cache sharing most of its prompt (once)."""
+        if job.cache is None:
+            job.cache = self.cache.take(job.req.prompt, job.req.cache_reuse)
+
+    def _may_open(self, job: Job) -> bool:
+        """Whether the job's memory fits beside the open jobs' (the prompt caches kept give
+        theirs back first, least recently used out; its own taken first). A job that does not
+        fit waits, and the jobs after it with it (first come, first served)."""
+        if self.memory is None:
+            return True
+        self._take_cache(job)
+        left = self.memory.room - self.reserved(job)
+        self.cache.shrink(left)
+        job.waiting_for_memory = self.cache.nbytes() > left
+        return not job.waiting_for_memory
+
+    def reserved(self, joining: Job | None = None) -> int:
+        """Bytes the open jobs (and `joining`) hold at their prompt + max_tokens: the shared
+        batch's rows each as wide as its longest (its buffers are), other rows their own;
+        and the largest prefill working set (forwards run one at a time)."""
+        m = self.memory
+        jobs = [j for j in self.jobs if j.opened] + ([joining] if joining is not None else [])
+
+        def shared(j: Job) -> bool:
+            if j.opened:
+                return j.batch is self.spec_batch
+            return self.batchable and self.batch_spec and not j.req.warmup
+
+        wide = [j.tokens for j in jobs if shared(j)]
+        kv = len(wide) * m.kv(max(wide, default=0)) + sum(
+            m.kv(j.tokens) for j in jobs if not shared(j))
+        return kv + max((m.work(j.tokens) for j in jobs), default=0)
+
+    def waiting_for_memory(self) -> int:
+        return sum(1 for j in list(self.jobs) if j.waiting_for_memory and not j.opened)
 
     def _open_job(self, job: Job) -> None:
         """Open the job as a row, speculating unless spec_max_concurrency requests do."""
         r = job.req
+        self._take_cache(job)
         over = (self.batchable and not r.warmup
                 and self.speculating() >= self.spec_max_concurrency)
         job.mode = "none" if over else r.mode or job.slot.mode
