@@ -10,6 +10,7 @@ import re
 import time
 
 from .answers import error_message
+from .page import is_public
 
 log = logging.getLogger("mlxspec.server")
 
@@ -190,7 +191,9 @@ class Gate:
                             (b"access-control-max-age", b"600")]
             return ({"type": "http.response.start", "status": 204, "headers": headers},
                     {"type": "http.response.body", "body": b""})
-        if srv.api_key and path not in ("/health", "/v1/health") and not self.key_ok(scope):
+        if (srv.api_key and path not in ("/health", "/v1/health") and not self.key_ok(scope)
+                and not (scope["method"] == "GET"
+                         and is_public(path, header(scope, b"accept")))):
             return error_message(401, refusal(
                 path, 401, "missing or wrong API key (Authorization: Bearer ...)",
                 "authentication_error"), close=True)

@@ -39,6 +39,7 @@ from ..suffix_store import save as save_suffix
 from .access import AccessPolicy, Gate, is_loopback, presented_key  # noqa: F401
 from .answers import api_error, dumps, json_response
 from .metrics import Metrics
+from .page import static_file, wants_page
 from .protocol import ApiError, RequestParser, ServerConfig
 from .relay import JobGroup, Relay
 from .worker import SPEC_MAX_CONCURRENCY, Worker
@@ -351,6 +352,7 @@ class MlxspecServer:
         routes += [Route(p, functools.partial(self.utility, name=n), methods=["POST"])
                    for p, n in UTILITY_ROUTES.items()]
         routes += [Route(p, self.get, methods=["GET"]) for p in GET_ROUTES]
+        routes.append(Route("/static/{name}", self.static, methods=["GET"]))
         return Starlette(routes=routes, exception_handlers={404: missing, 405: missing})
 
     async def read_json(self, request: Request) -> dict:
@@ -464,6 +466,13 @@ class MlxspecServer:
             return api_error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
         return json_response(answer)
 
+    async def static(self, request: Request) -> Response:
+        """The chat page's files (`page.py`)."""
+        found = static_file(request.path_params["name"])
+        if found is None:
+            raise HTTPException(404)
+        return found
+
     async def get(self, request: Request) -> Response:
         path = request.url.path
         w, engine, cfg = self.worker, self.engine, self.config
@@ -504,6 +513,8 @@ class MlxspecServer:
                 return api_error(ApiError(501, "This server does not support slots endpoint.",
                                           type="not_supported_error"))
             return json_response(self._slots())
+        if wants_page(request.headers.get("accept")):  # a browser: the chat page
+            return static_file("index.html")
         return json_response({"name": "mlxspec", "version": __version__,
                               "endpoints": sorted([*POST_ROUTES, *FAMILY_ROUTES,
                                                    *UTILITY_ROUTES])

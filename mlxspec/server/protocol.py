@@ -105,6 +105,7 @@ class Speculative(Loose):
     mode: str | None = None
     num_draft: Integer | None = Field(None, ge=1, le=64)
     suffix: Bool | None = None
+    sources: Bool | None = None  # true: a streamed chat's deltas say where each token came from
 
 
 class StreamOptions(Loose):
@@ -473,6 +474,9 @@ class GenRequest:
     return_tokens: bool = False  # llama.cpp: the answer's token ids in `tokens`
     return_progress: bool = False  # llama.cpp: `prompt_progress` chunks while prefilling
     timings_per_token: bool = False  # llama.cpp: `timings` in every streamed chunk
+    # "speculative": {"sources": true}: a streamed chat's deltas carry `sources`, the spans of
+    # their text with where each span's tokens came from (relay.py's `SourceSpans`)
+    return_sources: bool = False
     # per-row work on the logits (`constrain.py`): ((id, bias), ...); the top alternatives
     # reported with each token's log-probability (None: none asked); llama.cpp's
     # post_sampling_probs; a grammar (kind, spec)
@@ -704,7 +708,7 @@ class RequestParser:
             context_limited=limited, n_ctx=ctx, n_indent=r.n_indent or 0, n_cmpl=n_cmpl,
             cache_reuse=cfg.cache_reuse if r.n_cache_reuse is None else r.n_cache_reuse,
             return_tokens=bool(r.return_tokens), return_progress=bool(r.return_progress),
-            timings_per_token=bool(r.timings_per_token))
+            timings_per_token=bool(r.timings_per_token), return_sources=spec.sources is True)
         self._row_options(r, kind, req)
         if kind == "chat":
             choose_calls(r, req, self.tool_syntax, self.tokenizer)

@@ -5,6 +5,7 @@ that hangs up, or stops reading for --write-timeout, cancels its jobs at once.""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
 
 from . import answers as P
@@ -73,6 +74,71 @@ class JobGroup:
     def cancel(self) -> None:
         for job in self.jobs:
             job.cancel()
+
+
+class SourceSpans:
+    """One job's text as spans of where its tokens came from ("speculative": {"sources":
+    true}). Each token's bytes go through an incremental UTF-8 decoder (a character split
+    across tokens belongs to the token that completes it) onto a queue of (text, source);
+    each content piece the client gets takes its characters off the queue's front. The
+    spans' texts are the content's own, so they always concatenate to it. Text the queue
+    has and the content lacks (a leading space the detokenizer trims, text a stop string
+    cut) is skipped where the next characters match; content beyond the queue (text the
+    tokens' bytes do not spell) takes the last source."""
+
+    LOOK_AHEAD = 8  # queued characters searched for a content character before taking it as is
+
+    def __init__(self, token_bytes):
+        self.token_bytes = token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.queue: list[list[str]] = []  # [text, source], text not yet taken
+        self.last = "target"
+
+    def feed(self, ids: list[int], sources: list[str] | None) -> None:
+        """A delta's tokens (`sources`: per token; None: the target's)."""
+        for i, token in enumerate(ids):
+            source = sources[i] if sources is not None and i < len(sources) else "target"
+            text = self.decoder.decode(self.token_bytes(token))
+            if not text:
+                continue
+            if self.queue and self.queue[-1][1] == source:
+                self.queue[-1][0] += text
+            else:
+                self.queue.append([text, source])
+
+    def _queued(self, n: int) -> str:
+        out = ""
+        for text, _ in self.queue:
+            out += text
+            if len(out) >= n:
+                break
+        return out[:n]
+
+    def _drop(self, n: int) -> None:
+        while n and self.queue:
+            text = self.queue[0][0]
+            if len(text) <= n:
+                n -= len(text)
+                self.queue.pop(0)
+            else:
+                self.queue[0][0] = text[n:]
+                n = 0
+
+    def take(self, content: str) -> list[list[str]]:
+        """[[text, source], ...] of `content`, the job's next piece of text, consecutive
+        characters of one source together."""
+        spans: list[list[str]] = []
+        for ch in content:
+            skip = self._queued(self.LOOK_AHEAD).find(ch)
+            self._drop(max(skip, 0))
+            if self.queue:
+                self.last = self.queue[0][1]
+                self._drop(1)
+            if spans and spans[-1][1] == self.last:
+                spans[-1][0] += ch
+            else:
+                spans.append([ch, self.last])
+        return spans
 
 
 class Answer:
@@ -158,6 +224,9 @@ class Relay(Answer):
         self.splitters = [ToolCallSplitter(parser.tool_syntax, tools) if tools else None
                           for _ in group.jobs]
         self.calls: list[list[dict]] = [[] for _ in group.jobs]
+        self.spans = ([SourceSpans(parser.token_bytes) for _ in group.jobs]
+                      if kind == "chat" and group.req.stream and group.req.return_sources
+                      else None)
 
     def split(self, j: int, ev: Delta | Done) -> tuple[Delta | None, list[dict]]:
         """A job's delta (at its end, what is still held back) as content and calls."""
@@ -243,6 +312,10 @@ class Relay(Answer):
 
     async def _on_delta(self, j: int, ev: Delta, texts, ids, lps, unsent, stream) -> None:
         group, kind = self.group, self.kind
+        spans = None
+        if self.spans is not None:
+            self.spans[j].feed(ev.ids, ev.sources)
+            spans = self.spans[j].take(ev.text)
         texts[j].append(ev.text)
         ids[j] += ev.ids
         got = self._logprobs_of(group, j, ev)
@@ -251,7 +324,8 @@ class Relay(Answer):
         if stream and (ev.text or kind in ("completion", "llama_completion", "infill")):
             for i in group.answers_of(j):
                 await self._sse(self._chunk(kind, group.reqs[i], ev, group.job_slot(j),
-                                            unsent[j], len("".join(texts[j])) - len(ev.text)))
+                                            unsent[j], len("".join(texts[j])) - len(ev.text),
+                                            spans))
             unsent[j] = []
 
     def _usage(self, group: JobGroup, dones: list) -> Usage:
@@ -318,13 +392,16 @@ class Relay(Answer):
                                        None, index=r.index))
 
     def _chunk(self, kind: str, req, ev: Delta, slot: int, lps: list | None = None,
-               offset: int = 0) -> dict:
+               offset: int = 0, spans: list | None = None) -> dict:
         """A streamed chunk of a delta; `lps`: the log-probabilities of its tokens (and of
-        tokens before it that no chunk carried), `offset`: where its text starts."""
+        tokens before it that no chunk carried), `offset`: where its text starts, `spans`:
+        its text's sources (`SourceSpans`, asked for)."""
         timings = ev.timings if req.timings_per_token else None
         logprobs = self._logprobs_json(kind, req, lps or [], offset)
         if kind in ("chat", "fim"):
-            return P.chat_chunk(req, {"content": ev.text}, None, index=req.index,
+            delta = {"content": ev.text} if spans is None else {"content": ev.text,
+                                                                 "sources": spans}
+            return P.chat_chunk(req, delta, None, index=req.index,
                                 timings=timings, logprobs=logprobs)
         if kind == "completion":
             return P.completion_chunk(req, ev.text, None, index=req.index, timings=timings,
