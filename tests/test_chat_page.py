@@ -245,15 +245,20 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
         "spans => spans.map(s => [s.textContent, s.dataset.source])") == shown
     assert "stopped" in page.locator(".message.assistant .stats").last.inner_text()
 
-    # Markdown (HTML escaped) with copy buttons when colours are off
-    page.uncheck("#colour")
-    page.evaluate("""() => {
+    # a reply with a code block: coloured, its code in a block of its own; with colours off,
+    # Markdown (HTML escaped) with copy buttons
+    cut = MARKDOWN.index("hi")
+    spans = [[MARKDOWN[:cut], "ngram"], [MARKDOWN[cut:], "target"]]
+    page.evaluate("""([content, spans]) => {
         const chat = JSON.parse(localStorage.getItem('mlxspec.chat'));
-        chat.messages.push({role: 'assistant', content: MARKDOWN});
+        chat.messages.push({role: 'assistant', content, spans});
         localStorage.setItem('mlxspec.chat', JSON.stringify(chat));
-    }""".replace("MARKDOWN", json.dumps(MARKDOWN)))
+    }""", [MARKDOWN, spans])
     page.reload()
     reply = page.locator(".message.assistant").last
+    assert reply.locator("pre.code-sources").inner_text() == "print('<b>hi</b>')\n"
+    assert reply.locator("pre.code-sources .src-ngram").inner_text() == "print('<b>"
+    page.uncheck("#colour")
     reply.locator(".code button.copy").wait_for()
     assert reply.locator("pre code").inner_text() == "print('<b>hi</b>')"
     assert reply.locator("strong").inner_text() == "bold"

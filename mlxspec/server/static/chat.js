@@ -64,21 +64,60 @@ function sourceClass(source) {
   return `src src-${SOURCES[source] ? source : "other"}`;
 }
 
-function renderBody(message, body) {
-  body.replaceChildren();
-  if (message.role === "assistant" && state.settings.colour && message.spans) {
-    body.classList.add("sources");
-    for (const [text, source] of message.spans) {
+// [start, end) of each fenced code block's code in `text` (the fence lines left out; a
+// fence still open runs to the end).
+function codeRanges(text) {
+  const ranges = [];
+  let open = null;
+  let pos = 0;
+  for (const line of text.split("\n")) {
+    if (/^\s*```/.test(line)) {
+      if (open === null) {
+        open = pos + line.length + 1;
+      } else {
+        ranges.push([open, pos]);
+        open = null;
+      }
+    }
+    pos += line.length + 1;
+  }
+  if (open !== null) ranges.push([open, text.length]);
+  return ranges;
+}
+
+// A reply as its coloured spans: prose wrapped, code blocks in monospace.
+function renderSources(spans, body) {
+  const ranges = codeRanges(spans.map(([text]) => text).join(""));
+  const inCode = (at) => ranges.some(([start, end]) => at >= start && at < end);
+  const edges = ranges.flat();
+  let block = null;
+  let at = 0;
+  for (const [text, source] of spans) {
+    // split the span where a code block starts or ends
+    const cuts = [0, ...edges.filter((e) => e > at && e < at + text.length).map((e) => e - at), text.length];
+    for (let i = 0; i + 1 < cuts.length; i++) {
+      const code = inCode(at + cuts[i]);
+      if (!block || block.code !== code) {
+        block = { code, element: document.createElement(code ? "pre" : "div") };
+        block.element.className = code ? "code-sources" : "prose-sources";
+        body.append(block.element);
+      }
       const span = document.createElement("span");
       span.className = sourceClass(source);
       span.dataset.source = source;
-      span.textContent = text;
-      body.append(span);
+      span.textContent = text.slice(cuts[i], cuts[i + 1]);
+      block.element.append(span);
     }
-  } else {
-    body.classList.remove("sources");
-    body.innerHTML = renderMarkdown(message.content); // escaped by renderMarkdown
+    at += text.length;
   }
+}
+
+function renderBody(message, body) {
+  body.replaceChildren();
+  const coloured = message.role === "assistant" && state.settings.colour && message.spans;
+  body.classList.toggle("sources", Boolean(coloured));
+  if (coloured) renderSources(message.spans, body);
+  else body.innerHTML = renderMarkdown(message.content); // escaped by renderMarkdown
 }
 
 // Where a reply's proposals came from, in order, each stretch once ("suffix → ngram").
