@@ -603,7 +603,7 @@ class MlxspecServer:
             "endpoint_slots": srv.slots_endpoint,
             "endpoint_props": True,
             "endpoint_metrics": True,
-            "webui": False,
+            "webui": True,  # the chat page at / (page.py)
             "chat_template": template if isinstance(template, str) else "",
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
