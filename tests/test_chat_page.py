@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import shutil
+import time
 
 import pytest
 from server_helpers import post, sse_events, start, stop
@@ -39,6 +40,15 @@ def chat(srv, content: str, mode: str, max_tokens: int = 200, **extra) -> list:
         "max_tokens": max_tokens, "speculative": {"mode": mode, **extra}})
     assert status == 200, payload
     return sse_events(payload)
+
+
+def wait_until(check, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def merged(spans) -> list[list[str]]:
@@ -207,7 +217,7 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
     # a reply with its tokens coloured by source and its figures under it
     send(page, CODE, "draft", 200)
     stats = page.locator(".message.assistant .stats").last
-    stats.locator("text=/tokens\\/forward/").wait_for(timeout=15000)
+    stats.locator("text=/tokens\\/forward/").wait_for(timeout=60000)
     shown = page.eval_on_selector_all(
         ".message.assistant:last-child .body span",
         "spans => spans.map(s => [s.textContent, s.dataset.source])")
@@ -234,7 +244,7 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
     page.wait_for_timeout(300)
     assert body.inner_text() == stopped_text  # nothing more came
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
-    assert server.metrics.cancels + server.metrics.disconnects > cancels
+    assert wait_until(lambda: server.metrics.cancels + server.metrics.disconnects > cancels)
 
     # a reload keeps the conversation, colours and figures
     page.reload()

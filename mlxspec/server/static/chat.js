@@ -131,7 +131,7 @@ function stretches(spans) {
 
 function statsText(message) {
   const usage = message.usage;
-  if (!usage) return message.stopped ? "stopped" : message.error ? `error: ${message.error}` : "…";
+  if (!usage) return message.stopped ? "stopped" : message.error ? `error: ${message.error}` : "streaming…";
   const spec = usage.speculative || {};
   const n = usage.completion_tokens;
   const parts = [`${n} tokens`];
