@@ -280,6 +280,7 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
     # the status view reads /health, /v1/models, /props and /metrics
     page.click("#show-status")
     page.wait_for_selector("#status-facts dt:has-text('Memory')")
+    assert page.is_hidden("#chat-view") and page.is_visible("#acceptance-chart")
     assert "in flight" in page.locator("#status-facts").inner_text()
     page.click("#new-chat")
     assert page.locator(".message").count() == 0
