@@ -31,6 +31,7 @@ class Estimate:
     work: int
     context: int
     quantized: bool
+    chunk: int = 2048  # the prefill chunk its working set is counted at
 
     @property
     def total(self) -> int:
@@ -113,7 +114,7 @@ def estimate(info: ModelInfo, context: int, *, gpu: bool, name: str = "",
     return Estimate(name or info.name, w, kv_bytes(info, context, act),
                     work_bytes(info, context, act, chunk, gpu), context,
                     quantized=any(k.startswith("q") for k in info.stored) and (
-                        not is_gguf or "quant" in str(gguf_weights or "")))
+                        not is_gguf or "quant" in str(gguf_weights or "")), chunk=chunk)
 
 
 @dataclass(frozen=True)
@@ -370,10 +371,10 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
         """Add `label` if the pair so changed fits, at the context or a shorter one."""
         if target_info is None:
             return False
-        fits = _longest(limit, weights, infos, target_info, act, ctx, gpu)
+        fits = _longest(limit, weights, infos, target_info, act, ctx, gpu, target.chunk)
         if fits is None:
             return False
-        total = _need(weights, infos, target_info, act, fits, gpu)
+        total = _need(weights, infos, target_info, act, fits, gpu, target.chunk)
         options.append(label + (f" ({total / GB:.1f} GB)" if fits >= ctx else
                                 f" with --max-context {fits} ({total / GB:.1f} GB)"))
         return True
@@ -389,7 +390,7 @@ def check_pair(target: Estimate, draft: Estimate | None, limit: int | None, what
                       [target_info, smaller[1].info] if target_info else [])
     if target_info is not None:
         fits = _longest(limit, target.weights + (draft.weights if draft else 0), both,
-                        target_info, act, ctx, gpu)
+                        target_info, act, ctx, gpu, target.chunk)
         if fits is not None:
             options.append(f"--max-context {fits}")
     if not target.quantized and target_info is not None:
@@ -414,7 +415,7 @@ def fitting_context(target: Estimate, draft: Estimate | None, target_info: Model
     infos = [target_info] + ([draft_info] if draft is not None and draft_info else [])
     weights = target.weights + (draft.weights if draft is not None else 0)
     fits = _longest(limit, weights, infos, target_info, _act_of(target, target_info),
-                    target.context, gpu)
+                    target.context, gpu, target.chunk)
     return fits if fits is not None and fits < target.context else None
 
 
@@ -426,22 +427,23 @@ def _act_of(target: Estimate, info: ModelInfo | None) -> int:
 
 
 def _need(weights: int, infos: list[ModelInfo], target_info: ModelInfo, act: int, ctx: int,
-          gpu: bool) -> int:
-    """Weights plus every model's KV cache at `ctx`, plus the larger prefill working set."""
-    work = max(work_bytes(i, ctx, act, 2048 if i is target_info else 512, gpu=gpu)
+          gpu: bool, chunk: int) -> int:
+    """Weights plus every model's KV cache at `ctx`, plus the larger prefill working set (the
+    target's chunk `chunk`, a draft's 512)."""
+    work = max(work_bytes(i, ctx, act, chunk if i is target_info else 512, gpu=gpu)
                for i in infos) if infos else 0
     return weights + sum(kv_bytes(i, ctx, act) for i in infos) + work
 
 
 def _longest(limit: int, weights: int, infos: list[ModelInfo], target_info: ModelInfo,
-             act: int, ctx: int, gpu: bool) -> int | None:
+             act: int, ctx: int, gpu: bool, chunk: int) -> int | None:
     """`ctx` if the models fit at it, else the longest power of two from 1024 below it at
     which they fit; None if none does."""
-    if _need(weights, infos, target_info, act, ctx, gpu) <= limit:
+    if _need(weights, infos, target_info, act, ctx, gpu, chunk) <= limit:
         return ctx
     best, c = None, 1024
     while c < ctx:
-        if _need(weights, infos, target_info, act, c, gpu) > limit:
+        if _need(weights, infos, target_info, act, c, gpu, chunk) > limit:
             break
         best, c = c, c * 2
     return best

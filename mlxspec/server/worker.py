@@ -265,12 +265,14 @@ class Worker(threading.Thread):
                 self._admit(block=not self.jobs)
                 # Every new job opens before any steps (a round's joiners prefill in one
                 # forward); above spec_max_concurrency + max_batch a job waits to open.
-                opened = sum(1 for j in self.jobs if j.opened)
+                opened, blocked = sum(1 for j in self.jobs if j.opened), False
                 for job in list(self.jobs):
                     if (not job.opened and self._live(job)
                             and opened < self.spec_max_concurrency + self.max_batch):
-                        if not self._may_open(job):
-                            break  # first come, first served: the jobs after it wait too
+                        if blocked or not self._may_open(job):
+                            # first come, first served: the jobs after it wait with it
+                            blocked = job.waiting_for_memory = True
+                            continue
                         opened += 1
                         self._guarded(job, self._open_job)
                 self._step_all()
