@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
 
@@ -34,19 +35,25 @@ class SamplingParams:
     post_probs: bool = False
     state: object = field(default=None, compare=False, hash=False, repr=False)
 
-    def __post_init__(self) -> None:
-        # Read several times per step: attributes set once (the settings are frozen, and a
-        # request's state has its grammar from the start).
-        stateful = (getattr(self.state, "constraint", None) is not None
-                    or self.logprobs is not None)
-        # greedy: the argmax; stateful: a row's next draw needs its previous token read back
-        # first (a grammar's mask depends on it; log-probabilities are kept by the position of
-        # the token drawn, which a queued step undone would shift): its plain steps are not
-        # pipelined; adjusted: the step does per-row work on its logits (a bias, a grammar's
-        # mask, log-probabilities)
-        object.__setattr__(self, "greedy", self.temperature == 0.0)
-        object.__setattr__(self, "stateful", stateful)
-        object.__setattr__(self, "adjusted", bool(self.logit_bias) or stateful)
+    # Read several times per step: computed once (the settings are frozen, and a request's
+    # state has its grammar from the start), kept in the instance's __dict__.
+    @cached_property
+    def greedy(self) -> bool:
+        """Temperature 0: the argmax."""
+        return self.temperature == 0.0
+
+    @cached_property
+    def stateful(self) -> bool:
+        """A row's next draw needs its previous token read back first (a grammar's mask
+        depends on it; log-probabilities are kept by the position of the token drawn, which a
+        queued step undone would shift): its plain steps are not pipelined."""
+        return getattr(self.state, "constraint", None) is not None or self.logprobs is not None
+
+    @cached_property
+    def adjusted(self) -> bool:
+        """The step does per-row work on its logits (a bias, a grammar's mask,
+        log-probabilities)."""
+        return bool(self.logit_bias) or self.stateful
 
     def take_logprobs(self, first: int, n: int) -> list | None:
         """The log-probabilities (`constrain.TokenLogprob`, None where unknown) of the n
