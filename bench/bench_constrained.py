@@ -1,81 +1,94 @@
-"""Constrained output under speculation: the grammar mask's cost per token, and what
-speculation still gains on a JSON answer that repeats its prompt's keys and values.
+"""Constrained output under speculation: what each mode gains on answers held to a grammar,
+and the grammar mask's cost.
 
-    python bench/bench_constrained.py [-m qwen2.5-coder-0.5b] [--max-tokens 160]
+    python bench/bench_constrained.py [-m qwen2.5-coder-0.5b] [--max-tokens 120]
 
-For each mode, the same chat request twice: free, and constrained to a JSON Schema
-(`json_schema=`); tokens per second of decoding, tokens per target forward, and for the
-constrained one the time llguidance spent computing masks (per committed token and per masked
-position) and whether its tokens equal `none`'s constrained tokens. Then the mask alone:
-llguidance's mask for 1 and 5 positions on the model's vocabulary, and the step's bias + mask
-on the logits (unpacked bits, one `where`).
+One engine, as a server holds it; three chat requests about the same source file (the first
+80 lines of a function-defining part of click's `termui.py`): `free` (list its functions),
+`json_schema` (the same as JSON matching a schema) and `tool` (a forced call of a function
+taking that list: the server's `tool_choice` grammar, `server.tools.call_grammar`). Each in
+every mode, `none` first (a mode's suffix store holds only its own earlier answers): target
+forwards, tokens drafted and accepted, tokens per forward, wall seconds, llguidance's time per
+committed token, and whether the tokens equal `none`'s. Then the mask alone: llguidance's mask
+for 1 and 5 positions on the model's vocabulary, and the step's bias + mask on the logits.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
+
+import click.termui
 
 import mlxspec  # noqa: F401  (loads OpenBLAS before mlx.core)
 from mlxspec import constrain
 from mlxspec.batch_step import follow
 from mlxspec.chat_session import render_chat
 from mlxspec.engine import Engine
+from mlxspec.server.tools import call_grammar, tool_syntax
 
-RECORDS = [
-    {"name": "Ada Lovelace", "email": "ada@example.org", "role": "admin", "team": "engines"},
-    {"name": "Alan Turing", "email": "alan@example.org", "role": "editor", "team": "codes"},
-    {"name": "Grace Hopper", "email": "grace@example.org", "role": "viewer", "team": "compilers"},
-    {"name": "Edsger Dijkstra", "email": "edsger@example.org", "role": "editor",
-     "team": "paths"},
-    {"name": "Barbara Liskov", "email": "barbara@example.org", "role": "admin",
-     "team": "types"},
-]
-SCHEMA = {"type": "object", "properties": {"users": {"type": "array", "items": {
-    "type": "object", "properties": {
-        "name": {"type": "string"}, "email": {"type": "string"},
-        "role": {"enum": ["admin", "editor", "viewer"]}, "active": {"type": "boolean"}},
-    "required": ["name", "email", "role", "active"], "additionalProperties": False},
-    "minItems": len(RECORDS), "maxItems": len(RECORDS)}},
-    "required": ["users"], "additionalProperties": False}
+FUNCTIONS = {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "signature": {"type": "string"}},
+    "required": ["name", "signature"], "additionalProperties": False}}
+SCHEMA = {"type": "object", "properties": {"functions": FUNCTIONS},
+          "required": ["functions"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {
+    "name": "record_functions", "description": "Record the functions a file defines.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                    "functions": FUNCTIONS},
+                   "required": ["path", "functions"], "additionalProperties": False}}}
 
 
-def request(engine: Engine) -> str:
-    lines = "\n".join(json.dumps(r) for r in RECORDS)
-    return render_chat(engine.tokenizer, [{"role": "user", "content": (
-        "Here are our users, one JSON object a line:\n" + lines + "\n\n"
-        "Return them as one JSON object {\"users\": [...]}: every user, in this order, with "
-        "their name, email and role, \"active\": true, and without the team.")}])
+def source() -> str:
+    """80 lines of a third-party file that define functions (click's prompt helpers)."""
+    lines = inspect.getsource(click.termui).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("def "))
+    return "\n".join(lines[first - 5 : first + 75])
 
 
-def run(loaded, mode: str, num_draft: int, prompt: str, max_tokens: int, **kw) -> dict:
-    """One request on a fresh engine (no store of earlier answers to propose from)."""
-    engine = Engine(loaded.model, loaded.tokenizer, mode=mode, num_draft=num_draft)
+def workloads(engine: Engine) -> dict[str, tuple[str, dict]]:
+    """name -> (prompt, grammar options) of the three requests."""
+    code = "```python\n" + source() + "\n```"
+    ask = "List the functions defined in this file, with their signatures"
+    tok = engine.tokenizer
+    out = {"free": (render_chat(tok, [{"role": "user", "content": f"{ask}.\n\n{code}"}]), {}),
+           "json_schema": (render_chat(tok, [{"role": "user", "content":
+                                               f"{ask}, as JSON.\n\n{code}"}]),
+                           {"json_schema": SCHEMA})}
+    syntax = tool_syntax(tok)
+    if syntax is not None:
+        grammar = ("lark", call_grammar(syntax, [TOOL], "record_functions", parallel=False))
+        prompt = render_chat(tok, [{"role": "user", "content":
+                                    f"Record the functions of click/termui.py.\n\n{code}"}],
+                             tools=[TOOL])
+        out["tool"] = (prompt, {"grammar": grammar})
+    return out
+
+
+def run(engine: Engine, mode: str, prompt: str, max_tokens: int, **kw) -> dict:
+    """One request on `engine` in `mode`: its tokens, stats and wall seconds."""
     start = time.perf_counter()
-    batch, row = engine.open(prompt, max_tokens=max_tokens, **kw)
+    batch, row = engine.open(prompt, mode=mode, max_tokens=max_tokens, temperature=0.0, **kw)
     state = row.sampling.state
     outs = [o for o in follow(batch, row) if o is not None]
-    seconds = time.perf_counter() - start
-    stats = outs[-1].stats
     c = state.constraint if state is not None else None
-    n = stats.generated_tokens
+    stats = outs[-1].stats
     return {"tokens": [t for o in outs for t in o.tokens], "text": "".join(o.text for o in outs),
-            "tok_s": n / stats.decode_seconds if stats.decode_seconds else 0.0,
-            "per_forward": n / max(1, stats.target_forwards), "n": n, "seconds": seconds,
-            "mask_ms_token": 1000 * c.mask_seconds / max(1, n) if c else None,
-            "mask_ms_position": 1000 * c.mask_seconds / max(1, c.masks) if c else None}
+            "stats": stats, "seconds": time.perf_counter() - start,
+            "mask_ms_token": 1000 * c.mask_seconds / max(1, stats.generated_tokens) if c else 0.0}
 
 
 def mask_alone(engine: Engine, vocab: int, repeats: int = 200) -> dict:
     import mlx.core as mx
 
     c = constrain.Constraint(engine.tokenizer, "json_schema", SCHEMA, 0)
-    prefix = engine.tokenizer.encode('{"users": [{"name": "Ada', add_special_tokens=False)
+    prefix = engine.tokenizer.encode('{"functions": [{"name": "_build', add_special_tokens=False)
     for t in prefix:
         c.matcher.consume_token(t)
-    draft = engine.tokenizer.encode(' Lovelace", "email": "', add_special_tokens=False)[:4]
+    draft = engine.tokenizer.encode('_prompt", "signature": "', add_special_tokens=False)[:4]
     out = {}
     for k in (0, len(draft)):
         start = time.perf_counter()
@@ -96,45 +109,40 @@ def mask_alone(engine: Engine, vocab: int, repeats: int = 200) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--modes", default="none,ngram,suffix,auto")
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--num-draft", type=int, default=6)
+    ap.add_argument("--modes", default="none,ngram,draft,auto",
+                    help="`draft` is skipped where the model has no draft")
+    ap.add_argument("--workloads", default="free,json_schema,tool")
+    ap.add_argument("--max-tokens", type=int, default=120)
     args = ap.parse_args(argv)
-    loaded = mlxspec.load(args.model, mode="none", no_draft=True)
-    engine = Engine(loaded.model, loaded.tokenizer, mode="none", num_draft=args.num_draft)
-    prompt = request(engine)
-    engine.generate(prompt, max_tokens=4)  # warm up
-    rows, reference = [], None
-    for mode in args.modes.split(","):
-        free = run(loaded, mode, args.num_draft, prompt, args.max_tokens)
-        held = run(loaded, mode, args.num_draft, prompt, args.max_tokens, json_schema=SCHEMA)
-        if mode == "none":
-            reference = held["tokens"]
-        same = reference is not None and held["tokens"] == reference
-        try:
-            json.loads(held["text"])
-            valid = True
-        except ValueError:
-            valid = False
-        rows.append((mode, free, held, same, valid))
+    engine = mlxspec.load(args.model)
+    drafts = engine.draft_model is not None or engine.draft_source is not None
+    modes = [m for m in args.modes.split(",") if m != "draft" or drafts]
+    requests = workloads(engine)
+    engine.generate(requests["free"][0], max_tokens=4, mode="none")  # warm up
+    print(f"model {args.model}, {args.max_tokens} tokens at most, T = 0, one engine")
+    print("| request | mode | target forwards | drafted | accepted | tokens/forward | wall s "
+          "| llguidance ms/token | = `none` |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    same = True
+    for name in args.workloads.split(","):
+        prompt, grammar = requests[name]
+        reference = None
+        for mode in modes:
+            r = run(engine, mode, prompt, args.max_tokens, **grammar)
+            s = r["stats"]
+            reference = r["tokens"] if reference is None else reference
+            same &= r["tokens"] == reference
+            print(f"| {name} | `{mode}` | {s.target_forwards} | {s.drafted} | {s.accepted} | "
+                  f"{s.generated_tokens / max(1, s.target_forwards):.2f} | {r['seconds']:.1f} | "
+                  f"{r['mask_ms_token']:.3f} | {'yes' if r['tokens'] == reference else 'NO'} |",
+                  flush=True)
+        print(f"{name} answer:", json.dumps(r["text"][:200]), file=sys.stderr)
     import mlx.core as mx
 
-    vocab = loaded.model(mx.array([[0]]))[0].shape[-1]
+    vocab = engine.model(mx.array([[0]]))[0].shape[-1]
     alone = mask_alone(engine, vocab)
-    print(f"model {args.model}, {args.max_tokens} tokens at most, T = 0, num_draft "
-          f"{args.num_draft}")
-    print("| mode | free tok/s | free tokens/forward | JSON tok/s | JSON tokens/forward "
-          "| mask ms/token | mask ms/position | JSON = none's | parses |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
-    for mode, free, held, same, valid in rows:
-        print(f"| `{mode}` | {free['tok_s']:.1f} | {free['per_forward']:.2f} | "
-              f"{held['tok_s']:.1f} | {held['per_forward']:.2f} | {held['mask_ms_token']:.3f} | "
-              f"{held['mask_ms_position']:.3f} | {'yes' if same else 'NO'} | "
-              f"{'yes' if valid else 'no'} ({held['n']} tokens) |")
     print("mask alone (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in alone.items()))
-    print("free answer:", json.dumps(rows[0][1]["text"][:300]))
-    print("JSON answer:", json.dumps(rows[0][2]["text"][:300]))
-    return 0 if all(same for _, _, _, same, _ in rows) else 1
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

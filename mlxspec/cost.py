@@ -117,9 +117,9 @@ class StepCost:
                     t += c[BASE + self.groups.index(group)] * n
         return t
 
-    def plain(self, span: int = 0) -> float:
-        """Seconds of a pipelined plain step of one row."""
-        return self.time(1, 1, span=span, synced=False)
+    def plain(self, span: int = 0, pipelined: bool = True) -> float:
+        """Seconds of a plain step of one row, pipelined (no sync) or not."""
+        return self.time(1, 1, span=span, synced=not pipelined)
 
     def add(self, rows: int, width: int, proposed: int, forwards: dict[str, int] | None,
             seconds: float, span: int = 0, synced: bool = True) -> None:

@@ -150,12 +150,13 @@ class RowPolicy:
         elif not k:
             self.watch_for = None
 
-    def at(self, span: int) -> None:
-        """The row's cached length, for its policies' cost predictions."""
+    def at(self, span: int, pipelined: bool = True) -> None:
+        """The row's cached length and whether its plain steps are pipelined, for its
+        policies' cost predictions."""
         for policy in (self.policy, self.shadow):
             policy = getattr(policy, "inner", policy)  # (a sharded target's `SyncedPolicy`)
             if isinstance(policy, AdaptiveK):
-                policy.span = span
+                policy.span, policy.pipelined = span, pipelined
 
     def observe(self, source: str, drafted: int, accepted: int, seconds: float | None,
                 context: list[int]) -> None:

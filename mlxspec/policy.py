@@ -77,7 +77,7 @@ class Probe:
 class AdaptiveK:
     """Source and k per step from measured acceptance per arm (`ngram:4`) and the step's cost
     (`cost`, the engine's: shared with every row and batch). Set `span`, the row's cached
-    length, before asking."""
+    length, and `pipelined`, whether its plain steps are, before asking."""
 
     max_k: int = 8
     decay: float = 0.99  # per observation (~100 steps of memory): follows content as it changes
@@ -104,6 +104,9 @@ class AdaptiveK:
     explore_until: float = 8.0
     cost: StepCost = field(default_factory=StepCost)
     span: int = 0  # the row's cached length (what a step's queries attend)
+    # whether the row's plain steps are pipelined (a grammar row's are not: its next draw needs
+    # the last token read), so what a plain step costs it and whether one measures that cost
+    pipelined: bool = True
     sources: dict[str, SourceEstimate] = field(default_factory=dict)
     clock: float = 0.0  # tokens decoded under this policy
     probes: dict[str, Probe] = field(default_factory=dict)
@@ -149,10 +152,11 @@ class AdaptiveK:
         return total
 
     def plain_time(self) -> float:
-        return self.cost.plain(self.span)
+        """Predicted seconds of the row's plain step (synced where it cannot be pipelined)."""
+        return self.cost.plain(self.span, self.pipelined)
 
     def step_time(self, source: str, k: int) -> float:
-        """Predicted seconds of a step proposing k from `source` (0: a pipelined plain one)."""
+        """Predicted seconds of a step proposing k from `source` (0: the row's plain one)."""
         if k == 0:
             return self.plain_time()
         return self.cost.time(1, 1 + k, k, {forward_group(source): k}, self.span)
@@ -171,7 +175,7 @@ class AdaptiveK:
         hit = self._memo.get((source, limit))
         if hit is None:
             offer = RowOffer(survival(self.accept_probs(source), limit), forward_group(source))
-            hit = choose_ks(self.cost, [offer], span=self.span, pipelined=True,
+            hit = choose_ks(self.cost, [offer], span=self.span, pipelined=self.pipelined,
                             default=self.trusted_k)[0][0]
             self._memo[(source, limit)] = hit
         return hit
@@ -179,8 +183,8 @@ class AdaptiveK:
     def plan(self, available: dict[str, int]) -> tuple[str, int]:
         """The source and k for this step (("", 0): decode plainly). Idempotent: the counters
         move in `observe` / `observe_plain`."""
-        if self.cost.since_plain >= self.plain_every:
-            return "", 0  # measure the plain rate again
+        if self.pipelined and self.cost.since_plain >= self.plain_every:
+            return "", 0  # measure the pipelined plain rate again (a synced row cannot)
         best_source, best_k, best_rate = "", 0, 0.0
         probe = None
         for source, n in available.items():

@@ -131,7 +131,8 @@ class BatchRow:
         cap = min(self.num_draft, self.planner.policy.max_k, self.end - len(self.context) - 1)
         if self.proposer is None or cap <= 0:
             return None
-        self.planner.at(len(self.context) - 1)  # (its cache holds all but the last token)
+        # (its cache holds all but the last token; a grammar's plain steps are synced)
+        self.planner.at(len(self.context) - 1, not self.sampling.stateful)
         offered = self.proposer.available(self.context, cap)
         if TREE in offered and not self.proposer.uses_trees and not trees:
             offered = {s: n for s, n in offered.items() if s != TREE}

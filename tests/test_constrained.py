@@ -106,6 +106,22 @@ def test_constrained_output_is_nones_in_every_mode(pair, mode, options):
         assert drafted > 0  # speculation ran on constrained rows
 
 
+def test_auto_speculates_on_a_long_constrained_answer(pair):
+    """A grammar row's plain steps are synced, never the pipelined ones that `auto` stops to
+    measure every 128 synced steps: after more than that many (a long constrained request on
+    the engine), `auto` still proposes where the grammar makes copying pay, as `ngram` does,
+    and gives `none`'s tokens."""
+    target, _ = pair
+    eng = engine(target)
+    regex = "(abcdefgh ){30}"  # the answer repeats itself: lookup copies it
+    want, _, plain = run(eng, "list: ", max_tokens=150, regex=regex)
+    assert plain.target_forwards > 128  # all synced, on the engine's cost model
+    for mode in ("ngram", "auto"):
+        got, _, stats = run(eng, "list: ", max_tokens=150, regex=regex, mode=mode)
+        assert got == want, mode
+        assert stats.accepted > 100 and stats.target_forwards < 60, (mode, stats)
+
+
 def test_the_draft_model_drafts_within_the_grammar(pair, monkeypatch):
     """A constrained row's draft is masked by the grammar as it drafts: verification never
     has to cut it (but at an end-of-sequence token), and the matcher is left as it was."""
