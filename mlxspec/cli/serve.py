@@ -168,9 +168,11 @@ def serve(model, draft_model, mode, num_draft, host, port, spec_max_concurrency,
     limit, source = memory.budget()
     # --distributed: only rank 0 returns here and serves HTTP; the others follow its worker
     # (the server prefills --prefill-chunk tokens a forward: the working set checked at load)
+    # (a sharded load takes no prefill size: its ranks check their own shard)
     engine = load_engine(model, draft_model, mode, num_draft, max_context=max_context,
-                         distributed=distributed, prefill_step_size=max(1, prefill_chunk),
-                         **({"interactive": True} if distributed else {}))
+                         distributed=distributed,
+                         **({"interactive": True} if distributed
+                            else {"prefill_step_size": max(1, prefill_chunk)}))
     try:
         server = make_server(
             engine, host, port, spec_max_concurrency=spec_max_concurrency, max_batch=max_batch,
