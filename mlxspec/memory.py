@@ -120,8 +120,8 @@ def estimate(info: ModelInfo, context: int, *, gpu: bool, name: str = "",
 @dataclass(frozen=True)
 class ServingMemory:
     """The server's memory (`server/worker.py` admits requests by it): the process's limit, the
-    loaded weights, and what a request holds at `tokens` (its prompt + max_tokens): every
-    model's KV cache in 256-token steps, and the working set of its prefill chunk (forwards run
+    loaded weights, and what requests hold at their tokens (prompt + max_tokens): every
+    model's KV cache in 256-token steps, and the working set of a prefill chunk (forwards run
     one at a time, so only the largest of the open requests' counts)."""
 
     limit: int
@@ -134,8 +134,10 @@ class ServingMemory:
 
     @property
     def margin(self) -> int:
-        """Kept free: the runtime (Python, the libraries) and 5% for what is not counted."""
-        return RUNTIME_BYTES + self.limit // 20
+        """Kept free: the runtime twice over (Python, the libraries, the tokenizer, OpenBLAS's
+        buffers: 0.32 GB beside MLX's memory serving the 0.5B) and 5% for what is not
+        counted."""
+        return 2 * RUNTIME_BYTES + self.limit // 20
 
     @property
     def room(self) -> int:
@@ -148,30 +150,41 @@ class ServingMemory:
     def work(self, tokens: int) -> int:
         return max(work_bytes(i, tokens, self.act, self.chunk, self.gpu) for i in self.infos)
 
-    def alone(self, tokens: int) -> int:
-        """What a request of `tokens` needs with nothing else running."""
-        return self.kv(tokens) + self.work(tokens)
+    def need(self, shared: list[int], own: list[int]) -> int:
+        """What requests of these tokens hold: rows of the shared batch each as wide as its
+        longest (the batch's buffers are), twice (a row joining copies them: the old and the
+        new buffers, or its own cache and its row, are alive together); rows on caches of
+        their own, their own; and the largest prefill working set."""
+        kv = 2 * len(shared) * self.kv(max(shared, default=0)) + sum(self.kv(t) for t in own)
+        return kv + max((self.work(t) for t in shared + own), default=0)
 
-    def longest_max_tokens(self, prompt: int) -> int:
+    def alone(self, tokens: int, shared: bool = True) -> int:
+        """What a request of `tokens` needs with nothing else running."""
+        return self.need([tokens], []) if shared else self.need([], [tokens])
+
+    def longest_max_tokens(self, prompt: int, shared: bool = True) -> int:
         """The largest max_tokens with which a request of `prompt` tokens fits alone; -1 where
         its prompt alone does not."""
-        if self.alone(prompt) > self.room:
+        def fits(tokens: int) -> bool:
+            return self.alone(tokens, shared) <= self.room
+
+        if not fits(prompt):
             return -1
-        fits, over = 0, KV_STEP
-        while self.alone(prompt + over) <= self.room:
-            fits, over = over, over * 2
-        while over - fits > 1:
-            mid = (fits + over) // 2
-            fits, over = (mid, over) if self.alone(prompt + mid) <= self.room else (fits, mid)
-        return fits
+        most, over = 0, KV_STEP
+        while fits(prompt + over):
+            most, over = over, over * 2
+        while over - most > 1:
+            mid = (most + over) // 2
+            most, over = (mid, over) if fits(prompt + mid) else (most, mid)
+        return most
 
     def describe(self) -> str:
-        tokens = self.room // max(self.kv(KV_STEP) // KV_STEP, 1)
+        tokens = self.room // max(2 * self.kv(KV_STEP) // KV_STEP, 1)  # (`need`: twice)
         return (f"memory: limit {self.limit / GB:.1f} GB ({self.source}); "
                 f"weights {self.weights / GB:.1f} GB, margin {self.margin / GB:.1f} GB: "
                 f"{max(self.room, 0) / GB:.1f} GB for requests and prompt caches (about "
-                f"{max(tokens, 0)} tokens of KV cache, prompts + max_tokens of the requests "
-                f"running); more wait in the queue")
+                f"{max(tokens, 0)} tokens of prompts + max_tokens of the requests running "
+                f"together); more wait in the queue")
 
 
 def serving_memory(engine, limit: int, source: str, chunk: int) -> ServingMemory:

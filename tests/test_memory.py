@@ -120,9 +120,9 @@ def test_the_prompt_cache_store_shrinks_least_recently_used_first():
 
 def limit_for_room(m: memory.ServingMemory, room: int) -> int:
     """A limit that leaves `room` bytes (or a few more) for requests."""
-    limit = int((room + memory.RUNTIME_BYTES + m.weights) / 0.95)
-    while replace(m, limit=limit).room < room:
-        limit += 1
+    limit = room + m.weights
+    while (left := replace(m, limit=limit).room) < room:
+        limit += room - left  # (the margin grows with the limit: a few rounds)
     return limit
 
 

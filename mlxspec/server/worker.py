@@ -322,10 +322,14 @@ class Worker(threading.Thread):
     def _check_memory(self, job: Job) -> None:
         """Refuse (400, with the numbers) a request that does not fit even alone."""
         m = self.memory
-        if m is None or m.alone(job.tokens) <= m.room:
+        if m is None:
             return
-        prompt, need = len(job.req.prompt), m.alone(job.tokens)
-        longest = m.longest_max_tokens(prompt)
+        shared = self._shares(job)
+        need = m.alone(job.tokens, shared)
+        if need <= m.room:
+            return
+        prompt = len(job.req.prompt)
+        longest = m.longest_max_tokens(prompt, shared)
         self.metrics.rejected("memory")
         raise ApiError(
             400, f"this request needs about {need / GB:.2f} GB ({prompt} prompt tokens + "
@@ -358,21 +362,17 @@ class Worker(threading.Thread):
         return not job.waiting_for_memory
 
     def reserved(self, joining: Job | None = None) -> int:
-        """Bytes the open jobs (and `joining`) hold at their prompt + max_tokens: the shared
-        batch's rows each as wide as its longest (its buffers are), other rows their own;
-        and the largest prefill working set (forwards run one at a time)."""
-        m = self.memory
+        """Bytes the open jobs (and `joining`) hold at their prompt + max_tokens
+        (`ServingMemory.need`)."""
         jobs = [j for j in self.jobs if j.opened] + ([joining] if joining is not None else [])
+        return self.memory.need([j.tokens for j in jobs if self._shares(j)],
+                                [j.tokens for j in jobs if not self._shares(j)])
 
-        def shared(j: Job) -> bool:
-            if j.opened:
-                return j.batch is self.spec_batch
-            return self.batchable and self.batch_spec and not j.req.warmup
-
-        wide = [j.tokens for j in jobs if shared(j)]
-        kv = len(wide) * m.kv(max(wide, default=0)) + sum(
-            m.kv(j.tokens) for j in jobs if not shared(j))
-        return kv + max((m.work(j.tokens) for j in jobs), default=0)
+    def _shares(self, job: Job) -> bool:
+        """Whether the job's row is (or will be) in the shared batch."""
+        if job.opened:
+            return job.batch is self.spec_batch
+        return self.batchable and self.batch_spec and not job.req.warmup
 
     def waiting_for_memory(self) -> int:
         return sum(1 for j in list(self.jobs) if j.waiting_for_memory and not j.opened)
