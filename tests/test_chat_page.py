@@ -232,8 +232,16 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
     assert f"({usage['accepted_tokens']}/{usage['drafted_tokens']})" in stats.inner_text()
     assert any(source == "draft" for _, source in shown)
 
-    # a long reply, stopped while it streams
+    # a long reply, stopped while it streams (each step slowed, so that the answer cannot end
+    # before the stop reaches the server on a loaded machine)
     cancels = server.metrics.cancels + server.metrics.disconnects
+    emit = server.worker._emit
+
+    def slow_emit(job, produced):
+        time.sleep(0.01)
+        emit(job, produced)
+
+    server.worker._emit = slow_emit
     send(page, COUNT, "none", 1000)
     body = page.locator(".message.assistant").last.locator(".body")
     page.wait_for_function(
@@ -245,6 +253,7 @@ def test_page_streams_colours_stops_and_keeps_the_conversation(browser, server):
     assert body.inner_text() == stopped_text  # nothing more came
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
     assert wait_until(lambda: server.metrics.cancels + server.metrics.disconnects > cancels)
+    server.worker._emit = emit
 
     # a reload keeps the conversation, colours and figures
     page.reload()

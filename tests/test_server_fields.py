@@ -205,7 +205,10 @@ def test_slots(setup, model_dirs):
     status, slots = get(srv, "/slots")
     assert status == 200 and len(slots) == srv.total_slots
     assert all(s["n_ctx"] == srv.config.max_context and "params" not in s for s in slots)
-    assert get(srv, "/props")[1]["endpoint_slots"] is True
+    props = get(srv, "/props")[1]
+    assert props["endpoint_slots"] is True
+    # mlxspec's own: the backend the status page shows
+    assert props["backend"] in ("cpu", "metal", "cuda") and props["blas"]
     seen = []
 
     def watch():

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .. import __version__
+from .. import __version__, backend
 from ..caches.shift import check_shiftable
 from ..engine import Engine
 from ..errors import MlxspecError
@@ -608,6 +608,8 @@ class MlxspecServer:
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
             "build_info": f"mlxspec {__version__}",
+            # mlxspec's own: where MLX computes (metal, cuda, cpu) and the CPU's BLAS
+            "backend": backend.device_name(), "blas": backend.blas_in_use,
         }
 
 

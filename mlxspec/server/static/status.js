@@ -90,7 +90,8 @@ async function poll(api) {
   while (samples.length && samples[0].time < Date.now() - KEEP_MS) samples.shift();
   showFacts([
     ["Model", model.id],
-    ["Backend", `${props.build_info || "mlxspec"} (MLX), speculation ${model.meta.mode}, ` +
+    ["Backend", `MLX ${props.backend || "?"}` + (props.blas ? ` (${props.blas})` : "") +
+                `, ${props.build_info || "mlxspec"}, speculation ${model.meta.mode}, ` +
                 `${model.meta.num_draft} tokens a proposal`],
     ["Context", `${model.meta.n_ctx_train || "?"} tokens`],
     ["Status", health.status],
