@@ -38,7 +38,7 @@ from ..suffix_store import load as load_suffix
 from ..suffix_store import save as save_suffix
 from .access import AccessPolicy, Gate, is_loopback, presented_key  # noqa: F401
 from .answers import api_error, dumps, json_response
-from .metrics import Metrics
+from .metrics import Metrics, memory_gauges, mlx_memory
 from .page import static_file, wants_page
 from .protocol import ApiError, RequestParser, ServerConfig
 from .relay import JobGroup, Relay
@@ -504,7 +504,7 @@ class MlxspecServer:
                 "mlxspec_prompt_cache_entries": ("Prompt caches kept.", len(w.cache.entries)),
                 "mlxspec_prompt_cache_bytes": ("Bytes held by kept prompt caches.",
                                                w.cache.nbytes()),
-                **mlx_memory(), **self._memory_gauges(),
+                **mlx_memory(), **memory_gauges(self.memory, self.worker),
             }), media_type="text/plain; version=0.0.4; charset=utf-8")
         if path == "/props":
             return json_response(self._props())
@@ -519,21 +519,6 @@ class MlxspecServer:
                               "endpoints": sorted([*POST_ROUTES, *FAMILY_ROUTES,
                                                    *UTILITY_ROUTES])
                               + list(GET_ROUTES[:-1])})
-
-    def _memory_gauges(self) -> dict:
-        """The memory budget's gauges (none without one)."""
-        m, w = self.memory, self.worker
-        if m is None:
-            return {}
-        return {
-            "mlxspec_requests_waiting_for_memory": (
-                "Requests waiting to start until their memory fits.", w.waiting_for_memory()),
-            "mlxspec_memory_limit_bytes": ("The memory limit requests are admitted under.",
-                                           m.limit),
-            "mlxspec_memory_reserved_bytes": (
-                "Weights, margin, and what open requests and kept prompt caches reserve.",
-                m.limit - m.room + w.reserved() + w.cache.nbytes()),
-        }
 
     def _slots(self) -> list[dict]:
         """llama-server's `GET /slots`: each slot (a job's place, `--spec-max-concurrency`
@@ -612,21 +597,6 @@ class MlxspecServer:
             "backend": backend.device_name(), "blas": backend.blas_in_use,
         }
 
-
-
-def mlx_memory() -> dict:
-    """MLX's allocator: arrays alive, and freed buffers it keeps for reuse (counted in the
-    process's resident memory, and not given back to the system by itself)."""
-    import mlx.core as mx
-
-    out = {}
-    for name, fn, help_ in (("active", "get_active_memory", "Bytes of live MLX arrays."),
-                            ("cache", "get_cache_memory",
-                             "Bytes of freed buffers MLX's allocator keeps for reuse."),
-                            ("peak", "get_peak_memory", "Peak bytes of live MLX arrays.")):
-        if hasattr(mx, fn):
-            out[f"mlxspec_mlx_{name}_memory_bytes"] = (help_, getattr(mx, fn)())
-    return out
 
 
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8080,

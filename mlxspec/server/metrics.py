@@ -182,3 +182,33 @@ class Metrics:
         for name, (help_, value) in gauges.items():
             metric(name, "gauge", help_, [f"{name} {value}"])
         return "\n".join(out) + "\n"
+
+
+def mlx_memory() -> dict:
+    """MLX's allocator: arrays alive, and freed buffers it keeps for reuse (counted in the
+    process's resident memory, and not given back to the system by itself)."""
+    import mlx.core as mx
+
+    out = {}
+    for name, fn, help_ in (("active", "get_active_memory", "Bytes of live MLX arrays."),
+                            ("cache", "get_cache_memory",
+                             "Bytes of freed buffers MLX's allocator keeps for reuse."),
+                            ("peak", "get_peak_memory", "Peak bytes of live MLX arrays.")):
+        if hasattr(mx, fn):
+            out[f"mlxspec_mlx_{name}_memory_bytes"] = (help_, getattr(mx, fn)())
+    return out
+
+
+def memory_gauges(memory, worker) -> dict:
+    """The memory budget's gauges (`memory.ServingMemory`; none without one)."""
+    if memory is None:
+        return {}
+    return {
+        "mlxspec_requests_waiting_for_memory": (
+            "Requests waiting to start until their memory fits.", worker.waiting_for_memory()),
+        "mlxspec_memory_limit_bytes": ("The memory limit requests are admitted under.",
+                                       memory.limit),
+        "mlxspec_memory_reserved_bytes": (
+            "Weights, margin, and what open requests and kept prompt caches reserve.",
+            memory.limit - memory.room + worker.reserved() + worker.cache.nbytes()),
+    }
