@@ -218,22 +218,24 @@ def chat_chunk(req: GenRequest, delta: dict | None, finish: str | None,
                logprobs: dict | None = None) -> dict:
     """A chat stream's chunk: a delta of choice `index`, or (delta None) no choice, with the
     usage of the whole answer when given; `logprobs`: its tokens' (`chat_logprobs`)."""
-    body = {**_oai(req, "chatcmpl", "chat.completion.chunk"),
-            "choices": [] if delta is None else [
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-    if usage is not None:
-        body["usage"] = usage.openai()
-    if timings is not None:
-        body["timings"] = timings
-    return body
+    choice = None if delta is None else {"index": index, "delta": delta}
+    return _chunk(_oai(req, "chatcmpl", "chat.completion.chunk"), choice, finish, usage,
+                  timings, logprobs)
 
 
 def completion_chunk(req: GenRequest, text: str | None, finish: str | None,
                      usage: Usage | None = None, index: int = 0,
                      timings: dict | None = None, logprobs: dict | None = None) -> dict:
-    body = {**_oai(req, "cmpl", "text_completion"),
-            "choices": [] if text is None else [
-                {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}]}
+    choice = None if text is None else {"text": text, "index": index}
+    return _chunk(_oai(req, "cmpl", "text_completion"), choice, finish, usage, timings,
+                  logprobs)
+
+
+def _chunk(head: dict, choice: dict | None, finish: str | None, usage: Usage | None,
+           timings: dict | None, logprobs: dict | None) -> dict:
+    """A stream chunk: its one choice (or none), the usage and timings when given."""
+    body = {**head, "choices": [] if choice is None else [
+        {**choice, "logprobs": logprobs, "finish_reason": finish}]}
     if usage is not None:
         body["usage"] = usage.openai()
     if timings is not None:

@@ -143,7 +143,8 @@ class SourceSpans:
 
 class Answer:
     """The ASGI answer of a generation request, relayed from its jobs' events; an endpoint
-    family's subclass says what the client gets (`relay`, returning the HTTP status)."""
+    family's subclass says what the client gets by its `async relay() -> int` (the HTTP
+    status)."""
 
     def __init__(self, group: JobGroup, metrics, write_timeout: float):
         self.group, self.metrics, self.write_timeout = group, metrics, write_timeout
@@ -167,9 +168,6 @@ class Answer:
         finally:
             watch.cancel()
             self.group.cancel()  # nothing left to do if it ended; a bug must not leave jobs
-
-    async def relay(self) -> int:
-        raise NotImplementedError
 
     async def _watch(self, receive) -> None:
         """Wait for the client to hang up (the body was read before the relay starts)."""
