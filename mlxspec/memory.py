@@ -359,6 +359,35 @@ def available_memory() -> int | None:
         return None
 
 
+PROC_STATM = Path("/proc/self/statm")
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory now (Linux), None where unknown."""
+    import os
+
+    try:
+        return int(PROC_STATM.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def shortfall(limit: int) -> int:
+    """Bytes by which memory runs short now (<= 0: none; the server's worker pauses its newest
+    rows while it does): the process's resident memory (elsewhere: what MLX holds and the
+    runtime) against `limit` less a reserve of 2.5%, and the memory the system has available
+    against that reserve (another process took it). A read of two /proc files (Linux)."""
+    reserve = limit // 40
+    used = resident_bytes()
+    if used is None:
+        import mlx.core as mx
+
+        used = mx.get_active_memory() + mx.get_cache_memory() + RUNTIME_BYTES
+    short = used + reserve - limit
+    free = available_memory() if PROC_STATM.exists() else None  # (macOS: a subprocess)
+    return short if free is None else max(short, reserve - free)
+
+
 def pair_total(target: Estimate, draft: Estimate | None) -> int:
     """The pair's peak: both models' weights and KV caches, and the larger of the two working
     sets (the target and the draft never run a forward at the same time)."""

@@ -130,3 +130,24 @@ def _params(model) -> list:
     from mlx.utils import tree_flatten
 
     return [p for _, p in tree_flatten(model.parameters())]
+
+
+def test_shortfall_reads_the_resident_memory_and_what_the_system_has_left(tmp_path,
+                                                                          monkeypatch):
+    """`memory.shortfall`: resident memory over the limit less 2.5%, or available memory under
+    that reserve (another process took it), whichever is worse; <= 0 while there is room."""
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    statm = tmp_path / "statm"
+    monkeypatch.setattr(memory, "PROC_STATM", statm)
+    monkeypatch.setattr(memory, "available_memory", lambda: 10_000_000_000)
+    limit = 4_000_000_000
+    statm.write_text(f"999999 {3_000_000_000 // page} 0 0 0 0 0\n")
+    assert memory.resident_bytes() == 3_000_000_000 // page * page
+    assert memory.shortfall(limit) < -800_000_000  # room
+    statm.write_text(f"999999 {3_950_000_000 // page} 0 0 0 0 0\n")
+    assert 0 < memory.shortfall(limit) <= 50_000_000  # within the reserve of the limit
+    statm.write_text(f"999999 {3_000_000_000 // page} 0 0 0 0 0\n")
+    monkeypatch.setattr(memory, "available_memory", lambda: 60_000_000)
+    assert memory.shortfall(limit) == limit // 40 - 60_000_000  # the system ran short

@@ -560,6 +560,7 @@ class MlxspecServer:
             out.append({"id": None, "id_task": job.task_id, "is_processing": False,
                         "waiting_for": "memory", "n_prompt_tokens": len(job.req.prompt),
                         "params": {"n_predict": job.req.max_tokens},
+                        "paused": job.paused, "n_decoded": len(job.generated),
                         "memory": {"needed_bytes": m.alone(job.tokens),
                                    "limit_bytes": m.limit,
                                    "reserved_bytes": srv.worker.reserved()}})

@@ -56,6 +56,7 @@ class Metrics:
         self.rejections: dict[str, int] = defaultdict(int)  # 503s by reason
         self.timeouts: dict[str, int] = defaultdict(int)  # by kind: request, read, write
         self.ahead_tokens = 0  # decoded past a t_max_predict_ms cut, for follow-ups
+        self.pauses = 0  # rows paused when memory ran short (requeued with their tokens)
 
     # -- recording (handlers and the worker)
     def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
@@ -102,6 +103,10 @@ class Metrics:
     def looked_ahead(self, tokens: int) -> None:
         with self.lock:
             self.ahead_tokens += tokens
+
+    def paused(self) -> None:
+        with self.lock:
+            self.pauses += 1
 
     def failed(self) -> None:
         with self.lock:
@@ -158,6 +163,9 @@ class Metrics:
                    "Tokens decoded past an answer cut by t_max_predict_ms while the server was "
                    "idle, kept for the follow-up's proposals.",
                    [f"mlxspec_follow_ahead_tokens_total {self.ahead_tokens}"])
+            metric("mlxspec_paused_generations_total", "counter",
+                   "Rows paused when memory ran short (requeued with their tokens, resumed "
+                   "where they stopped).", [f"mlxspec_paused_generations_total {self.pauses}"])
             metric("mlxspec_failed_generations_total", "counter", "Generations that failed.",
                    [f"mlxspec_failed_generations_total {self.failures}"])
             metric("mlxspec_rejected_requests_total", "counter",
@@ -206,6 +214,9 @@ def memory_gauges(memory, worker) -> dict:
     return {
         "mlxspec_requests_waiting_for_memory": (
             "Requests waiting to start until their memory fits.", worker.waiting_for_memory()),
+        "mlxspec_requests_paused_for_memory": (
+            "Requests paused when memory ran short, waiting to resume where they stopped.",
+            worker.paused()),
         "mlxspec_memory_limit_bytes": ("The memory limit requests are admitted under.",
                                        memory.limit),
         "mlxspec_memory_reserved_bytes": (

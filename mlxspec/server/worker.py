@@ -23,7 +23,7 @@ from ..batch_step import BatchSpeculator
 from ..caches.prompt import PromptCache, PromptCacheStore
 from ..engine import Engine
 from ..errors import MlxspecError
-from ..memory import GB, ServingMemory
+from ..memory import GB, ServingMemory, shortfall
 from ..planning import BatchPolicy
 from ..row import BatchRow
 from ..stats import Stats
@@ -103,6 +103,12 @@ class Job:
     reported: int = -1  # the prompt tokens processed at its last prompt_progress
     prompt_cached: int = 0  # of them, reused from the prompt cache
     waiting_for_memory: bool = False  # its memory does not fit yet: it waits to open
+    # paused when memory ran short (`Worker._pause`): the tokens it generated so far (its row
+    # reopens on its prompt + these, for the rest of max_tokens) and its text's state
+    generated: list[int] = field(default_factory=list)
+    detok: object | None = None  # its row's `stopstrings.Detokenizer`, carried to the next row
+    pauses: int = 0
+    base: int = 0  # of them, generated before the row its `stats` count (opened after a pause)
 
     @property
     def tokens(self) -> int:
@@ -116,6 +122,16 @@ class Job:
     @property
     def opened(self) -> bool:
         return self.row is not None
+
+    @property
+    def prompt(self) -> list[int]:
+        """What its row opens on: its prompt, and the tokens it generated before a pause."""
+        return self.req.prompt + self.generated if self.generated else self.req.prompt
+
+    @property
+    def paused(self) -> bool:
+        """Paused when memory ran short: it waits to reopen where it stopped."""
+        return self.pauses > 0 and not self.opened
 
     def cut(self, text: str) -> tuple[str, bool]:
         """The text to emit after the n_indent rule, and whether it ends the answer."""
@@ -134,7 +150,8 @@ class Worker(threading.Thread):
                  max_queue: int = 64, cache_bytes: int = 2 << 30, cache_entries: int = 8,
                  prefill_chunk: int = 512, metrics=None, request_timeout: float | None = None,
                  batch_spec: bool = True, suffix: SuffixStores | None = None,
-                 follow_ahead: bool = True, memory: ServingMemory | None = None):
+                 follow_ahead: bool = True, memory: ServingMemory | None = None,
+                 memory_probe=None, probe_interval: float = 1.0):
         super().__init__(name="mlxspec-worker", daemon=True)
         self.engine = engine
         # earlier requests' text per scope, for the suffix source (this thread only)
@@ -151,6 +168,14 @@ class Worker(threading.Thread):
         self.cache = PromptCacheStore(cache_bytes, cache_entries)
         # set: a job opens only when its memory fits beside the open jobs' (`_may_open`)
         self.memory = memory
+        # with a budget: every probe_interval s, the bytes memory runs short by (<= 0: none;
+        # `memory.shortfall`); while it does the newest rows are paused (`_relieve`)
+        self.memory_probe = memory_probe or (
+            (lambda: shortfall(memory.limit)) if memory is not None else None)
+        self.probe_interval = probe_interval
+        self._probed = 0.0  # perf_counter time of the last probe
+        self.short = False  # memory ran short: jobs open only where the probe shows room
+        self.pauses = 0  # rows paused so far
         self.jobs: list[Job] = []
         # made on this thread (their proposers' arrays live there) from the engine's weights
         self.idle_slots: list[Engine] = []
@@ -276,6 +301,7 @@ class Worker(threading.Thread):
                         opened += 1
                         self._guarded(job, self._open_job)
                 self._step_all()
+                self._relieve()
             except Exception:  # never let the worker die: fail the requests in flight
                 log.error("worker error:\n%s", traceback.format_exc())
                 for job in list(self.jobs):
@@ -347,7 +373,7 @@ class Worker(threading.Thread):
     def _take_cache(self, job: Job) -> None:
         """The job takes the kept prompt cache sharing most of its prompt (once)."""
         if job.cache is None:
-            job.cache = self.cache.take(job.req.prompt, job.req.cache_reuse)
+            job.cache = self.cache.take(job.prompt, job.req.cache_reuse)
 
     def _may_open(self, job: Job) -> bool:
         """Whether the job's memory fits beside the open jobs' (the prompt caches kept give
@@ -358,7 +384,7 @@ class Worker(threading.Thread):
         self._take_cache(job)
         left = self.memory.room - self.reserved(job)
         self.cache.shrink(left)
-        job.waiting_for_memory = self.cache.nbytes() > left
+        job.waiting_for_memory = self.cache.nbytes() > left or self._still_short(job)
         return not job.waiting_for_memory
 
     def reserved(self, joining: Job | None = None) -> int:
@@ -377,9 +403,82 @@ class Worker(threading.Thread):
     def waiting_for_memory(self) -> int:
         return sum(1 for j in list(self.jobs) if j.waiting_for_memory and not j.opened)
 
+    def paused(self) -> int:
+        """Jobs paused when memory ran short, waiting to resume."""
+        return sum(1 for j in list(self.jobs) if j.paused)
+
+    # -- memory running short anyway (another process took it): docs/SERVER.md, "Memory"
+    def _relieve(self) -> None:
+        """Every probe_interval s: where memory runs short, MLX's kept buffers go back first,
+        then the newest row is paused (one a probe; never the last open one)."""
+        if self.memory_probe is None or not self.jobs:
+            return
+        now = time.perf_counter()
+        if now - self._probed < self.probe_interval:
+            return
+        self._probed = now
+        if self.memory_probe() <= 0:
+            return
+        mx.clear_cache()
+        if self.memory_probe() <= 0:
+            return
+        self._end_look_ahead()  # answered already: they go first
+        open_ = [j for j in self.jobs if j.opened]
+        pausable = [j for j in open_ if self._pausable(j)]
+        if len(open_) > 1 and pausable:
+            self._pause(max(pausable, key=lambda j: j.task_id))
+
+    def _pausable(self, job: Job) -> bool:
+        """Whether the job's row can be paused and recomputed to the same answer: a request
+        (not a warm-up, not answered already), decoding or prefilling, all its output read,
+        and no grammar (its matcher's state is not carried)."""
+        row = job.row
+        return (not job.ahead and not job.req.warmup and row.live and row.error is None
+                and not row.outputs and row.detok is not None
+                and getattr(row.sampling.state, "constraint", None) is None)
+
+    def _pause(self, job: Job) -> None:
+        """Close the job's row, its cache dropped (memory is short), and put it back at the
+        head of the waiting jobs with the tokens it generated: it reopens on its prompt + them
+        for the rest of max_tokens (its seeded draws by position unchanged) and its text goes
+        on from its detokenizer's state (a character or a stop string split at the pause)."""
+        row = job.row
+        job.generated = list(row.context[len(job.req.prompt):])
+        job.detok, job.pauses = row.detok, job.pauses + 1
+        self.pauses += 1
+        try:
+            job.batch.close(row)
+        except Exception:
+            log.error("pausing a generation failed:\n%s", traceback.format_exc())
+        if job.cache is not None:
+            job.cache.drop()
+        # (it keeps its engine slot: it is still a job)
+        job.cache, job.row, job.batch, job.mode, job.slot_id = None, None, None, None, None
+        self.jobs.remove(job)  # before the jobs waiting to open
+        at = next((i for i, j in enumerate(self.jobs) if not j.opened), len(self.jobs))
+        self.jobs.insert(at, job)
+        job.waiting_for_memory = self.short = True
+        mx.clear_cache()
+        self.metrics.paused()
+        log.warning("memory runs short: request %d paused after %d tokens (requeued)",
+                    job.task_id, len(job.generated))
+
+    def _still_short(self, job: Job) -> bool:
+        """Memory ran short: a job opens only where the probe shows room for it alone, or
+        where nothing else is open."""
+        if not self.short:
+            return False
+        if (any(j.opened for j in self.jobs)
+                and self.memory_probe() + self.memory.alone(job.tokens, self._shares(job)) > 0):
+            return True
+        self.short = False
+        return False
+
     def _open_job(self, job: Job) -> None:
-        """Open the job as a row, speculating unless spec_max_concurrency requests do."""
+        """Open the job as a row, speculating unless spec_max_concurrency requests do (a
+        paused one: on its prompt + what it generated, for the rest of max_tokens)."""
         r = job.req
+        prompt, resumed = job.prompt, len(job.generated)
         self._take_cache(job)
         over = (self.batchable and not r.warmup
                 and self.speculating() >= self.spec_max_concurrency)
@@ -388,12 +487,13 @@ class Worker(threading.Thread):
         job.slot_id = next(i for i in range(len(used) + 1) if i not in used)
         job.opened_at = time.perf_counter()
         self._bind_suffix(job)
-        kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens, temperature=r.temperature,
+        kwargs = dict(max_tokens=1 if r.warmup else r.max_tokens - resumed,
+                      temperature=r.temperature,
                       top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, seed=r.seed, stop=r.stop,
                       prediction=r.prediction, num_draft=r.num_draft, prompt_cache=job.cache,
                       mode=job.mode, prefill_chunk=self.prefill_chunk,
                       cache_reuse=r.cache_reuse, **r.engine_options())
-        if r.return_progress:
+        if r.return_progress and not resumed:
             # the last prompt token is always processed (the first step feeds it)
             job.prompt_cached = min(self._cached(job), len(r.prompt) - 1)
             self._progress(job, job.prompt_cached)
@@ -407,10 +507,13 @@ class Worker(threading.Thread):
                 and job.slot.accepts(kwargs["mode"])):
             if self.spec_batch is None:
                 self.spec_batch = BatchSpeculator(self.engine.model, BatchPolicy(self.engine.cost))
-            job.batch, job.row = self.spec_batch, job.slot.join(self.spec_batch, r.prompt,
+            job.batch, job.row = self.spec_batch, job.slot.join(self.spec_batch, prompt,
                                                                  **kwargs)
         else:  # a batch of one on its own cache, of any kind (a sharded one: on every rank)
-            job.batch, job.row = job.slot.open(r.prompt, **kwargs)
+            job.batch, job.row = job.slot.open(prompt, **kwargs)
+        if job.detok is not None:  # resumed: its text goes on where it paused
+            job.detok.stats, job.row.detok = job.row.stats, job.detok
+            job.base, job.stats = resumed, None  # (its stats count from here)
 
     def speculating(self) -> int:
         """Open jobs decoding in a speculative mode (what --spec-max-concurrency bounds)."""
@@ -606,12 +709,16 @@ class Worker(threading.Thread):
         """The request's last event (its row may decode on: `_looks_ahead`)."""
         stats = stats or job.stats or Stats(prompt_tokens=len(job.req.prompt))
         usage = Usage.from_stats(stats)
+        if job.pauses:  # paused (and resumed): its own prompt, and every token generated
+            usage.prompt_tokens = len(job.req.prompt)
+            usage.cached_tokens = min(usage.cached_tokens, usage.prompt_tokens)
+            usage.generated_tokens += job.base
         usage.batched = self.over_limit(job)  # decoded plainly, over --spec-max-concurrency
         usage.batched_speculative = job.batch is self.spec_batch and not usage.batched
         pc = job.cache
         usage.context_tokens = (len(pc.tokens) if pc is not None and pc.cache is not None
                                 and job not in self.jobs
-                                else len(job.req.prompt) + max(0, stats.generated_tokens - 1))
+                                else len(job.req.prompt) + max(0, usage.generated_tokens - 1))
         if drop_output:
             usage.completion_tokens = 0
         self._done(job, Done(finish, usage, stopping_word=stop_string))
