@@ -32,6 +32,20 @@ from .stopstrings import StepOutput
 from .target import Target
 
 
+@dataclass(frozen=True)
+class Regime:
+    """What the batch does for its cache's layout, decided once each time the layout changes
+    (`BatchSpeculator._settle`): a row on its own cache (a batch of one) differs from rows
+    sharing ragged rows in how it is planned, replanned and timed, and in that it may verify a
+    token tree."""
+
+    own_row: BatchRow | None  # the row decoding on its own cache (None: shared, or none)
+    plans_by_row: bool  # each row plans by its own policy, not the batch's (`_plans`)
+    replans_each_step: bool  # a plain stretch asks after every token (`_replan`)
+    times_stretch_start: bool  # rows learn a plain stretch's synced first step (`_deliver`)
+    trees: bool  # a token tree can be verified now
+
+
 @dataclass
 class QueuedPlainStep:
     """A plain step started for `rows` (per slot; None: not fed, or left since) before the
@@ -64,7 +78,6 @@ class BatchSpeculator:
         self.speculating = 0  # rows with a proposer: only they are planned
         self.stateful = 0  # rows whose next draw needs the last token read (no pipelining)
         self.argmax = 0  # rows whose next token is the argmax of the logits, nothing else
-        self.trees = False  # a token tree can be verified now (`_trees_here`)
         self.steps = 0  # batched forwards run
         self.rows_stepped = 0  # row-steps run (steps * mean batch size)
         self.plain_steps = 0  # batched forwards in which no row proposed
@@ -78,6 +91,8 @@ class BatchSpeculator:
         self.admission = Admission(model, self.policy.cost)  # the rows opened, not decoding yet
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
         self._tree_model: bool | None = None  # the model's attention can verify token trees
+        self.regime: Regime  # what the cache's layout means for the loop (`_settle`)
+        self._settle()
 
     def open(self, req: Request, target: Target, *, progress=None,
              prefill_chunk: int | None = None) -> BatchRow:
@@ -107,6 +122,7 @@ class BatchSpeculator:
                 if own and not self.slots:
                     self.cache.put_row(0, row.pc.take())  # given back on leaving
                     self.slots = [row]
+                    self._settle()
                 else:
                     if not row.shares or any(not r.shares for r in self.rows):
                         raise MlxspecError("this request cannot run in the batched step")
@@ -116,19 +132,30 @@ class BatchSpeculator:
             except Exception as e:
                 row.fail(e)
                 row.pc.drop()
+                self._settle()  # (a move that failed half-way may have changed the layout)
                 continue
             self.rows.append(row)
             self.speculating += row.proposer is not None
             self.stateful += bool(getattr(row.sampling, "stateful", False))
             self.argmax += _argmax_only(row.sampling)
-        self.trees = self._trees_here()
+
+    def _settle(self) -> None:
+        """Decide the loop's regime after the cache's layout changed (a first row put on its
+        own cache, rows moved into ragged rows, the last row gone): the one place the batch
+        asks `Rows.alone`; the loop reads `self.regime`."""
+        own = self.cache.alone
+        row = self.slots[0] if own and self.slots else None
+        self.regime = Regime(own_row=row, plans_by_row=own, replans_each_step=own,
+                             times_stretch_start=not own,
+                             trees=row is not None and self._tree_model_here())
 
     def _sharing(self) -> None:
-        """The row alone is about to share the cache's rows: a step queued for it undone, its
-        draft into the draft's rows."""
-        if self.cache.alone and self.slots:
+        """The row on its own cache (if any) is about to share the cache's rows: a step queued
+        for it undone, its draft into the draft's rows."""
+        row = self.regime.own_row
+        if row is not None:
             self.drop_queued()
-            self._join_draft(self.slots[0])
+            self._join_draft(row)
 
     def _make_room(self, room: int, num_layers: int) -> None:
         """`room` empty slots for a group joining at once (growing copies every buffer)."""
@@ -137,6 +164,7 @@ class BatchSpeculator:
             self._sharing()
             self.cache.add_empty_rows(need, num_layers)
             self.slots.extend([None] * need)
+            self._settle()
 
     def _put(self, row: BatchRow) -> None:
         """A row's single-request cache (and its draft's) into the shared rows."""
@@ -155,6 +183,7 @@ class BatchSpeculator:
             slots.append(row)
         else:
             slots[b] = row
+        self._settle()
         mx.async_eval(self.cache.evaluate())
         row.pc.take()  # the batch holds it now; given back on leaving
         self._join_draft(row)
@@ -166,11 +195,9 @@ class BatchSpeculator:
             self.drafts.setdefault(id(draft.model), DraftRows(draft.model)).join(draft)
             self.drafting[row] = draft
 
-    def _trees_here(self) -> bool:
-        """Whether a token tree can be verified now: a row on its own cache, of a model whose
-        attention takes per-token positions and has no recurrent layers (`tree.py`)."""
-        if not self.slots or not self.cache.alone:
-            return False
+    def _tree_model_here(self) -> bool:
+        """Whether a token tree can be verified on the row's own cache: the model's attention
+        takes per-token positions and the cache has no recurrent layers (`tree.py`)."""
         if self._tree_model is None:
             from .tree import rope_sites
 
@@ -222,9 +249,9 @@ class BatchSpeculator:
             row.pc.hold(layers, row.context[:-1])
         if not self.rows:
             self.cache, self.slots, self.queued = Rows(self.model), [], None
+            self._settle()
         else:
             self._compact()
-        self.trees = self._trees_here()
 
     def _compact(self) -> None:
         """Drop the empty slots once they are half the batch (each costs a row's compute)."""
@@ -372,7 +399,8 @@ class BatchSpeculator:
         if self.speculating and timed:
             self.policy.cost.add(len(self.slots), 1, 0, None, seconds, span, started is not None)
         # (a row on its own cache learns only the steady state: not a stretch's synced first)
-        seconds = None if not timed or (started and self.cache.alone) else seconds
+        if not timed or (started and not self.regime.times_stretch_start):
+            seconds = None
         for r, token in zip(q.rows, tokens):
             if r is not None:
                 self.rows_stepped += 1
@@ -389,7 +417,7 @@ class BatchSpeculator:
     def _replan(self, rows: list[BatchRow | None]) -> bool:
         """Whether a row of the stretch would propose now (a row on its own cache asks every
         step, as cheap sources end a stretch at once; shared rows every `replan_gap`)."""
-        if not self.cache.alone and self.pipelined % self.replan_gap:
+        if not self.regime.replans_each_step and self.pipelined % self.replan_gap:
             return False
         return any(k for _, k in self._plans([r for r in rows if r is not None], commit=False))
 
@@ -397,8 +425,8 @@ class BatchSpeculator:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
         plan on its own cache (by the same cost model and rule, `policy.choose_ks`).
         `commit=False`: only asking (a forced probe is not counted as taken)."""
-        if self.cache.alone:
-            return [r.planner.plan(r.available(self.trees), r.context) for r in rows]
+        if self.regime.plans_by_row:
+            return [r.planner.plan(r.available(self.regime.trees), r.context) for r in rows]
         return self.policy.plan_rows(rows, self.steps, commit, len(self.slots), self._span(),
                                      self._can_pipeline(rows))
 

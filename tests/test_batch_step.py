@@ -184,9 +184,10 @@ def test_a_request_alone_in_the_batch_and_its_prompt_cache(pair):
 
 
 def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
-    """A row runs alone (on its own cache) for a few steps, then another joins: both
-    continue in the batch, each output equal to the request alone, and the first row's cache
-    moved in holding exactly its tokens but the last."""
+    """A row runs alone (on its own cache, planned by its own policy) for a few steps, then
+    another joins: both continue in the batch, planned by the batch's policy, each output
+    equal to the request alone (the first row's cache moved in holding exactly its tokens but
+    the last); once both leave, a next row would run on its own cache again."""
     target, _ = pair
     base = make_engine(target, mode="auto")
     reqs = [(list(range(3, 40)), "auto", 30, {}), ([1, 2, 3, 4, 5, 6] * 3, "ngram", 20, {})]
@@ -197,13 +198,17 @@ def test_a_lone_row_moves_into_the_batch_when_another_joins(pair):
     for _ in range(5):
         outs[0].extend(next_output(batch, rows[0]).tokens)
     assert batch.slots == rows[:1] and batch.cache.alone  # on its own cache
+    assert batch.regime.own_row is rows[0] and batch.regime.plans_by_row
     rows.append(base.clone().join(batch, reqs[1][0], max_tokens=20, mode="ngram"))
     outs[1].extend(next_output(batch, rows[1]).tokens)  # its prefill; the lone row moves in
     assert not batch.cache.alone
+    assert batch.regime.own_row is None and not batch.regime.plans_by_row
+    assert not batch.regime.replans_each_step and not batch.regime.trees
     assert batch.slots == rows  # two rows wide: no empty slot fed padding every step
     drain(batch, rows, outs)
     assert outs == want
     assert batch.steps > 0
+    assert not batch.rows and batch.cache.alone and batch.regime.plans_by_row
 
 
 def test_two_rows_cannot_share_a_prompt_cache_even_while_one_prefills_in_chunks(pair):

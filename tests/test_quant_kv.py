@@ -312,25 +312,34 @@ def test_appends_grow_linearly():
 
 
 def test_attention_tiles_are_bounded(monkeypatch):
-    """No score matrix wider than one block: every packed product covers <= block_size keys."""
+    """No score matrix wider than one block: every packed product (a step) and every tile of
+    reconstructed codes (a prefill chunk's shared tiles) covers <= block_size keys."""
+    # (spies on the module's kernels: a tile's width bounds memory, the outputs cannot show it)
     from mlxspec.quant import hierarchical_cache as hc
 
-    widths = []
-    real = hc._planes_product
+    products, tiles = [], []
+    real_product, real_tile = hc._planes_product, hc._dequantized
 
-    def spy(x, planes, group_size, two):
-        out = real(x, planes, group_size, two)
-        widths.append(out.shape[-1])
+    def product(x, planes, group_size, two):
+        out = real_product(x, planes, group_size, two)
+        products.append(out.shape[-1])
         return out
 
-    monkeypatch.setattr(hc, "_planes_product", spy)
+    def tile(planes, group_size, two):
+        out = real_tile(planes, group_size, two)
+        tiles.append(max(out.shape[-2:]))  # keys (.., D, tokens), values (.., tokens, D)
+        return out
+
+    monkeypatch.setattr(hc, "_planes_product", product)
+    monkeypatch.setattr(hc, "_dequantized", tile)
     c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
     k = mx.random.normal((1, 2, 1100, 32))
     kv, _ = c.update_and_fetch(k, k)
     hierarchical_attention(mx.random.normal((1, 4, 1100, 32)), kv, 0.1, "causal")
     kv, _ = c.update_and_fetch(k[..., :1, :], k[..., :1, :])
     hierarchical_attention(mx.random.normal((1, 4, 1, 32)), kv, 0.1)
-    assert widths and max(widths) <= 256
+    assert products and max(products) <= 256
+    assert tiles and max(tiles) <= 256
     assert len(c.blocks) == 5 and c.blocks[-1].cap <= 256
 
 
@@ -381,6 +390,7 @@ def test_shared_tile_prefill_equals_per_row(monkeypatch, g, block, buffer, view,
     per-group windows) gives what the per-row computation gives, to float32 rounding."""
     from mlxspec.quant import hierarchical_cache as hc
 
+    # (a spy: both paths give the same output, so only the call shows the shared one ran)
     calls = []
     real = hc._shared_tile_attention
     monkeypatch.setattr(hc, "_shared_tile_attention", lambda q, kv: calls.append(1) or real(q, kv))
@@ -408,34 +418,33 @@ def test_shared_tile_prefill_half_precision(monkeypatch, dtype):
     assert err_shared <= 1.1 * err_rows, (err_shared, err_rows)
 
 
-def test_verifies_keep_the_per_row_path(monkeypatch):
-    """The longest verify (MAX_NUM_DRAFT + 1 rows) takes the per-row computation that equals
-    single-token steps bit for bit; only longer forwards (prefill chunks) share tiles, and
-    their tiles of reconstructed codes never exceed block_size tokens."""
+def test_the_longest_verify_after_a_long_prefill_equals_single_steps():
+    """After a prefill chunk long enough to share tiles of codes (over SHARED_TILE_ROWS rows),
+    the longest verify (MAX_NUM_DRAFT + 1 rows) still gives every row exactly the bits that
+    single-token steps give: only prefill chunks share tiles, verifies compute per row."""
     from mlxspec.policy import MAX_NUM_DRAFT
-    from mlxspec.quant import hierarchical_cache as hc
+    from mlxspec.quant.hierarchical_cache import SHARED_TILE_ROWS
 
-    assert hc.SHARED_TILE_ROWS >= MAX_NUM_DRAFT + 1
-    shared, widths = [], []
-    real_shared, real_deq = hc._shared_tile_attention, hc._dequantized
-    monkeypatch.setattr(hc, "_shared_tile_attention",
-                        lambda q, kv: shared.append(kv.num) or real_shared(q, kv))
-
-    def spy(planes, group_size, two):
-        out = real_deq(planes, group_size, two)
-        widths.append(max(out.shape[-2:]))  # keys (.., D, tokens), values (.., tokens, D)
-        return out
-
-    monkeypatch.setattr(hc, "_dequantized", spy)
-    c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
-    k = mx.random.normal((1, 2, 1100 + MAX_NUM_DRAFT + 1, 32))
-    kv, _ = c.update_and_fetch(k[..., :1100, :], k[..., :1100, :])
-    hierarchical_attention(mx.random.normal((1, 4, 1100, 32)), kv, 0.1, "causal")
-    rest = k[..., 1100:, :]
-    kv, _ = c.update_and_fetch(rest, rest)
-    hierarchical_attention(mx.random.normal((1, 4, rest.shape[2], 32)), kv, 0.1, "causal")
-    assert shared == [1100]
-    assert widths and max(widths) <= 256
+    width, prefix = MAX_NUM_DRAFT + 1, 1100
+    assert prefix > SHARED_TILE_ROWS >= width
+    mx.random.seed(5)
+    n_kv, heads, d = 2, 4, 32
+    k = (mx.random.normal((1, n_kv, prefix + width, d)) * 2).astype(mx.bfloat16)
+    v = mx.random.normal((1, n_kv, prefix + width, d)).astype(mx.bfloat16)
+    q = mx.random.normal((1, heads, prefix + width, d)).astype(mx.bfloat16)
+    outs = []
+    for rows in ((width,), (1,) * width):
+        c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
+        kv, _ = c.update_and_fetch(k[..., :prefix, :], v[..., :prefix, :])
+        hierarchical_attention(q[:, :, :prefix], kv, d**-0.5, "causal")
+        out, done = [], prefix
+        for n in rows:
+            kv, _ = c.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
+            out.append(hierarchical_attention(q[:, :, done : done + n], kv, d**-0.5,
+                                              "causal" if n > 1 else None))
+            done += n
+        outs.append(mx.concatenate(out, axis=2))
+    assert mx.array_equal(outs[0], outs[1]).item()
 
 
 def test_state_is_per_block_and_reads_the_old_layout():
@@ -494,6 +503,7 @@ def test_float_product_matches_packed_kernels(two, k, n, g):
     """The CPU's float32 route (scales factored out of float products over the codes) computes
     what MLX's packed kernels compute from the same planes, keys-like (many groups along N) and
     values-like (groups along head_dim), in the target's 8-bit view and the draft's 4-bit one."""
+    # (the module's kernels compared directly: closer than attention outputs could show)
     from mlxspec.quant import hierarchical_cache as hc
 
     mx.random.seed(7)
@@ -513,6 +523,7 @@ def test_softmax_exponential_matches_mx_exp():
     `mx.exp` over the range a softmax reaches, broadcasting like a subtraction, exactly 1 at
     the row maximum and exactly 0 for masked scores (so the masked columns of a verify row add
     nothing, as a single step's absent columns)."""
+    # (the module's compiled exponential directly: its precision is below what outputs show)
     from mlxspec.quant import hierarchical_cache as hc
 
     xs = mx.linspace(-87.0, 0.0, 100_001)

@@ -7,8 +7,8 @@ request joining moves them into ragged rows (`RaggedKVCache`: plain attention of
 lengths; only such requests share a batch, `Target.shareable`). One interface for both:
 `lengths`, `checkpoint` before a forward that may be undone, `trim_rows` after it,
 `put_row`/`take_row` to move a request's cache in and out, `keep_rows` and `add_empty_rows`
-to resize. `alone`: it holds one request's own cache (the batch plans such a row by its own
-policy, and it can verify a token tree).
+to resize. `alone`: it holds one request's own cache, not ragged rows (what that means for
+the decode loop the batch decides once per change, `BatchSpeculator._settle`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ class Rows:
     def __init__(self, model, layers: list | None = None):
         self.model = model
         self.layers: list = []  # what a forward takes
-        self.alone = True  # one request's own layers (or none yet), not ragged rows
+        # One request's own layers (or none yet), not ragged rows. Read only where a caller
+        # acts on the layout itself (the step refuses several rows on one request's cache and
+        # runs a tree only there, `step.py`; the draft's rows trim by it, `proposers/draft.py`);
+        # the decode loop's regime is decided once from it (`BatchSpeculator._settle`).
+        self.alone = True
         self.recurrent = self.plain = False
         if layers is not None:
             self.put_row(0, layers)
