@@ -372,11 +372,32 @@ def resident_bytes() -> int | None:
         return None
 
 
+def cgroup_anon() -> tuple[int, int] | None:
+    """(anonymous memory charged, limit) of the control group whose limit is the process's
+    (`cgroup_limit`): what every process of the group holds and the kernel cannot reclaim
+    (v1 `total_rss`, v2 `anon` of `memory.stat`; the page cache, reclaimed first, left out);
+    None where there is no limit."""
+    found = cgroup_limit()
+    if found is None:
+        return None
+    limit, file = found
+    key = "total_rss" if file.endswith("limit_in_bytes") else "anon"
+    try:
+        for line in (Path(file).parent / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value), limit
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def shortfall(limit: int) -> int:
     """Bytes by which memory runs short now (<= 0: none; the server's worker pauses its newest
-    rows while it does): the process's resident memory (elsewhere: what MLX holds and the
-    runtime) against `limit` less a reserve of 2.5%, and the memory the system has available
-    against that reserve (another process took it). A read of two /proc files (Linux)."""
+    rows while it does), against a reserve of 2.5% of `limit`: the process's resident memory
+    (elsewhere: what MLX holds and the runtime) against `limit`, the anonymous memory of its
+    control group (every process in it) against the group's limit, and the memory the system
+    has available (another process took it). A few small /proc and /sys files (Linux)."""
     reserve = limit // 40
     used = resident_bytes()
     if used is None:
@@ -384,8 +405,13 @@ def shortfall(limit: int) -> int:
 
         used = mx.get_active_memory() + mx.get_cache_memory() + RUNTIME_BYTES
     short = used + reserve - limit
-    free = available_memory() if PROC_STATM.exists() else None  # (macOS: a subprocess)
-    return short if free is None else max(short, reserve - free)
+    if PROC_STATM.exists():  # (macOS: a subprocess; no control groups)
+        free, group = available_memory(), cgroup_anon()
+        if free is not None:
+            short = max(short, reserve - free)
+        if group is not None:
+            short = max(short, group[0] + reserve - group[1])
+    return short
 
 
 def pair_total(target: Estimate, draft: Estimate | None) -> int:

@@ -142,6 +142,7 @@ def test_shortfall_reads_the_resident_memory_and_what_the_system_has_left(tmp_pa
     statm = tmp_path / "statm"
     monkeypatch.setattr(memory, "PROC_STATM", statm)
     monkeypatch.setattr(memory, "available_memory", lambda: 10_000_000_000)
+    monkeypatch.setattr(memory, "cgroup_anon", lambda: None)
     limit = 4_000_000_000
     statm.write_text(f"999999 {3_000_000_000 // page} 0 0 0 0 0\n")
     assert memory.resident_bytes() == 3_000_000_000 // page * page
@@ -151,3 +152,20 @@ def test_shortfall_reads_the_resident_memory_and_what_the_system_has_left(tmp_pa
     statm.write_text(f"999999 {3_000_000_000 // page} 0 0 0 0 0\n")
     monkeypatch.setattr(memory, "available_memory", lambda: 60_000_000)
     assert memory.shortfall(limit) == limit // 40 - 60_000_000  # the system ran short
+    # another process of its control group took it: the group's anonymous memory
+    monkeypatch.setattr(memory, "available_memory", lambda: 10_000_000_000)
+    monkeypatch.setattr(memory, "cgroup_anon", lambda: (3_950_000_000, limit))
+    assert memory.shortfall(limit) == 3_950_000_000 + limit // 40 - limit
+
+
+@pytest.mark.parametrize("groups, files, found", [
+    (V1_GROUP, {"memory/jobs/a/memory.limit_in_bytes": "3000000000",
+                "memory/jobs/a/memory.stat": "cache 5\nrss 7\ntotal_cache 9\ntotal_rss 2500"},
+     (2500, 3_000_000_000)),
+    ("0::/job\n", {"job/memory.max": "2000000000",
+                   "job/memory.stat": "anon 1234\nfile 99999\nanon_thp 0"}, (1234, 2_000_000_000)),
+    ("0::/job\n", {"job/memory.max": "max"}, None),
+])
+def test_the_control_groups_anonymous_memory(fake_cgroups, groups, files, found):
+    fake_cgroups(groups, files)
+    assert memory.cgroup_anon() == found
