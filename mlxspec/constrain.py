@@ -183,11 +183,14 @@ class Constraint:
     def cut(self, draft: list[int]) -> int:
         """How many leading draft tokens the grammar allows (a proposal is cut there), an
         end-of-sequence token excluded (the target's own draw after the tokens before it
-        ends the answer: past it the grammar allows nothing)."""
+        ends the answer: past it the grammar allows nothing), and an id beyond the
+        tokenizer's (a model's padded head, never allowed: the matcher would fail on it)."""
         if self.matcher.is_stopped() or not draft:
             return 0
         draft = [int(t) for t in draft]
-        end = next((i for i, t in enumerate(draft) if t in self.eos), len(draft))
+        vocab = self.llg.vocab_size
+        end = next((i for i, t in enumerate(draft) if t in self.eos or not 0 <= t < vocab),
+                   len(draft))
         return self.matcher.validate_tokens(draft[:end]) if end else 0
 
     def bitmasks(self, draft: list[int]) -> np.ndarray:
@@ -229,7 +232,8 @@ class DraftGuide:
         if self.done:
             return
         t = int(token.item()) if not isinstance(token, int) else token
-        if t in self.c.eos or not self.c.matcher.validate_tokens([t]):
+        if (t in self.c.eos or not 0 <= t < self.c.llg.vocab_size
+                or not self.c.matcher.validate_tokens([t])):
             self.done = True  # the rest of the draft is cut before verification
             return
         self.c.matcher.consume_token(t)

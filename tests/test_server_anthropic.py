@@ -10,11 +10,12 @@ import asyncio
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 from server_helpers import post, start, stop
-from test_server_tools import TOOLS
+from test_server_tools import SYNTAX, TOOLS
 
 import mlxspec
 from mlxspec.server import anthropic as anthropic_answer
@@ -346,8 +347,9 @@ class Events:
         pass
 
 
-def relayed(evs, stream: bool, late: float = 0.0) -> tuple[int, str]:
-    """(status, body) of the answer to these events (given `late` seconds late)."""
+def relayed(evs, stream: bool, late: float = 0.0, tools: list | None = None) -> tuple[int, str]:
+    """(status, body) of the answer to these events (given `late` seconds late; with `tools`,
+    the answer's calls read in the `json_tools` syntax)."""
     sent = []
 
     async def send(message):
@@ -355,7 +357,9 @@ def relayed(evs, stream: bool, late: float = 0.0) -> tuple[int, str]:
 
     async def run():
         req = GenRequest("chat", [1, 2, 3], 8, stream=stream, model="m")
-        answer = Answer(Events(req, []), {}, None, Metrics(), 5.0)
+        req.tools = tools
+        answer = Answer(Events(req, []), {}, SimpleNamespace(tool_syntax=SYNTAX), Metrics(),
+                        5.0)
         answer.send = send
         for ev in evs:
             asyncio.get_running_loop().call_later(late, answer.group.events.put_nowait, (0, ev))
@@ -386,3 +390,32 @@ def test_a_stream_pings_while_the_prompt_is_prefilled(monkeypatch):
              if line.startswith("event: ")]
     assert status == 200 and names[:2] == ["message_start", "ping"]
     assert names.count("ping") > 3 and names[-1] == "message_stop"
+
+
+TEXT_AND_CALLS = ('Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                  '\nso <tool_call>{"arguments": {}, "name": "noop"}</tool_call>')
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_tool_input_streams_as_input_json_deltas_in_the_answers_order(size):
+    """Text and tool_use blocks in the order written; a JSON call's input as
+    `input_json_delta` pieces as the model writes it (one piece for a call that comes whole),
+    joined the JSON of the block's `input`, as in the answer given whole."""
+    evs = [Delta(TEXT_AND_CALLS[i:i + size], 1) for i in range(0, len(TEXT_AND_CALLS), size)]
+    evs.append(Done("stop", Usage(prompt_tokens=3)))
+    status, body = relayed(evs, stream=True, tools=TOOLS)
+    assert status == 200
+    got = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    message = streamed([(e["type"], e) for e in got])
+    assert [(b["type"], b.get("name"), b.get("text"), b.get("input")) for b in
+            message["content"]] == [("text", None, "Hi ", None),
+                                    ("tool_use", "add", None, {"a": 1, "b": 2}),
+                                    ("text", None, "\nso ", None),
+                                    ("tool_use", "noop", None, {})]
+    assert message["stop_reason"] == "tool_use"
+    pieces = [e["delta"]["partial_json"] for e in got if e["type"] == "content_block_delta"
+              and e["index"] == 1]
+    assert "".join(pieces) == '{"a": 1, "b": 2}' and (len(pieces) > 1) == (size < 1000)
+    status, whole = relayed(evs, stream=False, tools=TOOLS)
+    assert [{k: v for k, v in b.items() if k != "id"} for b in json.loads(whole)["content"]] \
+        == [{k: v for k, v in b.items() if k != "id"} for b in message["content"]]

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import jsonschema
 import pytest
 from server_helpers import call, post, start, stop
-from test_server_tools import SCHEMAS, TOOLS
+from test_server_tools import SCHEMAS, SYNTAX, TOOLS
 
 import mlxspec
+from mlxspec.server.answers import Usage
 from mlxspec.server.metrics import Metrics
 from mlxspec.server.protocol import ApiError, GenRequest
 from mlxspec.server.responses import Answer, chat_body, chat_tools
-from mlxspec.server.worker import Delta, Failed
+from mlxspec.server.worker import Delta, Done, Failed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "responses"
 # the chat tools in the Responses shape (flat)
@@ -199,9 +201,13 @@ def test_a_forced_call_is_a_function_call_item(srv, choice):
 
 
 def test_the_stream_is_the_full_event_sequence(srv):
+    """Text and forced calls: streamed, the events of each item in order, a call's argument
+    deltas joined its `arguments`; the items those of the answer given whole."""
     for request in ({"input": ASK, "max_output_tokens": 16, "temperature": 0},
                     {"input": ASK, "tools": FLAT, "tool_choice": "required",
-                     "max_output_tokens": 200, "temperature": 0}):
+                     "max_output_tokens": 200, "temperature": 0},
+                    {"input": ASK, "tools": FLAT, "max_output_tokens": 200, "temperature": 0.8,
+                     "seed": 3, "tool_choice": {"type": "function", "name": "edit_file"}}):
         got = events(srv, request)
         whole = respond(srv, request)[1]
         kinds = [k for k, _ in got]
@@ -229,11 +235,13 @@ def test_the_stream_is_the_full_event_sequence(srv):
                 assert text == item["content"][0]["text"] == mine[-3][1]["text"]
             else:
                 check_call(item)
-                assert [k for k, _ in mine] == [
-                    "response.output_item.added", "response.function_call_arguments.delta",
+                kinds = [k for k, _ in mine]
+                assert kinds[0] == "response.output_item.added" and kinds[-2:] == [
                     "response.function_call_arguments.done", "response.output_item.done"]
-                assert mine[0][1]["item"]["arguments"] == "" and mine[1][1]["delta"] == \
-                    mine[2][1]["arguments"] == item["arguments"]
+                assert set(kinds[1:-2]) == {"response.function_call_arguments.delta"}
+                assert mine[0][1]["item"]["arguments"] == ""
+                assert "".join(d["delta"] for _, d in mine[1:-2]) == \
+                    mine[-2][1]["arguments"] == item["arguments"]
         assert response["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
 
 
@@ -328,8 +336,9 @@ def test_a_forced_call_is_the_same_in_every_mode(srv):
 class Events:
     """A request's job group as the answer reads it: the given events, then nothing."""
 
-    def __init__(self, stream: bool, events: list):
+    def __init__(self, stream: bool, events: list, tools: list | None = None):
         self.req = GenRequest("chat", [1], 8, stream=stream, model="m")
+        self.req.tools = tools
         self.events = asyncio.Queue()
         for ev in events:
             self.events.put_nowait((0, ev))
@@ -338,9 +347,12 @@ class Events:
         pass
 
 
-def answered(stream: bool, events: list) -> tuple[int, dict, bytes]:
-    """(status, headers, body) of an `Answer` to these worker events."""
+def answered(stream: bool, events: list, tools: list | None = None,
+             body: dict | None = None) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of an `Answer` to these worker events (with `tools`: the
+    answer's calls read in the `json_tools` syntax)."""
     sent = []
+    parser = SimpleNamespace(tool_syntax=SYNTAX)
 
     async def run():
         async def receive():
@@ -349,8 +361,8 @@ def answered(stream: bool, events: list) -> tuple[int, dict, bytes]:
         async def send(message):
             sent.append(message)
 
-        await Answer(Events(stream, events), {"input": "x"}, None, Metrics(), 5)(
-            {}, receive, send)
+        await Answer(Events(stream, events, tools), body or {"input": "x"}, parser, Metrics(),
+                     5)({}, receive, send)
 
     asyncio.run(run())
     return (sent[0]["status"], dict(sent[0]["headers"]),
@@ -372,6 +384,42 @@ def test_a_failure_is_an_error_body_before_the_stream_and_an_event_after():
         "response.content_part.added", "response.output_text.delta", "response.failed"]
     failed = got[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "lost"
+
+
+TEXT_AND_CALLS = ('Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                  '\nso <tool_call>{"arguments": {}, "name": "noop"}</tool_call>')
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_call_arguments_stream_as_deltas_in_the_answers_order(size):
+    """Text and calls in the order written, each call a function_call item: a JSON call's
+    arguments as `function_call_arguments.delta` pieces as they come (one piece for a call
+    that comes whole), joined the `arguments` of the item, and of the answer given whole."""
+    evs = [Delta(TEXT_AND_CALLS[i:i + size], 1) for i in range(0, len(TEXT_AND_CALLS), size)]
+    evs.append(Done("stop", Usage()))
+    status, _, body = answered(True, evs, FLAT, {"input": "x", "tools": FLAT})
+    assert status == 200
+    got = [json.loads(line[6:]) for line in body.decode().splitlines()
+           if line.startswith("data: ")]
+    output = got[-1]["response"]["output"]
+    assert [(i["type"], i.get("name")) for i in output] == [
+        ("message", None), ("function_call", "add"), ("message", None),
+        ("function_call", "noop")]
+    assert [i["content"][0]["text"] for i in output if i["type"] == "message"] == ["Hi ", "\nso "]
+    for index, item in enumerate(output):
+        if item["type"] != "function_call":
+            continue
+        pieces = [e["delta"] for e in got if e["type"] == "response.function_call_arguments.delta"
+                  and e["output_index"] == index]
+        assert "".join(pieces) == item["arguments"]
+        if item["name"] == "noop" or size == 1000:  # whole, or all at once
+            assert len(pieces) == 1
+        else:
+            assert len(pieces) > 1
+    assert [i["arguments"] for i in output if i["type"] == "function_call"] == [
+        '{"a": 1, "b": 2}', "{}"]
+    _, _, whole = answered(False, evs, FLAT, {"input": "x", "tools": FLAT})
+    assert without_ids(json.loads(whole)["output"]) == without_ids(output)
 
 
 @pytest.mark.parametrize("extra,param,words", [

@@ -1,9 +1,10 @@
 """Tool calls on `/v1/chat/completions`: the model's call syntax parsed out of its answer
 (mlx-lm's `json_tools` parser, chosen from the chat template: conftest's `tools_model_dir`),
-streamed as `delta.tool_calls`,
-`tool_choice` "required" / a named function held by a grammar (so even a random model calls a
-listed function with arguments valid against its schema), exact in every speculative mode,
-and bad tool input answered 400 naming the field."""
+streamed as `delta.tool_calls` (a JSON call's arguments in pieces that join to the answer's
+`arguments`), `tool_choice` "required" / a named function held by a grammar from the first
+token and "auto" from the call's opening token (so even a random model calls a listed function
+with arguments valid against its schema), exact in every speculative mode, and bad tool input
+answered 400 naming the field."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mlx_lm.tool_parsers import json_tools
 from server_helpers import call, start, stop, stream
 
 import mlxspec
-from mlxspec.server.tools import ToolCallSplitter, ToolSyntax
+from mlxspec.server.tools import CallArgs, CallDone, CallOpen, ToolCallSplitter, ToolSyntax
 
 SYNTAX = ToolSyntax("<tool_call>", "</tool_call>", json_tools.parse_tool_call)
 
@@ -64,12 +65,14 @@ ASK = [{"role": "user", "content": "def f(x):"}]
 
 
 def split_all(text: str, size: int) -> tuple[str, list[dict]]:
-    splitter, shown, calls = ToolCallSplitter(SYNTAX, None), "", []
+    """(shown text, calls as {"name", "arguments" parsed}) of `text` fed in pieces of `size`."""
+    splitter, parts = ToolCallSplitter(SYNTAX, None), []
     for i in range(0, len(text), size):
-        t, c = splitter.feed(text[i:i + size])
-        shown, calls = shown + t, calls + c
-    t, c = splitter.flush()
-    return shown + t, calls + c
+        parts += splitter.feed(text[i:i + size])
+    parts += splitter.flush()
+    calls = [p.call["function"] for p in parts if isinstance(p, CallDone)]
+    return ("".join(p for p in parts if isinstance(p, str)),
+            [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls])
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 1000])
@@ -83,12 +86,62 @@ def test_splitter_finds_calls_in_pieces_of_any_size(size):
 
 def test_splitter_keeps_text_and_drops_what_is_no_call():
     assert split_all("a < b and <tool_ca", 2) == ("a < b and <tool_ca", [])
-    # a call cut short (max_tokens) or malformed is dropped, its markup never shown
+    # a call cut before its arguments start, or malformed, is dropped, its markup never shown
     assert split_all('x<tool_call>\n{"name": "f", "argu', 3) == ("x", [])
     assert split_all("<tool_call>not json</tool_call> after", 4) == (" after", [])
     # text after a call is shown, the newline before it too
     assert split_all('<tool_call>{"name": "f", "arguments": {}}</tool_call>\ndone', 3) == (
         "\ndone", [{"name": "f", "arguments": {}}])
+
+
+# (answer, [(name, arguments, streamed)]): calls whose arguments stream in pieces, and those
+# that come whole (arguments before the name, a list of calls, arguments not an object)
+PIECES = [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+     [("f", '{"a": 1}', True)]),
+    ('ok <tool_call>{ "name" :"f\\"q" ,\n "arguments":\t{"s": "}]</tool_c\\"{[", '
+     '"n": [1, {"d": [2]}], "e": {}} }</tool_call>\n<tool_call>\n{"name": "g", "arguments": '
+     '{}}\n</tool_call>',
+     [('f"q', '{"s": "}]</tool_c\\"{[", "n": [1, {"d": [2]}], "e": {}}', True),
+      ("g", "{}", True)]),
+    ('<tool_call>{"name": "f", "arguments": {"x": "é\\u00e9"}, "id": 3}</tool_call>',
+     [("f", '{"x": "é\\u00e9"}', True)]),
+    # the outer object left open: the arguments were whole, the call stands
+    ('<tool_call>{"name": "f", "arguments": {"a": [1]}</tool_call>', [("f", '{"a": [1]}', True)]),
+    ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', [("f", '{"a": 1}', False)]),
+    ('<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"b": 2}}]'
+     '</tool_call>', [("f", "{}", False), ("g", '{"b": 2}', False)]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+     [("f", '{"a": 1}', False)]),
+    # cut by max_tokens inside the arguments: the call keeps the pieces it was sent
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "x</tool', [("f", '{"a": "x</tool', True)]),
+]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 13, 1000])
+@pytest.mark.parametrize("text,want", PIECES)
+def test_argument_pieces_join_to_the_calls_arguments(text, want, size):
+    """A JSON call opens once its name and its arguments' `{` are read (index, id, name), its
+    arguments then go out in pieces as they come, and the pieces joined are the answer's
+    `arguments`, byte for byte, whatever the size of the text's pieces."""
+    splitter, parts = ToolCallSplitter(SYNTAX, None), []
+    for i in range(0, len(text), size):
+        parts += splitter.feed(text[i:i + size])
+    parts += splitter.flush()
+    done = [p for p in parts if isinstance(p, CallDone)]
+    assert [(d.call["function"]["name"], d.call["function"]["arguments"], d.streamed)
+            for d in done] == want
+    assert [d.index for d in done] == list(range(len(done)))
+    for d in done:
+        mine = [p for p in parts if getattr(p, "index", None) == d.index]
+        if d.streamed:
+            assert isinstance(mine[0], CallOpen) and mine[0].id == d.call["id"]
+            assert "".join(p.text for p in mine if isinstance(p, CallArgs)) == \
+                d.call["function"]["arguments"]
+        else:
+            assert mine == [d]
+    if size == 1 and want[0][2]:  # a piece at a time, as they come
+        assert sum(isinstance(p, CallArgs) for p in parts) > 1
 
 
 @pytest.fixture(scope="module")
@@ -138,18 +191,78 @@ def test_parallel_calls_when_allowed(srv):
     check_calls(body["choices"][0]["message"]["tool_calls"])
 
 
-def test_streamed_tool_calls_are_deltas_and_match_the_answer(srv):
-    req = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
-           "temperature": 0}
-    whole = call(srv, "/v1/chat/completions", req)[1]["choices"][0]
+def streamed_calls(events: list) -> list[dict]:
+    """The calls of a streamed chat answer, each {"id", "name", "arguments"} from its
+    `delta.tool_calls` entries: the first with its index, id, type and name (arguments "" when
+    pieces follow), the next ones with only argument pieces."""
+    calls: list[dict] = []
+    for e in events:
+        for entry in (e["choices"][0]["delta"].get("tool_calls") or []) if e["choices"] else []:
+            if entry["index"] == len(calls):
+                assert entry["type"] == "function" and entry["id"].startswith("call_")
+                calls.append({"id": entry["id"], **entry["function"]})
+            else:
+                assert entry["index"] == len(calls) - 1, entry  # the open call's pieces
+                assert set(entry) == {"index", "function"} and list(entry["function"]) == [
+                    "arguments"] and entry["function"]["arguments"], entry
+                calls[-1]["arguments"] += entry["function"]["arguments"]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def opening(tools_model_dir) -> str:
+    """The id of the `<tool_call>` token (one token: "auto"'s grammar opens a call on it)."""
+    from mlx_lm.utils import load_tokenizer
+
+    ids = load_tokenizer(tools_model_dir).encode("<tool_call>", add_special_tokens=False)
+    assert len(ids) == 1
+    return str(ids[0])
+
+
+# Requests whose answers make calls: forced (greedy, seeded, named, several), and "auto"
+# with the opening token pushed up (calls amid text, one cut by max_tokens in its arguments)
+CALLING = {
+    "required": {"tool_choice": "required", "temperature": 0},
+    "seeded": {"tool_choice": "required", "temperature": 1.0, "seed": 2},
+    "named": {"tool_choice": {"type": "function", "function": {"name": "edit_file"}},
+              "temperature": 0.8, "seed": 3},
+    "parallel": {"tool_choice": "required", "parallel_tool_calls": True, "temperature": 1.0,
+                 "seed": 5},
+    "auto": {"temperature": 1.0, "seed": 1, "bias": 5},
+    "auto-cut": {"temperature": 1.0, "seed": 0, "bias": 8},
+}
+
+
+@pytest.mark.parametrize("case", list(CALLING))
+def test_streamed_argument_pieces_join_to_the_answers_arguments(srv, opening, case):
+    """The same request streamed and whole: the streamed calls (index, id and name first,
+    then argument pieces) have the answer's names and, pieces joined, its `arguments` byte
+    for byte; the text and finish_reason are the answer's."""
+    extra = dict(CALLING[case])
+    bias = extra.pop("bias", None)
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 150, **extra}
+    if bias:
+        req["logit_bias"] = {opening: bias}
+    status, body = call(srv, "/v1/chat/completions", req)
+    assert status == 200, body
+    whole = body["choices"][0]
     events = stream(srv, "/v1/chat/completions", req)
     assert events[-1] == "[DONE]"
+    got = streamed_calls(events[:-1])
+    want = whole["message"]["tool_calls"]
+    assert want and [(c["name"], c["arguments"]) for c in got] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in want]
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [c["index"] for c in calls] == list(range(len(calls)))
-    assert [c["function"] for c in calls] == [c["function"] for c in whole["message"]["tool_calls"]]
-    assert not any(d.get("content") for d in deltas)  # no markup as content
-    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "".join(d.get("content") or "" for d in deltas) == (whole["message"]["content"] or "")
+    assert "<tool_call>" not in "".join(d.get("content") or "" for d in deltas)
+    assert events[-2]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    # every call is valid but one cut short by max_tokens, the last
+    complete = want[:-1] if whole["finish_reason"] == "length" else want
+    if complete:
+        check_calls(complete)
+    if case == "auto-cut":  # the cut call keeps the pieces sent: not JSON
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(want[-1]["function"]["arguments"])
 
 
 def test_tool_calls_are_the_same_in_every_mode(srv):
@@ -168,6 +281,89 @@ def test_tool_calls_are_the_same_in_every_mode(srv):
         want = [c["function"] for c in answers.pop("none")]
         for mode, calls in answers.items():
             assert [c["function"] for c in calls] == want, (mode, extra)
+
+
+def raw_answer(srv, req: dict) -> str:
+    """The text a chat request's prompt gets with no grammar (`/completion`), markup and all."""
+    prompt = call(srv, "/apply-template", {"messages": req["messages"],
+                                           "tools": req["tools"]})[1]["prompt"]
+    status, body = call(srv, "/completion", {
+        "prompt": prompt, "n_predict": req["max_tokens"], "temperature": req["temperature"],
+        "seed": req.get("seed"),
+        "logit_bias": [[int(k), v] for k, v in req.get("logit_bias", {}).items()]})
+    assert status == 200, body
+    return body["content"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_holds_each_call_the_model_opens(srv, opening, seed):
+    """"auto" leaves the text free until the model writes `<tool_call>`, then holds the call
+    to a listed function with valid arguments: the random model (pushed to open calls) makes
+    one (`parallel_tool_calls` false), where without the grammar it writes no call that
+    parses."""
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 1.0,
+           "seed": seed, "logit_bias": {opening: 4}, "parallel_tool_calls": False}
+    status, body = call(srv, "/v1/chat/completions", req)
+    assert status == 200, body
+    message = body["choices"][0]["message"]
+    assert len(message["tool_calls"]) == 1
+    check_calls(message["tool_calls"])
+    raw = raw_answer(srv, req)
+    assert "<tool_call>" in raw
+    assert not ToolCallSplitter(SYNTAX, None).split(raw)[1]
+    # the text before the call is the model's own, as with no grammar
+    assert message["content"].startswith(raw.split("<tool_call>")[0])
+
+
+def test_auto_leaves_the_text_and_its_end_free(srv):
+    """Without a call the answer is the one with no grammar, token for token, and the end of
+    the turn stays allowed (pushed up here, it ends the answer at once)."""
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+    status, body = call(srv, "/v1/chat/completions", req)
+    assert status == 200 and not body["choices"][0]["message"].get("tool_calls")
+    assert body["choices"][0]["message"]["content"] == raw_answer(srv, req), body
+    status, body = call(srv, "/v1/chat/completions", {**req, "logit_bias": {"0": 100}})
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_auto_calls_are_the_same_in_every_mode(srv, opening):
+    """"auto" with its grammar (text and calls amid it) is token-identical to `none`, greedy
+    and seeded."""
+    for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 11}):
+        answers = {}
+        for mode in ("none", "ngram", "draft", "lookahead", "suffix", "auto"):
+            status, body = call(srv, "/v1/chat/completions", {
+                "messages": ASK, "tools": TOOLS, "max_tokens": 100,
+                "logit_bias": {opening: 4}, "speculative": {"mode": mode}, **extra})
+            if status == 400 and mode == "draft":  # no draft model loaded
+                continue
+            assert status == 200, (mode, body)
+            message = body["choices"][0]["message"]
+            answers[mode] = (message["content"], [c["function"] for c in
+                                                  message.get("tool_calls") or []])
+        want = answers.pop("none")
+        assert want[1]  # calls were made
+        for mode, got in answers.items():
+            assert got == want, (mode, extra)
+
+
+def test_a_proposal_beyond_the_tokenizer_is_cut_not_an_error(tools_model_dir, opening):
+    """A draft may hold ids of the model's padded head (past the tokenizer's 300 here, as a
+    random model writes them): the grammar cuts the proposal there and stays usable."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxspec.constrain import Constraint
+    from mlxspec.server.tools import call_grammar
+
+    tokenizer = load_tokenizer(tools_model_dir)
+    syntax = ToolSyntax("<tool_call>", "</tool_call>", json_tools.parse_tool_call,
+                        int(opening), tokenizer.encode("</tool_call>",
+                                                       add_special_tokens=False)[0])
+    c = Constraint(tokenizer, "lark", call_grammar(syntax, TOOLS, None, True, free=True), 0)
+    assert c.cut([1, 305, 2]) == 1 and c.cut([5, 6, 2]) == 2
+    assert not c.matcher.is_error() and c.bitmasks([1]).any()
 
 
 def test_tool_choice_none_and_auto_without_a_call(srv):

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from .answers import api_error
 from .protocol import ApiError, ChatRequest, bad, parse
 from .relay import Answer as BaseAnswer
-from .tools import ToolCallSplitter
+from .tools import CallArgs, CallOpen, ToolCallSplitter
 from .worker import Delta, Done, Failed
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -279,16 +279,15 @@ def usage_json(usage) -> dict:
             "speculative": usage.speculative()}
 
 
-def tool_use_block(call: dict) -> dict:
-    """A parsed call ({"name", "arguments"}) as a `tool_use` block."""
-    args = call.get("arguments")
-    if isinstance(args, str):
+def tool_input(arguments) -> dict:
+    """A call's arguments (a JSON string, or parsed) as a `tool_use` block's `input` ({} where
+    they are no JSON object: a call cut short)."""
+    if isinstance(arguments, str):
         try:
-            args = json.loads(args)
+            arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            args = None
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call["name"],
-            "input": args if isinstance(args, dict) else {}}
+            arguments = None
+    return arguments if isinstance(arguments, dict) else {}
 
 
 class Answer(BaseAnswer):
@@ -328,10 +327,9 @@ class Answer(BaseAnswer):
             if isinstance(ev, Failed):
                 return await self._failed(ev.error)
             if isinstance(ev, Delta):
-                await self._add(*(self.splitter.feed(ev.text) if self.splitter
-                                  else (ev.text, [])))
+                await self._add(self.splitter.feed(ev.text) if self.splitter else [ev.text])
             elif isinstance(ev, Done):
-                await self._add(*(self.splitter.flush() if self.splitter else ("", [])))
+                await self._add(self.splitter.flush() if self.splitter else [])
                 return await self._finish(ev)
 
     async def _failed(self, err: ApiError) -> int:
@@ -347,25 +345,42 @@ class Answer(BaseAnswer):
         if self.streaming:
             await self._sse({"type": kind, **fields}, event=kind)
 
-    async def _add(self, text: str, calls: list[dict]) -> None:
-        """The answer's next text (appended to an open text block, or opening one) and
-        calls (each a tool_use block, whole)."""
+    async def _add(self, parts: list) -> None:
+        """The answer's next parts, in order: text (appended to an open text block, or
+        opening one) and calls, each a tool_use block: opened with its name, its input's
+        JSON in `input_json_delta` pieces as the model writes it (a call the splitter does
+        not stream: in one piece), `input` the object they spell ({} if they spell none)."""
+        for part in parts:
+            if isinstance(part, str):
+                if not part:
+                    continue
+                if not self.text_open:
+                    await self._open({"type": "text", "text": ""})
+                    self.text_open = True
+                self.blocks[-1]["text"] += part
+                await self._event("content_block_delta", index=len(self.blocks) - 1,
+                                  delta={"type": "text_delta", "text": part})
+            elif isinstance(part, CallOpen):
+                await self._open_tool(part.name)
+            elif isinstance(part, CallArgs):
+                await self._tool_delta(part.text)
+            else:
+                fn = part.call["function"]
+                if not part.streamed:
+                    await self._open_tool(fn["name"])
+                    await self._tool_delta(fn["arguments"])
+                self.blocks[-1]["input"] = tool_input(fn["arguments"])
+                await self._event("content_block_stop", index=len(self.blocks) - 1)
+
+    async def _open_tool(self, name: str) -> None:
+        await self._close_text()
+        await self._open({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                          "name": name, "input": {}})
+
+    async def _tool_delta(self, text: str) -> None:
         if text:
-            if not self.text_open:
-                await self._open({"type": "text", "text": ""})
-                self.text_open = True
-            self.blocks[-1]["text"] += text
             await self._event("content_block_delta", index=len(self.blocks) - 1,
-                              delta={"type": "text_delta", "text": text})
-        for call in calls:
-            await self._close_text()
-            block = tool_use_block(call)
-            await self._open({**block, "input": {}})
-            self.blocks[-1] = block
-            await self._event("content_block_delta", index=len(self.blocks) - 1, delta={
-                "type": "input_json_delta",
-                "partial_json": json.dumps(block["input"], ensure_ascii=False)})
-            await self._event("content_block_stop", index=len(self.blocks) - 1)
+                              delta={"type": "input_json_delta", "partial_json": text})
 
     async def _open(self, block: dict) -> None:
         self.blocks.append(block)

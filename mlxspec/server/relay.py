@@ -11,7 +11,7 @@ import dataclasses
 from . import answers as P
 from .answers import Usage, dumps, error_message
 from .protocol import ApiError
-from .tools import ToolCallSplitter, openai_call
+from .tools import CallArgs, CallDone, CallOpen, ToolCallSplitter
 from .worker import Delta, Done, Failed, Job, Progress
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -226,25 +226,37 @@ class Relay(Answer):
                       if kind == "chat" and group.req.stream and group.req.return_sources
                       else None)
 
-    def split(self, j: int, ev: Delta | Done) -> tuple[Delta | None, list[dict]]:
-        """A job's delta (at its end, what is still held back) as content and calls."""
+    def split(self, j: int, ev: Delta | Done) -> tuple[Delta | None, list]:
+        """A job's delta (at its end, what is still held back) as content and the calls'
+        parts (`CallOpen`, `CallArgs`, `CallDone`); the finished calls kept for the answer."""
         splitter = self.splitters[j]
         if splitter is None:
             return (ev if isinstance(ev, Delta) else None), []
-        text, calls = splitter.feed(ev.text) if isinstance(ev, Delta) else splitter.flush()
-        calls = [openai_call(c) for c in calls]
-        self.calls[j] += calls
+        parts = splitter.feed(ev.text) if isinstance(ev, Delta) else splitter.flush()
+        text = "".join(p for p in parts if isinstance(p, str))
+        calls = [p for p in parts if not isinstance(p, str)]
+        self.calls[j] += [p.call for p in calls if isinstance(p, CallDone)]
         if isinstance(ev, Delta):
             return dataclasses.replace(ev, text=text), calls
         return (Delta(text, 0) if text else None), calls
 
-    async def _stream_calls(self, j: int, calls: list[dict]) -> None:
-        first = len(self.calls[j]) - len(calls)
-        for i in self.group.answers_of(j):
-            req = self.group.reqs[i]
-            await self._sse(P.chat_chunk(req, {"tool_calls": [
-                {"index": first + k, **c} for k, c in enumerate(calls)]}, None,
-                index=req.index))
+    async def _stream_calls(self, j: int, parts: list) -> None:
+        """The calls' parts as `delta.tool_calls` chunks: an opened call's index, id and name
+        (arguments ""), then its argument pieces; a call that comes whole, whole."""
+        for part in parts:
+            if isinstance(part, CallOpen):
+                entry = {"index": part.index, "id": part.id, "type": "function",
+                         "function": {"name": part.name, "arguments": ""}}
+            elif isinstance(part, CallArgs):
+                entry = {"index": part.index, "function": {"arguments": part.text}}
+            elif not part.streamed:
+                entry = {"index": part.index, **part.call}
+            else:
+                continue
+            for i in self.group.answers_of(j):
+                req = self.group.reqs[i]
+                await self._sse(P.chat_chunk(req, {"tool_calls": [entry]}, None,
+                                             index=req.index))
 
     async def relay(self) -> int:
         group, kind = self.group, self.kind

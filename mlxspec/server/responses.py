@@ -27,7 +27,7 @@ from starlette.responses import Response
 from . import relay
 from .answers import Usage, api_error
 from .protocol import ApiError, bad
-from .tools import ToolCallSplitter, function_of, openai_call
+from .tools import CallArgs, CallOpen, ToolCallSplitter, function_of
 from .worker import Delta, Done, Failed
 
 STORED = 64  # responses kept for previous_response_id
@@ -337,6 +337,7 @@ class Answer(relay.Answer):
         self.names = chat_tools(body.get("tools"))[1]
         self.output: list[dict] = []  # the finished items
         self.message: dict | None = None  # the message item being written
+        self.call: dict | None = None  # the function_call item whose arguments are streaming
         self.sequence = 0
         self.started = False  # the stream's headers are sent
 
@@ -352,19 +353,18 @@ class Answer(relay.Answer):
                 for kind in ("response.created", "response.in_progress"):
                     await self._event(kind, response=self._response("in_progress"))
             if isinstance(ev, Delta):
-                await self._add(*self._split(ev))
+                await self._add(self._split(ev))
             elif isinstance(ev, Done):
-                await self._add(*self._split(ev))
+                await self._add(self._split(ev))
                 await self._close_message()
                 return await self._finish(ev)
 
-    def _split(self, ev: Delta | Done) -> tuple[str, list[dict]]:
-        """A delta's text (at the end, what is still held back) as text and calls."""
+    def _split(self, ev: Delta | Done) -> list:
+        """A delta's text (at the end, what is still held back) as its parts in order: text
+        (str) and the calls' (`CallOpen`, `CallArgs`, `CallDone`)."""
         if self.splitter is None:
-            return (ev.text if isinstance(ev, Delta) else ""), []
-        text, calls = self.splitter.feed(ev.text) if isinstance(ev, Delta) \
-            else self.splitter.flush()
-        return text, [openai_call(c) for c in calls]
+            return [ev.text] if isinstance(ev, Delta) and ev.text else []
+        return self.splitter.feed(ev.text) if isinstance(ev, Delta) else self.splitter.flush()
 
     async def _event(self, kind: str, **fields) -> None:
         """One event of the stream (nothing when the answer is one body)."""
@@ -372,14 +372,26 @@ class Answer(relay.Answer):
             await self._sse({"type": kind, "sequence_number": self.sequence, **fields}, kind)
             self.sequence += 1
 
-    async def _add(self, text: str, calls: list[dict]) -> None:
-        """The model's text and calls: text joins the message being written, each call is
-        an item of its own."""
-        if text:
-            await self._add_text(text)
-        for call in calls:
-            await self._close_message()
-            await self._add_call(call)
+    async def _add(self, parts: list) -> None:
+        """The model's text and calls, in order: text joins the message being written, each
+        call is an item of its own (its arguments streamed as they come where the splitter
+        opens it, else whole)."""
+        for part in parts:
+            if isinstance(part, str):
+                await self._add_text(part)
+            elif isinstance(part, CallOpen):
+                await self._close_message()
+                await self._open_call(part.id, part.name)
+            elif isinstance(part, CallArgs):
+                await self._call_delta(part.text)
+            elif part.streamed:
+                await self._close_call()
+            else:
+                await self._close_message()
+                fn = part.call["function"]
+                await self._open_call(part.call["id"], fn["name"])
+                await self._call_delta(fn["arguments"])
+                await self._close_call()
 
     async def _add_text(self, text: str) -> None:
         where = {"output_index": len(self.output)}
@@ -394,21 +406,27 @@ class Answer(relay.Answer):
         await self._event("response.output_text.delta", item_id=self.message["id"], **where,
                           content_index=0, delta=text, logprobs=[])
 
-    async def _add_call(self, call: dict) -> None:
-        """A call (`openai_call`'s shape) as a function_call item, its namespace apart."""
-        namespace, name = self.names.get(call["function"]["name"],
-                                         (None, call["function"]["name"]))
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                "call_id": call["id"], "name": name, "arguments": ""}
+    async def _open_call(self, call_id: str, name: str) -> None:
+        """A function_call item (`name` as the chat names it: its namespace apart), added
+        with no arguments yet."""
+        namespace, name = self.names.get(name, (None, name))
+        self.call = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                     "call_id": call_id, "name": name, "arguments": ""}
         if namespace:
-            item["namespace"] = namespace
-        where = {"item_id": item["id"], "output_index": len(self.output)}
+            self.call["namespace"] = namespace
         await self._event("response.output_item.added", output_index=len(self.output),
-                          item=item)
-        item.update(arguments=call["function"]["arguments"], status="completed")
-        await self._event("response.function_call_arguments.delta", **where,
-                          delta=item["arguments"])
-        await self._event("response.function_call_arguments.done", **where, name=name,
+                          item=dict(self.call))
+
+    async def _call_delta(self, text: str) -> None:
+        self.call["arguments"] += text
+        await self._event("response.function_call_arguments.delta", item_id=self.call["id"],
+                          output_index=len(self.output), delta=text)
+
+    async def _close_call(self) -> None:
+        item, self.call = self.call, None
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": len(self.output)}
+        await self._event("response.function_call_arguments.done", **where, name=item["name"],
                           arguments=item["arguments"])
         await self._event("response.output_item.done", output_index=len(self.output),
                           item=item)

@@ -1,8 +1,9 @@
 """Tool calls: a request's `tools` and `tool_choice` resolved (`choose_calls`), earlier calls
 rendered for the template (`template_calls`), the model's own call syntax found in its answer
-(mlx-lm's tool parsers, chosen from the model's chat template as mlx-lm chooses them), and the
-grammar that makes a `tool_choice` of "required" or a named function hold from the answer's
-first token."""
+(mlx-lm's tool parsers, chosen from the model's chat template as mlx-lm chooses them) and split
+from its text as it streams, a JSON call's arguments in pieces (`ToolCallSplitter`), and the
+grammars that hold calls: from the answer's first token for a `tool_choice` of "required" or a
+named function, from the call's opening token on for "auto" (`call_grammar`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ class ToolSyntax:
     parse: Callable
     start_id: int | None = None  # the markers' token ids where each is one token
     end_id: int | None = None
+
+    @property
+    def json_form(self) -> bool:
+        """Calls are JSON between the markers (`{"name": ..., "arguments": {...}}`)."""
+        return getattr(self.parse, "__module__", "").endswith("json_tools")
 
 
 def tool_syntax(tokenizer) -> ToolSyntax | None:
@@ -46,21 +52,115 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
+@dataclass
+class CallOpen:
+    """A call whose arguments follow in pieces (`CallArgs`): its index in the answer's calls,
+    its id and the function's name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class CallArgs:
+    """The next piece of an open call's arguments (its text as the model wrote it)."""
+
+    index: int
+    text: str
+
+
+@dataclass
+class CallDone:
+    """A call ended: `call` in OpenAI's shape (`openai_call`). `streamed`: it was opened
+    (`CallOpen`) and its `arguments` are exactly its `CallArgs` pieces joined; otherwise it
+    comes whole here."""
+
+    index: int
+    call: dict
+    streamed: bool = False
+
+
+_WS = " \t\n\r"
+# The head of a call whose arguments can stream: `{"name": STRING, "arguments": {`
+_HEAD = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")
+
+
+def _call_head(body: str) -> tuple[str, str | None, int]:
+    """Whether a JSON call's body starts `{"name": "f", "arguments": {` (JSON whitespace
+    anywhere between): ("open", name, where the arguments' `{` is), ("more", None, 0) while
+    the text so far could still, ("no", None, 0) once it cannot."""
+    i, n, name = 0, len(body), None
+    for step in _HEAD:
+        while i < n and body[i] in _WS:
+            i += 1
+        if i == n:
+            return "more", None, 0
+        if step is None:  # the name: a JSON string
+            if body[i] != '"':
+                return "no", None, 0
+            j, escaped = i + 1, False
+            while j < n and (escaped or body[j] != '"'):
+                escaped = not escaped and body[j] == "\\"
+                j += 1
+            if j == n:
+                return "more", None, 0
+            try:
+                name = json.loads(body[i:j + 1])
+            except json.JSONDecodeError:
+                return "no", None, 0
+            i = j + 1
+        elif step == "{" and name is not None:
+            return ("open", name, i) if body[i] == "{" else ("no", None, 0)
+        else:
+            got = body[i:i + len(step)]
+            if not step.startswith(got):
+                return "no", None, 0
+            if len(got) < len(step):
+                return "more", None, 0
+            i += len(step)
+    return "no", None, 0  # not reached
+
+
 class ToolCallSplitter:
-    """An answer's text, fed in pieces, split into the text to show and complete calls
-    (each {"name", "arguments"}). Whitespace between calls is not shown; a call that does
-    not parse is dropped, as mlx-lm's server drops it (its markup is never shown)."""
+    """An answer's text, fed in pieces, split into its parts in order: text to show (str),
+    and calls. A call in the JSON form (`{"name": ..., "arguments": {...}}`, `json_tools`)
+    opens (`CallOpen`) once its name is read and its arguments' `{` is seen; the arguments
+    then go out in pieces as they come (`CallArgs`, up to their closing `}`; only what could
+    begin the end marker is held back), and the call ends with its marker (`CallDone`,
+    `streamed`). An opened call is never taken back: its arguments are the pieces sent, also
+    where the answer stops inside them (max_tokens: not valid JSON, as OpenAI's cut calls).
+    Any other call (another syntax, `arguments` before `name`, a list of calls) is parsed
+    once its end marker is seen and comes whole; one that does not parse is dropped, as
+    mlx-lm's server drops it (its markup is never shown). Whitespace between calls is not
+    shown."""
 
     def __init__(self, syntax: ToolSyntax, tools: list | None):
         self.syntax, self.tools = syntax, tools
         self.buffer = ""
         self.in_call = False
         self.called = False  # a call was made: whitespace after it waits to see what follows
+        self.count = 0  # calls given an index so far
+        self.stream_args = syntax.json_form and bool(syntax.end)
+        self._new_call()
 
-    def feed(self, text: str) -> tuple[str, list[dict]]:
+    def _new_call(self) -> None:
+        self.open: CallOpen | None = None  # the call being streamed
+        self.whole = False  # the call is not in the streamable form: it comes whole
+        self.args_at = self.scanned = self.sent = 0  # positions in the buffer
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.args_done = False
+
+    def split(self, text: str) -> tuple[str, list[dict]]:
+        """A whole answer's text and calls (OpenAI's shape)."""
+        parts = self.feed(text) + self.flush()
+        return ("".join(p for p in parts if isinstance(p, str)),
+                [p.call for p in parts if isinstance(p, CallDone)])
+
+    def feed(self, text: str) -> list:
         start, end = self.syntax.start, self.syntax.end
         self.buffer += text
-        shown, calls = [], []
+        out: list = []
         while True:
             if not self.in_call:
                 i = self.buffer.find(start)
@@ -68,31 +168,87 @@ class ToolCallSplitter:
                     keep = _held(self.buffer, start)
                     if self.called and not self.buffer[:len(self.buffer) - keep].strip():
                         break  # only whitespace since the last call: held
-                    shown.append(self.buffer[:len(self.buffer) - keep])
+                    if len(self.buffer) > keep:
+                        out.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     self.called = False
                     break
-                if not (self.called and not self.buffer[:i].strip()):
-                    shown.append(self.buffer[:i])
+                if i and not (self.called and not self.buffer[:i].strip()):
+                    out.append(self.buffer[:i])
                 self.buffer = self.buffer[i + len(start):]
                 self.in_call = True
+                self._new_call()
             else:
                 i = self.buffer.find(end) if end else -1
                 if i < 0:
+                    self._stream(len(self.buffer) - _held(self.buffer, end) if end else 0, out)
                     break
-                calls += self._parse(self.buffer[:i])
+                self._stream(i, out)
+                out += self._close(self.buffer[:i])
                 self.buffer = self.buffer[i + len(end):]
                 self.in_call, self.called = False, True
-        return "".join(shown), calls
+        return out
 
-    def flush(self) -> tuple[str, list[dict]]:
-        """The end of the answer: what is still held back (a call without its end marker
-        is parsed as it stands)."""
-        rest, self.buffer = self.buffer, ""
+    def flush(self) -> list:
+        """The end of the answer: what is still held back (a call without its end marker:
+        an open one ends with what it has, another is parsed as it stands)."""
         if self.in_call:
-            self.in_call = False
-            return "", self._parse(rest)
-        return ("" if self.called and not rest.strip() else rest), []
+            out: list = []
+            self._stream(len(self.buffer), out)
+            out += self._close(self.buffer)
+            self.buffer, self.in_call = "", False
+            return out
+        rest, self.buffer = self.buffer, ""
+        return [] if (self.called and not rest.strip()) or not rest else [rest]
+
+    def _stream(self, upto: int, out: list) -> None:
+        """The call's arguments in `buffer[:upto]` not sent yet, as a piece (opening the call
+        first once its head is read)."""
+        if not self.stream_args or self.whole or upto <= 0:
+            return
+        if self.open is None:
+            state, name, at = _call_head(self.buffer[:upto])
+            if state != "open":
+                self.whole = state == "no"
+                return
+            self.open = CallOpen(self.count, f"call_{uuid.uuid4().hex[:24]}", name)
+            self.count += 1
+            self.args_at = self.scanned = self.sent = at
+            out.append(self.open)
+        i = self.scanned
+        while i < upto and not self.args_done:
+            ch = self.buffer[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.args_done = self.depth == 0
+        self.scanned = i
+        if i > self.sent:
+            out.append(CallArgs(self.open.index, self.buffer[self.sent:i]))
+            self.sent = i
+
+    def _close(self, body: str) -> list:
+        """The call's end: the open one with the arguments sent, or the body parsed."""
+        if self.open is not None:
+            call = {"id": self.open.id, "type": "function", "function": {
+                "name": self.open.name, "arguments": self.buffer[self.args_at:self.sent]}}
+            return [CallDone(self.open.index, call, streamed=True)]
+        out = []
+        for c in self._parse(body):
+            out.append(CallDone(self.count, openai_call(c)))
+            self.count += 1
+        return out
 
     def _parse(self, body: str) -> list[dict]:
         try:
@@ -121,15 +277,20 @@ def function_of(tool) -> dict | None:
 
 
 def call_grammar(syntax: ToolSyntax, tools: list[dict], name: str | None,
-                 parallel: bool) -> str:
-    """A Lark grammar (llguidance) for an answer that is tool calls only: one (or, with
-    `parallel`, several) of `tools`, or the one named, with arguments valid against its
-    JSON Schema; in the model's own syntax (the JSON-in-markers form, `json_tools`)."""
+                 parallel: bool, free: bool = False) -> str:
+    """A Lark grammar (llguidance) for tool calls in the model's own syntax (the
+    JSON-in-markers form, `json_tools`): one (or, with `parallel`, several) of `tools`, or the
+    one named, with arguments valid against its JSON Schema. Without `free` the answer is
+    calls only; with it ("auto") the text is free, any token but the call's opening one
+    (`syntax.start_id`, which must be one token), and a call is held to the grammar from
+    that token to its end marker, the text free again after it."""
     chosen = [f for f in map(function_of, tools) if f and (name is None or f["name"] == name)]
     # Written as the model writes JSON (`{"name": "f", "arguments": {...}}`): free
     # whitespace would let a sampled answer wander in it.
-    schema = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                             "item_separator": ", "},
+    options = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+    if free:  # keywords the grammar cannot hold are ignored, not refused: "auto" answers
+        options["lenient"] = True
+    schema = {"x-guidance": options,
               "anyOf": [{"type": "object",
                          "properties": {"name": {"const": f["name"]},
                                         "arguments": f.get("parameters") or {"type": "object"}},
@@ -141,7 +302,11 @@ def call_grammar(syntax: ToolSyntax, tools: list[dict], name: str | None,
 
     call = f'{marker(syntax.start, syntax.start_id)} "\\n" body "\\n" ' \
            f'{marker(syntax.end, syntax.end_id)}'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    if free:
+        start = (f"start: free (call free){'*' if parallel else '?'}\n"
+                 f"free: <[^{syntax.start_id}]>*")
+    else:
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return f"{start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
 
 
@@ -183,6 +348,7 @@ def choose_calls(r, req, syntax: ToolSyntax | None, tokenizer) -> None:
                   "it calls tools): 'tool_choice' cannot require a call", "tool_choice")
     req.tools = [t.model_dump(exclude_none=True) for t in r.tools]
     if choice == "auto":
+        _auto_grammar(r, req, syntax, tokenizer)
         return
     if req.grammar is not None:
         raise bad("'tool_choice' requiring a call cannot be combined with "
@@ -199,6 +365,26 @@ def choose_calls(r, req, syntax: ToolSyntax | None, tokenizer) -> None:
     except MlxspecError as e:
         raise bad(f"a tool's 'parameters' is not a JSON Schema this server can follow: {e}",
                   "tools") from None
+    req.grammar = grammar
+
+
+def _auto_grammar(r, req, syntax: ToolSyntax, tokenizer) -> None:
+    """`tool_choice` "auto" of the JSON form whose call opens with one token (Qwen2.5's
+    `<tool_call>`): the grammar that leaves the text free and holds each call the model opens
+    to a listed function with valid arguments (`call_grammar`, `free`). Several calls unless
+    `parallel_tool_calls` is false. Without it (another syntax, a `response_format`, tools
+    whose schemas do not compile) the answer is free and its calls parsed as written."""
+    from ..constrain import check_grammar
+    from ..errors import MlxspecError
+
+    if req.grammar is not None or not syntax.json_form or syntax.start_id is None:
+        return
+    grammar = ("lark", call_grammar(syntax, req.tools, None,
+                                    parallel=r.parallel_tool_calls is not False, free=True))
+    try:
+        check_grammar(tokenizer, *grammar)
+    except MlxspecError:
+        return
     req.grammar = grammar
 
 
