@@ -323,9 +323,10 @@ class BatchSpeculator:
         self.plain_steps += not proposed
         self.policy.cost.add(len(self.slots), 1 + widest, proposed, forwards, seconds,
                             self._span())
-        for r, (arm, _), res in zip(rows, plans, results):
+        for r, (arm, _), res, p in zip(rows, plans, results, proposals):
             r.commit(res.tokens, arm, res.source, res.drafted, res.accepted,
-                     seconds if res.drafted else None)
+                     seconds if res.drafted else None,
+                     setup_seconds=p.setup_seconds if p is not None else 0.0)
 
     def _verify(self, fed: list[BatchRow | None], rows: list[BatchRow],
                 plans: list[tuple[str, int]], proposals: list[Proposal | None]) -> list:

@@ -158,6 +158,12 @@ class RowPolicy:
             if isinstance(policy, AdaptiveK):
                 policy.span, policy.pipelined = span, pipelined
 
+    def probing(self, source: str) -> bool:
+        """Whether a proposal from `source` now is a probe: its arm is switched off (what the
+        offer and `AdaptiveK.plan` force it for), as the deciding policy sees it."""
+        policy = self.shadow or self.policy
+        return isinstance(policy, AdaptiveK) and policy.choose(source) == 0
+
     def observe(self, source: str, drafted: int, accepted: int, seconds: float | None,
                 context: list[int]) -> None:
         """A speculative step from `source` (`seconds`: its time, or None), or a plain one

@@ -157,14 +157,18 @@ class BatchRow:
         return draw_next(logits[None], [self.sampling], [seed_at])
 
     def commit(self, tokens: list[int], arm: str = "", source: str = "", drafted: int = 0,
-               accepted: int = 0, seconds: float | None = None, observe: bool = True) -> None:
-        """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's); its
-        proposer, policies (not for its prefill's token) and stats are told."""
+               accepted: int = 0, seconds: float | None = None, observe: bool = True,
+               setup_seconds: float = 0.0) -> None:
+        """Commit a step's tokens (`arm`: the plan's source, `source`: the proposal's;
+        `setup_seconds`: its proposer's catch-up); its proposer, policies (not for its
+        prefill's token) and stats are told."""
         context = self.context
         context.extend(tokens)
+        probe = False
         if self.proposer is not None:
             self.proposer.update(context, accepted)
             if observe:
+                probe = drafted > 0 and self.planner.probing(arm)  # (asked before it learns)
                 self.planner.observe(arm, drafted, accepted, seconds, context)
         detok = self.detok
         if detok is None:  # a raw row: tokens only
@@ -180,7 +184,8 @@ class BatchRow:
             # (the peak once per answer: reading it is a call into MLX)
             self.stats.record_step(source, drafted, accepted, len(out.tokens),
                                    time.perf_counter() - detok.start,
-                                   mx.get_peak_memory() / 1e9 if detok.done else None)
+                                   mx.get_peak_memory() / 1e9 if detok.done else None,
+                                   probe, setup_seconds)
             self.outputs.append(out)
         else:  # (past its end)
             self.stats.record_step(source, drafted, accepted, len(tokens))

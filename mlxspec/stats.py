@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+# A step's kind in the account of the decoding time: "plain" (nothing proposed), "accepted"
+# (a proposal of which at least one token was accepted), "rejected" (all rejected), "probe" (a
+# proposal from an arm the policy had switched off, tried to see whether it pays again), and
+# "catch-up" (a draft model reading context it skipped before proposing: time, no tokens).
+STEP_KINDS = ("plain", "accepted", "rejected", "probe", "catch-up")
+
 
 @dataclass
 class Stats:
@@ -24,6 +30,12 @@ class Stats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     peak_memory_gb: float = 0.0
+    # Where the decoding time went, by kind of step (`STEP_KINDS`): each step's wall time
+    # (from the commit before it), the tokens it emitted, and how many such steps ran; they
+    # sum to `decode_seconds` and `generated_tokens` (`mlxspec bench --explain` reads them).
+    seconds_by_step: dict[str, float] = field(default_factory=dict)
+    tokens_by_step: dict[str, int] = field(default_factory=dict)
+    steps_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,13 +67,22 @@ class Stats:
 
     def record_step(self, source: str, drafted: int, accepted: int, emitted: int,
                     decode_seconds: float | None = None,
-                    peak_memory_gb: float | None = None) -> None:
+                    peak_memory_gb: float | None = None, probe: bool = False,
+                    setup_seconds: float = 0.0) -> None:
         """A step's target forward, the tokens it emitted (`emitted`: not those after an
         end-of-sequence token), its drafted and accepted tokens (by position and by source);
-        the decoding time so far, and the peak memory where the answer ends."""
+        the decoding time so far, and the peak memory where the answer ends. `probe`: its
+        proposal tried an arm switched off; `setup_seconds`: the proposer's catch-up in it."""
         self.target_forwards += 1
         self.generated_tokens += emitted
         if decode_seconds is not None:
+            kind = ("plain" if not drafted else "probe" if probe
+                    else "accepted" if accepted else "rejected")
+            wall = decode_seconds - self.decode_seconds
+            if setup_seconds:
+                self._account("catch-up", setup_seconds, 0)
+                wall -= setup_seconds
+            self._account(kind, wall, emitted)
             self.decode_seconds = decode_seconds
         if peak_memory_gb is not None:
             self.peak_memory_gb = peak_memory_gb
@@ -79,6 +100,11 @@ class Stats:
             self.accepted_by_position[i] += 1
         self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + drafted
         self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
+
+    def _account(self, kind: str, seconds: float, tokens: int, steps: int = 1) -> None:
+        self.seconds_by_step[kind] = self.seconds_by_step.get(kind, 0.0) + seconds
+        self.tokens_by_step[kind] = self.tokens_by_step.get(kind, 0) + tokens
+        self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + steps
 
     def prefilled(self, seconds: float, cached: int) -> None:
         """The prompt was prefilled in `seconds`, `cached` of its tokens reused."""

@@ -16,6 +16,7 @@ from .. import backend
 from ..engine import Engine, PromptCache
 from ..policy import AdaptiveK, FixedK
 from ..sampling import SamplingParams, keyed_logits, position_gumbel, position_salts
+from .explain import account, explain_table
 from .runners import EngineRunner, MlxLmRunner, MlxLmSpeculativeRunner, Run
 from .workloads import build_workload
 
@@ -162,6 +163,8 @@ def summarize(runs: dict[str, list[Run]], weights: int, project=None) -> dict[st
         projected = [project(label, r) for r in rs] if project else []
         if projected and all(projected):
             out[label]["projected_tokens_per_s"] = tokens / sum(projected)
+        if base and label != "none" and (acc := account(rs, base)) is not None:
+            out[label]["account"] = acc  # where its time went against none's (`explain.py`)
     return out
 
 
@@ -277,7 +280,9 @@ def write_outputs(out_dir: Path, report: dict) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.json", out_dir / "bench.md"]
     written[0].write_text(json.dumps(report, indent=1))
-    md = [f"Machine: {report['machine']}", "", markdown_table(report["results"])]
+    md = [f"Machine: {report['machine']}", "", markdown_table(report["results"]),
+          "", "Where each mode's time goes against none's (`mlxspec bench --explain`):", "",
+          explain_table(report["results"])]
     if projection_table(report):
         md += ["", projection_table(report)]
     if report.get("audit"):

@@ -80,13 +80,17 @@ def report_written(written: list[Path]) -> None:
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
 @distributed_option
 @click.option("--collective-delay", "collective_delay", default="0", show_default=True,
+@click.option("--explain", is_flag=True,
+              help="Also print where each mode's time goes against none's: what its plain, "
+                   "accepted, rejected, probe and catch-up steps gained or lost, as a share of "
+                   "none's time (always in bench.md; needs `none` in --modes).")
               help="With --distributed: milliseconds slept after every collective on every "
                    "rank, comma-separated (e.g. 0,0.2,0.5,1): the network latency that "
                    "loopback hides. Each collective is then evaluated as it is issued.")
 @click.pass_context
 @exits_cleanly
 def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
-          audit_prompts, quick, out_dir, seed, from_json, distributed=None,
+          audit_prompts, quick, out_dir, seed, from_json, explain=False, distributed=None,
           collective_delay="0"):
     """Benchmark speculation modes and mlx-lm on held-out workloads.
 
@@ -107,6 +111,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
 
         from ..bench.run import markdown_table, write_outputs
 
+        from ..bench.explain import explain_table
         try:
             report = json.loads(Path(from_json).read_text())
             written = write_outputs(Path(out_dir) if out_dir else Path(from_json).parent, report)
@@ -115,6 +120,8 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         click.echo(markdown_table(report["results"]))
         report_written(written)
         return
+        if explain:
+            click.echo("\n" + explain_table(report["results"]))
     from .. import backend
     from ..bench.run import (
         TREE_OPTIONS,
@@ -209,6 +216,10 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     if projection_table(report):
         click.echo("\n" + projection_table(report))
     if report.get("audit"):
+    if explain:
+        from ..bench.explain import explain_table
+
+        click.echo("\n" + explain_table(results))
         audit = report["audit"]
         temps = ", ".join(f"T={t:g}" for t in audit["temperatures"])
         for m, a in audit["modes"].items():
