@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 from server_helpers import post, start, stop
-from test_server_tools import SYNTAX, TOOLS
+from test_server_tools import ADD, SYNTAX, TOOLS
 
 import mlxspec
 from mlxspec.server import anthropic as anthropic_answer
@@ -419,3 +419,50 @@ def test_tool_input_streams_as_input_json_deltas_in_the_answers_order(size):
     status, whole = relayed(evs, stream=False, tools=TOOLS)
     assert [{k: v for k, v in b.items() if k != "id"} for b in json.loads(whole)["content"]] \
         == [{k: v for k, v in b.items() if k != "id"} for b in message["content"]]
+
+
+FENCED = f"I'll add them.\n```\n{ADD}\n```\n"
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_fenced_call_is_a_tool_use_block(size):
+    """A call the model writes as a fenced JSON block is a tool_use block after the text
+    before it (stop reason "tool_use"), its input streamed as `input_json_delta` pieces; the
+    fence is in no text block."""
+    evs = [Delta(FENCED[i:i + size], 1) for i in range(0, len(FENCED), size)]
+    evs.append(Done("stop", Usage(prompt_tokens=3)))
+    status, body = relayed(evs, stream=True, tools=TOOLS)
+    assert status == 200
+    got = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    message = streamed([(e["type"], e) for e in got])
+    assert [(b["type"], b.get("name"), b.get("text"), b.get("input")) for b in
+            message["content"]] == [("text", None, "I'll add them.\n", None),
+                                    ("tool_use", "add", None, {"a": 1, "b": 2})]
+    assert message["stop_reason"] == "tool_use"
+    pieces = [e["delta"]["partial_json"] for e in got if e["type"] == "content_block_delta"
+              and e["index"] == 1]
+    assert "".join(pieces) == '{"a": 1, "b": 2}'
+    status, whole = relayed(evs, stream=False, tools=TOOLS)
+    assert [{k: v for k, v in b.items() if k != "id"} for b in json.loads(whole)["content"]] \
+        == [{k: v for k, v in b.items() if k != "id"} for b in message["content"]]
+
+
+def test_a_bare_call_object_through_the_server_is_a_tool_use_block(srv):
+    """The model made to answer a bare JSON object naming a listed tool (`output_config`'s
+    format holds it to that object): a tool_use block, the same streamed."""
+    schema = {"type": "object", "properties": {
+        "name": {"const": "set_mode"}, "arguments": {
+            "type": "object", "properties": {"mode": {"const": "fast"}},
+            "required": ["mode"], "additionalProperties": False}},
+        "required": ["name", "arguments"], "additionalProperties": False}
+    body = {"model": "m", "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 300,
+            "temperature": 0, "output_config": {"format": {"type": "json_schema",
+                                                           "schema": schema}}}
+    status, message = messages(srv, body)
+    assert status == 200, message
+    assert [(b["type"], b.get("name"), b.get("input")) for b in message["content"]] == [
+        ("tool_use", "set_mode", {"mode": "fast"})]
+    assert message["stop_reason"] == "tool_use"
+    got = streamed(events(srv, body))
+    assert [(b["type"], b.get("name"), b.get("input")) for b in got["content"]] == [
+        ("tool_use", "set_mode", {"mode": "fast"})]

@@ -16,7 +16,7 @@ from typing import Literal
 import jsonschema
 import pytest
 from server_helpers import call, post, start, stop
-from test_server_tools import SCHEMAS, SYNTAX, TOOLS
+from test_server_tools import ADD, SCHEMAS, SYNTAX, TOOLS
 
 import mlxspec
 from mlxspec.server.answers import Usage
@@ -420,6 +420,49 @@ def test_call_arguments_stream_as_deltas_in_the_answers_order(size):
         '{"a": 1, "b": 2}', "{}"]
     _, _, whole = answered(False, evs, FLAT, {"input": "x", "tools": FLAT})
     assert without_ids(json.loads(whole)["output"]) == without_ids(output)
+
+
+FENCED = f"I'll add them.\n```json\n{ADD}\n```\nDone."
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_fenced_call_is_a_function_call_item(size):
+    """A call the model writes as a fenced JSON block is a function_call item between the
+    text's messages, its arguments streamed as deltas; the fence is in no message."""
+    evs = [Delta(FENCED[i:i + size], 1) for i in range(0, len(FENCED), size)]
+    evs.append(Done("stop", Usage()))
+    status, _, body = answered(True, evs, FLAT, {"input": "x", "tools": FLAT})
+    assert status == 200
+    got = [json.loads(line[6:]) for line in body.decode().splitlines()
+           if line.startswith("data: ")]
+    output = got[-1]["response"]["output"]
+    assert [(i["type"], i.get("name")) for i in output] == [
+        ("message", None), ("function_call", "add"), ("message", None)]
+    assert [i["content"][0]["text"] for i in output if i["type"] == "message"] == [
+        "I'll add them.\n", "\nDone."]
+    pieces = [e["delta"] for e in got if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == output[1]["arguments"] == '{"a": 1, "b": 2}'
+    _, _, whole = answered(False, evs, FLAT, {"input": "x", "tools": FLAT})
+    assert without_ids(json.loads(whole)["output"]) == without_ids(output)
+
+
+def test_a_bare_call_object_through_the_server_is_a_function_call(srv):
+    """The model made to answer a bare JSON object naming a listed function (`text.format`
+    holds it to that object): a function_call item, the same streamed."""
+    schema = {"type": "object", "properties": {
+        "name": {"const": "add"}, "arguments": {
+            "type": "object", "properties": {"a": {"const": 1}, "b": {"const": 2}},
+            "required": ["a", "b"], "additionalProperties": False}},
+        "required": ["name", "arguments"], "additionalProperties": False}
+    body = {"input": ASK, "tools": FLAT, "max_output_tokens": 400, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "call", "schema": schema}}}
+    status, out = respond(srv, body)
+    assert status == 200, out
+    (item,) = out["output"]
+    assert item["type"] == "function_call" and item["name"] == "add"
+    assert json.loads(item["arguments"]) == {"a": 1, "b": 2}
+    done = [e for kind, e in events(srv, body) if kind == "response.completed"]
+    assert without_ids(done[0]["response"]["output"]) == without_ids(out["output"])
 
 
 @pytest.mark.parametrize("extra,param,words", [

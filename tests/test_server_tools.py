@@ -118,16 +118,34 @@ PIECES = [
 ]
 
 
+def fed(text: str, size: int, tools: list | None = None, parallel: bool = True) -> list:
+    """The splitter's parts of `text` fed in pieces of `size`, its end included."""
+    splitter, parts = ToolCallSplitter(SYNTAX, tools, parallel), []
+    for i in range(0, len(text), size):
+        parts += splitter.feed(text[i:i + size])
+    return parts + splitter.flush()
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 7, 13, 1000])
 @pytest.mark.parametrize("text,want", PIECES)
 def test_argument_pieces_join_to_the_calls_arguments(text, want, size):
     """A JSON call opens once its name and its arguments' `{` are read (index, id, name), its
     arguments then go out in pieces as they come, and the pieces joined are the answer's
-    `arguments`, byte for byte, whatever the size of the text's pieces."""
-    splitter, parts = ToolCallSplitter(SYNTAX, None), []
-    for i in range(0, len(text), size):
-        parts += splitter.feed(text[i:i + size])
-    parts += splitter.flush()
+    `arguments`, byte for byte, whatever the size of the text's pieces (with the functions
+    listed or not: calls without markers change nothing here)."""
+    plain, listed = fed(text, size), fed(text, size, [fn("f", {}), fn("g", {})])
+    check_pieces(plain, want, size)
+    check_pieces(listed, want, size)
+    assert shown(plain) == shown(listed)
+
+
+def shown(parts: list) -> str:
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+def check_pieces(parts: list, want: list, size: int) -> None:
+    """The calls of `parts` are `want` ([(name, arguments, streamed)]), in index order, each
+    streamed one opened first and its pieces joined its arguments, the others whole."""
     done = [p for p in parts if isinstance(p, CallDone)]
     assert [(d.call["function"]["name"], d.call["function"]["arguments"], d.streamed)
             for d in done] == want
@@ -140,8 +158,92 @@ def test_argument_pieces_join_to_the_calls_arguments(text, want, size):
                 d.call["function"]["arguments"]
         else:
             assert mine == [d]
-    if size == 1 and want[0][2]:  # a piece at a time, as they come
+    if size == 1 and want and want[0][2]:  # a piece at a time, as they come
         assert sum(isinstance(p, CallArgs) for p in parts) > 1
+
+
+ADD = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+EDIT = ('{\n  "name": "edit_file",\n  "arguments": {\n    "path": "a.md",\n    "edits": [{"line": '
+        '1, "text": "}```\\"{"}]\n  }\n}')
+EDIT_ARGS = '{\n    "path": "a.md",\n    "edits": [{"line": 1, "text": "}```\\"{"}]\n  }'
+# (answer, text shown, [(name, arguments)]): calls written without the markers, as a fenced
+# block (with or without `json`) or a bare object where the answer starts, naming a listed
+# function; and JSON that is no such call, shown as written
+LOOSE = [
+    (f"```json\n{ADD}\n```", "", [("add", '{"a": 1, "b": 2}')]),
+    (f"I will edit it.\n```\n{EDIT}\n```\nDone.", "I will edit it.\n\nDone.",
+     [("edit_file", EDIT_ARGS)]),
+    (f"```JSON \n\n  {ADD}\n\n```\n", "", [("add", '{"a": 1, "b": 2}')]),
+    (f" \n{ADD}", " \n", [("add", '{"a": 1, "b": 2}')]),
+    (f"{ADD} and so on", " and so on", [("add", '{"a": 1, "b": 2}')]),
+    (f"Two:\n```json\n{ADD}\n```\n\n```json\n{EDIT}\n```\n", "Two:\n",
+     [("add", '{"a": 1, "b": 2}'), ("edit_file", EDIT_ARGS)]),
+    (f"{ADD}\n{ADD}", "", [("add", '{"a": 1, "b": 2}')] * 2),
+    (f'<tool_call>\n{ADD}\n</tool_call>\n```json\n{{"name": "noop", "arguments": {{}}}}\n```',
+     "", [("add", '{"a": 1, "b": 2}'), ("noop", "{}")]),
+    # a key after the arguments; the object left open, its fence closing it; no closing fence
+    ('```json\n{"name": "noop", "arguments": {}, "id": "}```"}\n```', "", [("noop", "{}")]),
+    ('```json\n{"name": "noop", "arguments": {}\n```\nok', "\nok", [("noop", "{}")]),
+    ('```json\n{"name": "noop", "arguments": {"a": [1]}}\n', "", [("noop", '{"a": [1]}')]),
+    # cut by max_tokens inside the arguments: the call keeps the pieces it was sent
+    ('```json\n{"name": "add", "arguments": {"a": 1, "b', "", [("add", '{"a": 1, "b')]),
+    # no call: shown byte for byte
+    *[(text, text, []) for text in (
+        'An example:\n```json\n{"name": "John", "age": 30}\n```\n',
+        '```json\n{"name": "nope", "arguments": {}}\n```',
+        '```json\n{"arguments": {}, "name": "add"}\n```',
+        '```json\n[{"name": "add", "arguments": {}}]\n```',
+        '```json\n{"name": "add", "parameters": {}}\n```',
+        '```json\n{"name": "add", "arguments": "{}"}\n```',
+        '```python\nprint(1)\n```\n``` \nx\n```',
+        'Call x ```json\n{"name": "add", "arguments": {}}\n```',
+        f'Call {ADD}',
+        '```json {"name": "add", "arguments": {}}```',
+        '``',
+        '```json\n{"name": "ad',
+    )],
+]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 11, 1000])
+@pytest.mark.parametrize("text,text_shown,want", LOOSE)
+def test_calls_without_markers_are_calls(text, text_shown, want, size):
+    """A call written as a fenced block or a bare object is a call as a `<tool_call>` one is
+    (opened, its arguments in pieces that join to them), its markup never shown; JSON that is
+    no call of a listed function is shown as written; the same whatever the pieces."""
+    parts = fed(text, size, TOOLS)
+    assert shown(parts) == text_shown
+    check_pieces(parts, [(*w, True) for w in want], size)
+    assert shown(fed(text, size)) == text or "<tool_call>" in text  # listing none: text
+
+
+def test_without_parallel_calls_only_the_first_call_is_read_without_markers():
+    text = f"```json\n{ADD}\n```\n```json\n{ADD}\n```"
+    for size in (1, 4, 1000):
+        parts = fed(text, size, TOOLS, parallel=False)
+        assert [p.call["function"]["name"] for p in parts if isinstance(p, CallDone)] == ["add"]
+        assert shown(parts) == f"\n```json\n{ADD}\n```"
+
+
+def test_only_what_may_be_a_call_is_held_back():
+    """Text from a fence or a brace that may begin a call waits until its head is read: shown
+    at once where it is not a call (a function not listed, another fence), opened where it
+    is."""
+    splitter = ToolCallSplitter(SYNTAX, TOOLS)
+    assert splitter.feed("Sure:\n`") == ["Sure:\n"]
+    assert splitter.feed('``json\n{"name": "') == []
+    assert splitter.feed('Jo') == ['```json\n{"name": "Jo']  # no listed name starts so
+    assert splitter.feed('hn", "age": 3}') == ['hn", "age": 3}']
+    assert splitter.feed("\n```") == ["\n"]  # a fence may open there
+    assert splitter.feed("python") == ["```python"]
+    splitter = ToolCallSplitter(SYNTAX, TOOLS)
+    assert splitter.feed('```json\n{"name": "a') == []  # "add" may follow
+    assert splitter.feed('dd", "arguments"') == []
+    opened, piece = splitter.feed(': {"a"')
+    assert isinstance(opened, CallOpen) and opened.name == "add" and piece.text == '{"a"'
+    assert splitter.feed(": 1}}\n``") == [CallArgs(0, ": 1}")]
+    done, = splitter.feed("`\n")
+    assert done.call["function"]["arguments"] == '{"a": 1}' and splitter.flush() == []
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +365,46 @@ def test_streamed_argument_pieces_join_to_the_answers_arguments(srv, opening, ca
     if case == "auto-cut":  # the cut call keeps the pieces sent: not JSON
         with pytest.raises(json.JSONDecodeError):
             json.loads(want[-1]["function"]["arguments"])
+
+
+# Answers the model is made to write (a grammar of one string: "auto" then adds none of its
+# own, and the calls are read as written)
+WRITTEN = {
+    "fenced": (f"Let me add them.\n```json\n{ADD}\n```\n", "Let me add them.\n",
+               [("add", '{"a": 1, "b": 2}')]),
+    "two": (f"```\n{EDIT}\n```\n\n```json\n{ADD}\n```", None,
+            [("edit_file", EDIT_ARGS), ("add", '{"a": 1, "b": 2}')]),
+    "bare": (ADD, None, [("add", '{"a": 1, "b": 2}')]),
+    "example": ('For example:\n```json\n{"name": "John", "tags": ["a"]}\n```',
+                'For example:\n```json\n{"name": "John", "tags": ["a"]}\n```', []),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITTEN))
+def test_calls_written_without_markers_are_tool_calls(srv, case):
+    """A fenced or bare call the model writes is a `tool_calls` entry (`finish_reason`
+    "tool_calls"), streamed as an opened call and its argument pieces that join to the
+    answer's `arguments`; a JSON block that is no call stays content, byte for byte."""
+    text, content, want = WRITTEN[case]
+    req = {"messages": ASK, "tools": TOOLS, "max_tokens": 200, "temperature": 0,
+           "grammar": "start: " + json.dumps(text)}
+    status, body = call(srv, "/v1/chat/completions", req)
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == content
+    calls = choice["message"].get("tool_calls") or []
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want
+    assert choice["finish_reason"] == ("tool_calls" if want else "stop")
+    events = stream(srv, "/v1/chat/completions", req)
+    assert [(c["name"], c["arguments"]) for c in streamed_calls(events[:-1])] == want
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    assert events[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    if case == "two":  # one call only when parallel calls are refused
+        status, body = call(srv, "/v1/chat/completions", {**req, "parallel_tool_calls": False})
+        message = body["choices"][0]["message"]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["edit_file"]
+        assert message["content"] == f"\n\n```json\n{ADD}\n```"
 
 
 def test_tool_calls_are_the_same_in_every_mode(srv):

@@ -298,7 +298,8 @@ class Answer(BaseAnswer):
     def __init__(self, group, body: dict, parser, metrics, write_timeout: float):
         super().__init__(group, metrics, write_timeout)
         req = group.req
-        self.splitter = ToolCallSplitter(parser.tool_syntax, req.tools) if req.tools else None
+        self.splitter = (ToolCallSplitter(parser.tool_syntax, req.tools, req.tool_parallel)
+                         if req.tools else None)
         self.blocks: list[dict] = []
         self.text_open = False  # the last block is text, its content_block_stop not sent
         self.streaming = False  # the stream has started (an error is then an event)

@@ -485,6 +485,7 @@ class GenRequest:
     post_probs: bool = False
     grammar: tuple | None = None
     tools: list | None = None  # the functions whose calls are parsed out of the answer
+    tool_parallel: bool = True  # several calls per answer ("parallel_tool_calls" not false)
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])

@@ -219,7 +219,8 @@ class Relay(Answer):
         self.kind, self.parser = kind, parser
         # a chat with tools: each job's text split into content and calls
         tools = group.req.tools if kind == "chat" else None
-        self.splitters = [ToolCallSplitter(parser.tool_syntax, tools) if tools else None
+        self.splitters = [ToolCallSplitter(parser.tool_syntax, tools, group.req.tool_parallel)
+                          if tools else None
                           for _ in group.jobs]
         self.calls: list[list[dict]] = [[] for _ in group.jobs]
         self.spans = ([SourceSpans(parser.token_bytes) for _ in group.jobs]

@@ -333,7 +333,8 @@ class Answer(relay.Answer):
         self.id = f"resp_{group.req.id}"
         self.created_at = group.req.created
         tools = group.req.tools
-        self.splitter = ToolCallSplitter(parser.tool_syntax, tools) if tools else None
+        self.splitter = (ToolCallSplitter(parser.tool_syntax, tools, group.req.tool_parallel)
+                         if tools else None)
         self.names = chat_tools(body.get("tools"))[1]
         self.output: list[dict] = []  # the finished items
         self.message: dict | None = None  # the message item being written

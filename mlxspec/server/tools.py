@@ -1,13 +1,15 @@
 """Tool calls: a request's `tools` and `tool_choice` resolved (`choose_calls`), earlier calls
 rendered for the template (`template_calls`), the model's own call syntax found in its answer
-(mlx-lm's tool parsers, chosen from the model's chat template as mlx-lm chooses them) and split
-from its text as it streams, a JSON call's arguments in pieces (`ToolCallSplitter`), and the
-grammars that hold calls: from the answer's first token for a `tool_choice` of "required" or a
-named function, from the call's opening token on for "auto" (`call_grammar`)."""
+(mlx-lm's tool parsers, chosen from the model's chat template as mlx-lm chooses them; the JSON
+form's calls also as a fenced block or a bare object) and split from its text as it streams, a
+JSON call's arguments in pieces (`ToolCallSplitter`), and the grammars that hold calls: from
+the answer's first token for a `tool_choice` of "required" or a named function, from the
+call's opening token on for "auto" (`call_grammar`)."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,10 +88,11 @@ _WS = " \t\n\r"
 _HEAD = ("{", '"name"', ":", None, ",", '"arguments"', ":", "{")
 
 
-def _call_head(body: str) -> tuple[str, str | None, int]:
+def _call_head(body: str, names: set | None = None) -> tuple[str, str | None, int]:
     """Whether a JSON call's body starts `{"name": "f", "arguments": {` (JSON whitespace
-    anywhere between): ("open", name, where the arguments' `{` is), ("more", None, 0) while
-    the text so far could still, ("no", None, 0) once it cannot."""
+    anywhere between; with `names`, `f` one of them): ("open", name, where the arguments' `{`
+    is), ("more", None, 0) while the text so far could still, ("no", None, 0) once it
+    cannot (with `names`, from the name's first character that no listed name has)."""
     i, n, name = 0, len(body), None
     for step in _HEAD:
         while i < n and body[i] in _WS:
@@ -103,11 +106,17 @@ def _call_head(body: str) -> tuple[str, str | None, int]:
             while j < n and (escaped or body[j] != '"'):
                 escaped = not escaped and body[j] == "\\"
                 j += 1
-            if j == n:
+            if j == n:  # no listed name begins so: known already
+                so_far = body[i + 1:j]
+                if names is not None and "\\" not in so_far and not any(
+                        f.startswith(so_far) for f in names):
+                    return "no", None, 0
                 return "more", None, 0
             try:
                 name = json.loads(body[i:j + 1])
             except json.JSONDecodeError:
+                return "no", None, 0
+            if names is not None and name not in names:
                 return "no", None, 0
             i = j + 1
         elif step == "{" and name is not None:
@@ -122,6 +131,13 @@ def _call_head(body: str) -> tuple[str, str | None, int]:
     return "no", None, 0  # not reached
 
 
+_FENCE = "```"
+# The rest of a fence's first line: nothing or `json` (any case), then the newline; and what
+# may still become that line
+_FENCE_LINE = re.compile(r"[ \t]*(?:json)?[ \t\r]*", re.I)
+_FENCE_LINE_SO_FAR = re.compile(r"[ \t]*(?:j(?:s(?:o(?:n[ \t\r]*)?)?)?|[ \t\r]*)", re.I)
+
+
 class ToolCallSplitter:
     """An answer's text, fed in pieces, split into its parts in order: text to show (str),
     and calls. A call in the JSON form (`{"name": ..., "arguments": {...}}`, `json_tools`)
@@ -133,15 +149,31 @@ class ToolCallSplitter:
     Any other call (another syntax, `arguments` before `name`, a list of calls) is parsed
     once its end marker is seen and comes whole; one that does not parse is dropped, as
     mlx-lm's server drops it (its markup is never shown). Whitespace between calls is not
-    shown."""
+    shown.
 
-    def __init__(self, syntax: ToolSyntax, tools: list | None):
-        self.syntax, self.tools = syntax, tools
+    The JSON form's calls are also read without the markers, as models write them in
+    markdown: a fenced block (a line starting ```` ```json ```` or ```` ``` ````, at the
+    answer's start or after a newline) or a bare object (where only whitespace came since the
+    answer's start or the last call) whose body starts `{"name": "f", "arguments": {` with
+    `f` one of `tools`. The text from such a fence or brace is held back only until its head
+    says whether it is one (the name read: a function not listed, or any other start, and it
+    is shown at once, byte for byte); a call then streams as above and ends at its object's
+    closing `}` (a fenced one with its closing fence, which is not shown). Without `parallel`
+    these forms are read only until the answer's first call."""
+
+    def __init__(self, syntax: ToolSyntax, tools: list | None, parallel: bool = True):
+        self.syntax, self.tools, self.parallel = syntax, tools, parallel
         self.buffer = ""
         self.in_call = False
         self.called = False  # a call was made: whitespace after it waits to see what follows
         self.count = 0  # calls given an index so far
         self.stream_args = syntax.json_form and bool(syntax.end)
+        # the functions a call without markers may name (the JSON form only)
+        self.names = ({f["name"] for f in map(function_of, tools or []) if f}
+                      if syntax.json_form else set())
+        self.line_start = True  # the buffer starts a line (a fence may open there)
+        self.blank = True  # only whitespace shown since the answer's start or the last call
+        self.form = "marker"  # the call's form: "marker", "fence" or "bare"
         self._new_call()
 
     def _new_call(self) -> None:
@@ -150,6 +182,9 @@ class ToolCallSplitter:
         self.args_at = self.scanned = self.sent = 0  # positions in the buffer
         self.depth, self.in_string, self.escaped = 0, False, False
         self.args_done = False
+        # a call without markers, its arguments whole: how far the rest of its object is
+        # read, and where the object closed (0: not yet)
+        self.tail_at = self.closed_at = 0
 
     def split(self, text: str) -> tuple[str, list[dict]]:
         """A whole answer's text and calls (OpenAI's shape)."""
@@ -163,21 +198,25 @@ class ToolCallSplitter:
         out: list = []
         while True:
             if not self.in_call:
-                i = self.buffer.find(start)
-                if i < 0:
-                    keep = _held(self.buffer, start)
-                    if self.called and not self.buffer[:len(self.buffer) - keep].strip():
+                i, form, body_at = self._opening()
+                if body_at is None:  # no call: shown up to what may still begin one
+                    cut = len(self.buffer) - _held(self.buffer, start) if i is None else i
+                    if self.called and not self.buffer[:cut].strip():
                         break  # only whitespace since the last call: held
-                    if len(self.buffer) > keep:
-                        out.append(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    self.called = False
+                    self._show(cut, out)
                     break
                 if i and not (self.called and not self.buffer[:i].strip()):
                     out.append(self.buffer[:i])
-                self.buffer = self.buffer[i + len(start):]
-                self.in_call = True
+                self.buffer = self.buffer[body_at:]
+                self.in_call, self.form = True, form
                 self._new_call()
+            elif self.form != "marker":  # a call without markers: it ends with its object
+                self._stream(len(self.buffer), out)
+                cut = self._object_end(final=False)
+                if cut is None:
+                    break
+                out += self._close("")
+                self._ended(cut)
             else:
                 i = self.buffer.find(end) if end else -1
                 if i < 0:
@@ -185,26 +224,139 @@ class ToolCallSplitter:
                     break
                 self._stream(i, out)
                 out += self._close(self.buffer[:i])
-                self.buffer = self.buffer[i + len(end):]
-                self.in_call, self.called = False, True
+                self._ended(i + len(end))
         return out
 
     def flush(self) -> list:
         """The end of the answer: what is still held back (a call without its end marker:
-        an open one ends with what it has, another is parsed as it stands)."""
+        an open one ends with what it has, another is parsed as it stands; text that might
+        have begun a call is shown)."""
         if self.in_call:
             out: list = []
             self._stream(len(self.buffer), out)
             out += self._close(self.buffer)
+            if self.form != "marker":  # text after its object, before the answer's end
+                cut = self._object_end(final=True)
+                rest = self.buffer[cut:] if cut is not None else ""
+                self._ended(len(self.buffer))
+                if rest.strip():
+                    out.append(rest)
+                return out
             self.buffer, self.in_call = "", False
             return out
         rest, self.buffer = self.buffer, ""
         return [] if (self.called and not rest.strip()) or not rest else [rest]
 
+    def _show(self, cut: int, out: list) -> None:
+        """The buffer's first `cut` characters shown as text."""
+        if cut > 0:
+            shown = self.buffer[:cut]
+            out.append(shown)
+            self.line_start = shown.endswith("\n")
+            self.blank = self.blank and not shown.strip()
+            self.buffer = self.buffer[cut:]
+        self.called = False
+
+    def _ended(self, cut: int) -> None:
+        """A call's text ended at `cut`: the rest of the buffer follows it."""
+        self.buffer = self.buffer[cut:]
+        self.in_call, self.called, self.form = False, True, "marker"
+        self.line_start, self.blank = False, True
+
+    def _opening(self) -> tuple[int | None, str, int | None]:
+        """Where the buffer's first call begins (`i`), its form, and where its body starts
+        (None: the text from `i` may still turn out to be a call without markers; `i` None
+        too: nothing in the buffer begins one)."""
+        buf = self.buffer
+        m = buf.find(self.syntax.start)
+        if self.names and (self.parallel or not self.count):
+            # fences at each line's start, a bare object at the first non-whitespace
+            starts = [(i, "fence") for i in range(len(buf)) if (
+                buf[i - 1] == "\n" if i else self.line_start) and buf[i] == "`"]
+            if self.blank:
+                first = len(buf) - len(buf.lstrip(_WS))
+                if first < len(buf) and buf[first] == "{":
+                    starts.append((first, "bare"))
+            for i, form in sorted(starts):
+                if 0 <= m <= i:
+                    break
+                state, body_at = self._loose_head(i, form)
+                if state == "open":
+                    return i, form, body_at
+                if state == "more":
+                    return i, form, None
+        if m >= 0:
+            return m, "marker", m + len(self.syntax.start)
+        return None, "marker", None
+
+    def _loose_head(self, i: int, form: str) -> tuple[str, int]:
+        """Whether the text at `i` (a fence, or a bare object's `{`) is a call's head:
+        ("open", where its body starts), ("more", 0) while it could still be, ("no", 0)."""
+        body_at = i
+        if form == "fence":
+            rest = self.buffer[i:]
+            if not rest.startswith(_FENCE):
+                return ("more" if _FENCE.startswith(rest) else "no"), 0
+            eol = rest.find("\n", len(_FENCE))
+            line = rest[len(_FENCE):] if eol < 0 else rest[len(_FENCE):eol]
+            if eol < 0:
+                return ("more" if _FENCE_LINE_SO_FAR.fullmatch(line) else "no"), 0
+            if not _FENCE_LINE.fullmatch(line):
+                return "no", 0
+            body_at = i + eol + 1
+        state, _, _ = _call_head(self.buffer[body_at:], self.names)
+        return state, body_at
+
+    def _object_end(self, final: bool) -> int | None:
+        """A call without markers whose arguments are whole: where its text ends (after its
+        object's closing `}`, and a fenced one's closing fence), None while unknown. At the
+        answer's end (`final`) it ends where its text does."""
+        if not self.args_done:
+            return len(self.buffer) if final else None
+        buf, i = self.buffer, self.tail_at or self.scanned
+        if not self.closed_at:  # the rest of the object after the arguments
+            while i < len(buf):
+                ch = buf[i]
+                if self.in_string:
+                    if self.escaped:
+                        self.escaped = False
+                    elif ch == "\\":
+                        self.escaped = True
+                    elif ch == '"':
+                        self.in_string = False
+                elif ch == '"':
+                    self.in_string = True
+                elif ch == "`" and self.form == "fence":  # the fence closes a broken object
+                    if buf.startswith(_FENCE, i):
+                        return i + len(_FENCE)
+                    if _FENCE.startswith(buf[i:]) and not final:
+                        break
+                elif ch in "{[":
+                    self.depth += 1
+                elif ch in "}]":
+                    self.depth -= 1
+                    if self.depth < 0:
+                        self.closed_at = i + 1
+                        break
+                i += 1
+            self.tail_at = i
+            if not self.closed_at:
+                return len(buf) if final else None
+        if self.form == "bare":
+            return self.closed_at
+        j = self.closed_at
+        while j < len(buf) and buf[j] in _WS:
+            j += 1
+        if buf.startswith(_FENCE, j):
+            return j + len(_FENCE)
+        if not final and _FENCE.startswith(buf[j:]):
+            return None  # whitespace, or what may begin the closing fence
+        return self.closed_at
+
     def _stream(self, upto: int, out: list) -> None:
         """The call's arguments in `buffer[:upto]` not sent yet, as a piece (opening the call
         first once its head is read)."""
-        if not self.stream_args or self.whole or upto <= 0:
+        if not (self.stream_args or self.form != "marker") or self.whole or upto <= 0:
             return
         if self.open is None:
             state, name, at = _call_head(self.buffer[:upto])
@@ -347,6 +499,7 @@ def choose_calls(r, req, syntax: ToolSyntax | None, tokenizer) -> None:
         raise bad("this model has no tool-call syntax (its chat template does not say how "
                   "it calls tools): 'tool_choice' cannot require a call", "tool_choice")
     req.tools = [t.model_dump(exclude_none=True) for t in r.tools]
+    req.tool_parallel = r.parallel_tool_calls is not False
     if choice == "auto":
         _auto_grammar(r, req, syntax, tokenizer)
         return
