@@ -165,6 +165,19 @@ def ask(url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
     return out
 
 
+def need(tokens: list[int], model: str) -> int | None:
+    """What the server's budget counts for these requests running together
+    (`memory.ServingMemory.need`, from the model's shape), None where its shape is unknown."""
+    sys.path.insert(0, str(ROOT))
+    from mlxspec import memory
+
+    found = memory.info_for(model)
+    if found is None:
+        return None
+    m = memory.ServingMemory(0, "", 0, (found[0],), 4, 512)  # (the CPU computes in float32)
+    return m.need(tokens, [])
+
+
 def status_of(pid: int, key: str) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -225,8 +238,10 @@ def main() -> int:
             if proc.poll() is not None:
                 raise SystemExit("the server did not start:\n" + "".join(log[-20:]))
         result["startup"] = next((ln.strip() for ln in log if "memory: limit" in ln), "")
-        m = re.search(r"about (\d+) tokens", result["startup"])
-        together = int(m[1]) if m else None
+        # what the server leaves for requests: the limit less what it reserves idle
+        idle = get(url, "/metrics")
+        room = args.limit - int(float(re.search(r"^mlxspec_memory_reserved_bytes (\S+)", idle,
+                                                re.M)[1]))
 
         # sampled every 0.5 s: who waits for memory, the server's memory
         waited: dict[int, float] = {}
@@ -276,11 +291,10 @@ def main() -> int:
         answered = [b["status"] == 200 and not b["error"] for b in burst]
         identical = [b["tokens"] == a["tokens"] and b["text"] == a["text"] and bool(b["tokens"])
                      for b, a in zip(burst, alone)]
-        tokens_all = sum((p or 0) + args.max_tokens for p in prompt_tokens)
+        together = need([(p or 0) + args.max_tokens for p in prompt_tokens], args.model)
         result.update({
-            "prompt_tokens": prompt_tokens,
-            "tokens_together": tokens_all, "tokens_fitting_together": together,
-            "need_over_room": round(tokens_all / together, 2) if together else None,
+            "prompt_tokens": prompt_tokens, "room": room, "need_together": together,
+            "need_over_room": round(together / room, 2) if together and room > 0 else None,
             "burst_seconds": round(burst_seconds, 1),
             "burst_latency_s": [round(b.get("seconds", 0), 1) for b in burst],
             "burst_first_token_s": [round(b["first"], 1) if b.get("first") else None
@@ -316,7 +330,8 @@ def main() -> int:
           and result.get("identical") == args.requests and peak <= args.limit)
     print(f"{args.requests} requests ({min(p or 0 for p in result['prompt_tokens'])}-"
           f"{max(p or 0 for p in result['prompt_tokens'])} prompt tokens, max_tokens "
-          f"{args.max_tokens}; {result.get('need_over_room')}x the tokens that fit together), "
+          f"{args.max_tokens}; together {result.get('need_over_room')}x what the limit leaves "
+          f"for requests), "
           f"limit {args.limit / 1e9:.2f} GB: peak {peak / 1e9:.2f} GB, longest wait "
           f"{result.get('longest_wait_s')} s, {result.get('answered')} answered, "
           f"{result.get('identical')} identical alone, paused {result.get('paused_total')}, "
