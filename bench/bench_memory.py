@@ -14,8 +14,8 @@ kills it if it goes over; without one it is given `--memory-limit` and its peak 
 (VmHWM) is checked against the limit. The prompts are third-party code from `site-packages`
 (one file per package, cut to lengths spread over --chars), sent as llama.cpp `/completion`
 streams (T = 0, the token ids in each chunk) all at once, then again one at a time. Reported:
-the requests, their tokens against what the start-up line says fits together, the limit, the
-peak (the cgroup's `memory.max_usage_in_bytes` / `memory.peak`, the server's VmHWM), the kernel's
+the requests, what they reserve together by the server's rule against what the limit leaves
+for requests, the limit, the peak (the cgroup's `memory.max_usage_in_bytes` / `memory.peak`, the server's VmHWM), the kernel's
 refusals (failcnt), the longest wait for memory (from /slots, sampled every 0.5 s), rows paused,
 whether the server survived, every request answered, and every answer identical to the same
 request alone. Exits 1 when one is not.
