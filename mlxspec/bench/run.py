@@ -150,6 +150,9 @@ def summarize(runs: dict[str, list[Run]], weights: int, project=None) -> dict[st
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "speedup_median": statistics.median(ratios) if ratios else None,
             "speedup_ratios": ratios,
+            # the decode time of none's tokens over this mode's (the same tokens: exact modes)
+            "speedup_total": (sum(b.decode_seconds for b in base) / seconds
+                              if base and seconds else None),
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": tokens / forwards if forwards else None,
             "forwards_per_token": forwards / tokens if tokens else None,
@@ -160,11 +163,11 @@ def summarize(runs: dict[str, list[Run]], weights: int, project=None) -> dict[st
             "peak_memory_gb": max((r.stats.get("peak_memory_gb", 0.0) for r in rs), default=0.0),
             "weight_bandwidth_gb_s": weights * forwards / seconds / 1e9 if seconds else 0.0,
         }
+        if base and label != "none" and (acc := account(rs, base)) is not None:
+            out[label]["account"] = acc  # where its time went against none's (`explain.py`)
         projected = [project(label, r) for r in rs] if project else []
         if projected and all(projected):
             out[label]["projected_tokens_per_s"] = tokens / sum(projected)
-        if base and label != "none" and (acc := account(rs, base)) is not None:
-            out[label]["account"] = acc  # where its time went against none's (`explain.py`)
     return out
 
 
@@ -181,17 +184,43 @@ def run_workloads(engine: Engine, runners: list, workloads: list[str], n_prompts
     weights = weight_bytes(engine.model)
     for w, temp, items in plan:
         runs: dict[str, list[Run]] = {r.label: [] for r in runners}
+        exact = {r.label: {"identical": 0, "divergences": []} for r in runners
+                 if isinstance(r, EngineRunner) and r.label != "none"}
+        session, shared = None, None
         for i, item in enumerate(items):
-            tokens = engine.encode(item.prompt)
+            tokens = item.tokens or engine.encode(item.prompt)
             order = runners[i % len(runners):] + runners[: i % len(runners)]  # A B C, B C A, ...
-            shared = PromptCache()  # the prompt prefilled once for our modes (untimed anyway)
+            # the prompt prefilled once for our modes (untimed anyway); a recorded session's
+            # turns share one, as a server's prompt cache serves a conversation's next turn
+            if item.meta.get("session") is None or item.meta["session"] != session:
+                session, shared = item.meta.get("session"), PromptCache()
             for runner in order:
                 runs[runner.label].append(runner.run(tokens, item.max_tokens, temp, seed + i,
-                                                     item.prediction, prompt_cache=shared))
+                                                     item.prediction, prompt_cache=shared,
+                                                     grammar=item.grammar))
                 progress.step(f"{w} t={temp:g} {runner.label}")
+            if "none" in runs:  # every mode of ours must give none's tokens, item by item
+                ref = runs["none"][-1].tokens
+                for label, e in exact.items():
+                    got = runs[label][-1].tokens
+                    if got == ref:
+                        e["identical"] += 1
+                        continue
+                    step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b),
+                                min(len(got), len(ref)))
+                    e["divergences"].append({"prompt": i, "step": step, "top2_gap": _top2_gap(
+                        engine, tokens + ref[:step], temp, seed + i)})
         results[f"{w}@{temp:g}"] = {"workload": w, "temperature": temp,
                                     "max_tokens": max(it.max_tokens for it in items),
                                     "modes": summarize(runs, weights, project)}
+        if "none" in runs:
+            results[f"{w}@{temp:g}"]["exact"] = exact
+        kinds = [it.meta.get("kind") for it in items]
+        if all(kinds):  # turns of recorded sessions: the figures per turn kind too
+            results[f"{w}@{temp:g}"]["by_kind"] = {
+                k: summarize({label: [r for r, kk in zip(rs, kinds) if kk == k]
+                              for label, rs in runs.items()}, weights)
+                for k in dict.fromkeys(kinds)}
     progress.close()
     return results
 
@@ -253,6 +282,37 @@ def markdown_table(results: dict) -> str:
             tpf = f"{f['mean_accepted_length']:.2f}" if f["mean_accepted_length"] else "–"
             lines.append(f"| {r['workload']} | {r['temperature']:g} | {mode} | "
                          f"{f['tokens_per_s']:.1f} | {sp} | {acc} | {tpf} | {f['drafted_wasted']} |")
+    for r in results.values():
+        if r.get("by_kind"):
+            lines += ["", kind_table(r)]
+    return "\n".join(lines)
+
+
+def kind_table(r: dict) -> str:
+    """A recorded-sessions workload (`agent`) per mode: tokens per forward and speedup over
+    none (median of the turns' ratios, and total decode time), over all turns and per turn
+    kind, with the turns identical to none's."""
+    groups = {"all": r["modes"], **r["by_kind"]}
+    head = " | ".join(f"{k} ({groups[k]['none']['prompts'] if 'none' in groups[k] else '?'})"
+                      for k in groups)
+    lines = [f"{r['workload']}, T = {r['temperature']:g}: tokens per forward / speedup over none "
+             "(median of turns; total decode time), per turn kind (turns)", "",
+             f"| mode | {head} | identical to none |",
+             "|---" * (len(groups) + 2) + "|"]
+    for mode in r["modes"]:
+        cells = []
+        for g in groups.values():
+            f = g.get(mode)
+            if not f or not f["tokens"]:
+                cells.append("–")
+                continue
+            tpf = f"{f['mean_accepted_length']:.2f}" if f["mean_accepted_length"] else "–"
+            med = f"{f['speedup_median']:.2f}×" if f["speedup_median"] is not None else "–"
+            tot = f"{f['speedup_total']:.2f}×" if f.get("speedup_total") else "–"
+            cells.append(f"{tpf} / {med}; {tot}")
+        e = r.get("exact", {}).get(mode)
+        same = (f"{e['identical']}/{e['identical'] + len(e['divergences'])}" if e else "–")
+        lines.append(f"| {mode} | {' | '.join(cells)} | {same} |")
     return "\n".join(lines)
 
 

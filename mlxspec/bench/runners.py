@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from ..engine import Engine, PromptCache
+from ..errors import MlxspecError
 
 
 @dataclass
@@ -44,14 +45,22 @@ class EngineRunner:
         self.num_draft, self.policy = num_draft, policy
 
     def run(self, tokens: list[int], max_tokens: int, temperature: float, seed: int,
-            prediction: str | None = None, prompt_cache: PromptCache | None = None) -> Run:
+            prediction: str | None = None, prompt_cache: PromptCache | None = None,
+            grammar: tuple | None = None) -> Run:
         result = self.engine.generate(tokens, max_tokens=max_tokens, temperature=temperature,
                                       seed=seed, mode=self.mode, prediction=prediction,
                                       num_draft=self.num_draft, policy=self.policy,
-                                      prompt_cache=prompt_cache or PromptCache())
+                                      prompt_cache=prompt_cache or PromptCache(),
+                                      grammar=grammar)
         s = result.stats
         return Run(result.tokens, s.decode_seconds, s.target_forwards, s.drafted, s.accepted,
                    s.to_dict())
+
+
+def _unconstrained(label: str, grammar) -> None:
+    if grammar is not None:
+        raise MlxspecError(f"{label} cannot hold an answer to a grammar (the agent workload's "
+                           "tool calls): leave it out of --modes")
 
 
 def _eos(engine: Engine) -> set[int]:
@@ -67,7 +76,8 @@ class MlxLmRunner:
         self.engine = engine
 
     def run(self, tokens, max_tokens, temperature, seed, prediction=None,
-            prompt_cache=None) -> Run:
+            prompt_cache=None, grammar=None) -> Run:
+        _unconstrained(self.label, grammar)
         model, eos = self.engine.model, _eos(self.engine)
         cache = make_prompt_cache(model)
         if len(tokens) > 1:
@@ -93,7 +103,8 @@ class MlxLmSpeculativeRunner:
         self.engine, self.num_draft = engine, num_draft
 
     def run(self, tokens, max_tokens, temperature, seed, prediction=None,
-            prompt_cache=None) -> Run:
+            prompt_cache=None, grammar=None) -> Run:
+        _unconstrained(self.label, grammar)
         model, draft, eos = self.engine.model, self.engine.draft_model, _eos(self.engine)
         cache = make_prompt_cache(model) + make_prompt_cache(draft)
         if len(tokens) > 1:

@@ -21,6 +21,7 @@ import random
 import textwrap
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 from ..errors import MlxspecError
 from ..recipe.corpus import (
@@ -38,7 +39,12 @@ WORKLOADS = ("completion", "fim", "edit", "doc-qa", "chat", "free")
 CHAT_WORKLOADS = ("edit", "rewrite", "quote", "chat", "free", "completion")
 # Without --max-tokens: long enough for a real model to copy most of a 40-80 line file.
 CHAT_MAX_TOKENS = {"edit": 256, "rewrite": 256, "quote": 128, "chat": 128, "free": 128,
-                   "completion": 64, "fim": 64}
+                   "completion": 64, "fim": 64, "agent": 256}
+# Run only when named (not in a model's default set nor in 'mixed'): recorded agent sessions,
+# `agent_items`.
+EXTRA_WORKLOADS = ("agent",)
+AGENT_SESSIONS = Path(__file__).resolve().parent / "agent_sessions"
+TURN_KINDS = ("tool_call", "edit", "answer")
 DEFAULT_MAX_TOKENS = 64
 FIM_TOKENS = (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)
 EDIT_INSTRUCTION = "Add a comment above each function. Return the whole file."
@@ -66,6 +72,8 @@ class Item:
     temperature: float = 0.0
     prediction: str | None = None
     meta: dict = field(default_factory=dict)
+    tokens: list[int] | None = None  # the prompt's ids where set (else the engine encodes it)
+    grammar: tuple | None = None  # (kind, text): the answer held to it (`Engine.request`)
 
 
 def _completion(n: int, rng: random.Random, max_tokens: int) -> list[Item]:
@@ -241,9 +249,11 @@ def check_workloads(names: list[str], tokenizer, model_name: str) -> None:
     """Refuse, before anything runs, a workload this model cannot run, naming the ones it can."""
     have = workloads_for(tokenizer)
     for w in names:
-        if w in have or w == "mixed":
+        if w in have or w == "mixed" or (w in EXTRA_WORKLOADS and _has_chat_template(tokenizer)):
             continue
-        if w == "fim":
+        if w in EXTRA_WORKLOADS:
+            why = f"{w} needs a model with a chat template; {model_name} has none"
+        elif w == "fim":
             why = f"fim needs a model with FIM tokens ({', '.join(FIM_TOKENS)}); {model_name} has none"
         elif w in CHAT_WORKLOADS and not _has_chat_template(tokenizer):
             why = f"{w} needs a model with a chat template; {model_name} has none"
@@ -259,6 +269,8 @@ def build_workload(name: str, n: int = 20, max_tokens: int | None = DEFAULT_MAX_
                    seed: int = 0, tokenizer=None) -> list[Item]:
     """`n` prompts of workload `name` (or 'mixed': every workload, shuffled) for a model with
     `tokenizer` (None: the bundled model). `max_tokens` None: each workload's default."""
+    if name == "agent":
+        return agent_items(tokenizer, n, max_tokens)
     if not uses_bundled_formats(tokenizer):
         return build_chat_workload(name, n, max_tokens, seed, tokenizer)
     if max_tokens is None:
@@ -398,3 +410,42 @@ def build_chat_workload(name: str, n: int, max_tokens: int | None, seed: int,
         return [Item("free", _ask(tokenizer, questions[i % len(questions)]), cap,
                      temperature=1.0) for i in range(n)]
     raise ValueError(f"unknown workload {name!r}")
+
+
+# ---------------------------------------------------------------- recorded agent sessions
+
+
+def agent_sessions(folder: Path | None = None) -> list[dict]:
+    """The recorded sessions (`bench/record_agent.py`), by name: each a task, its source
+    files' package and license, and its turns ({"request": the chat-completions body the agent
+    client sent, "answer", "kind"})."""
+    import json
+
+    folder = AGENT_SESSIONS if folder is None else folder
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def agent_items(tokenizer, n: int | None = None, max_tokens: int | None = None,
+                folder: Path | None = None) -> list[Item]:
+    """The first `n` turns (None: all) of the recorded agent sessions, session by session in
+    order (so that `suffix` has seen a session's earlier turns, as in a server): each request
+    rendered by the server's own request parser (messages and tools through the chat template,
+    and the grammar a `tool_choice` of "required" or a function holds the answer to, as
+    `/v1/chat/completions` does), at T = 0 with `max_tokens` (None: 256), its turn kind (what
+    the recorded answer was: `tool_call`, `edit`, `answer`) in `meta`."""
+    from ..server.protocol import RequestParser, ServerConfig
+
+    if tokenizer is None or not _has_chat_template(tokenizer):
+        raise MlxspecError("the agent workload needs a model with a chat template")
+    parser = RequestParser(tokenizer, ServerConfig("bench", set(), None, accept_any_model=True))
+    cap = max_tokens if max_tokens is not None else CHAT_MAX_TOKENS["agent"]
+    items = []
+    for session in agent_sessions(folder):
+        for j, turn in enumerate(session["turns"]):
+            body = {k: v for k, v in turn["request"].items() if k != "max_completion_tokens"}
+            req, = parser.requests("chat", {**body, "max_tokens": cap})
+            items.append(Item("agent", parser.prompt_text(req.prompt), cap, tokens=req.prompt,
+                              grammar=req.grammar,
+                              meta={"kind": turn["kind"], "session": session["name"],
+                                    "turn": j}))
+    return items[:n] if n is not None else items
