@@ -53,8 +53,10 @@ def report_written(written: list[Path]) -> None:
                    "(and models `mlxspec train` writes): completion, fim, edit, doc-qa, chat, "
                    "free. Any other model, through its own chat template: edit, rewrite, quote, "
                    "chat, free, completion (plain code), fim only with FIM tokens. 'mixed': all, "
-                   "shuffled. With --distributed also 'predicted' (edit prompts whose predicted "
-                   "output is the answer with one token changed).")
+                   "shuffled. 'agent' (only when named): the turns of recorded coding-agent "
+                   "sessions with their tools, as the server renders them. With --distributed "
+                   "also 'predicted' (edit prompts whose predicted output is the answer with "
+                   "one token changed).")
 @click.option("--prompts", "n_prompts", type=int, default=20, show_default=True,
               callback=in_range(1), help="Prompts per workload.")
 @option("max-tokens", default=None, show_default=False,
@@ -78,12 +80,12 @@ def report_written(written: list[Path]) -> None:
 @option("seed")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
-@distributed_option
-@click.option("--collective-delay", "collective_delay", default="0", show_default=True,
 @click.option("--explain", is_flag=True,
               help="Also print where each mode's time goes against none's: what its plain, "
                    "accepted, rejected, probe and catch-up steps gained or lost, as a share of "
                    "none's time (always in bench.md; needs `none` in --modes).")
+@distributed_option
+@click.option("--collective-delay", "collective_delay", default="0", show_default=True,
               help="With --distributed: milliseconds slept after every collective on every "
                    "rank, comma-separated (e.g. 0,0.2,0.5,1): the network latency that "
                    "loopback hides. Each collective is then evaluated as it is issued.")
@@ -109,19 +111,19 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     if from_json is not None:
         import json
 
+        from ..bench.explain import explain_table
         from ..bench.run import markdown_table, write_outputs
 
-        from ..bench.explain import explain_table
         try:
             report = json.loads(Path(from_json).read_text())
             written = write_outputs(Path(out_dir) if out_dir else Path(from_json).parent, report)
         except (ValueError, KeyError) as e:
             raise MlxspecError(f"{from_json} is not a bench.json of mlxspec bench ({e})") from None
         click.echo(markdown_table(report["results"]))
-        report_written(written)
-        return
         if explain:
             click.echo("\n" + explain_table(report["results"]))
+        report_written(written)
+        return
     from .. import backend
     from ..bench.run import (
         TREE_OPTIONS,
@@ -136,6 +138,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     )
     from ..bench.workloads import (
         CHAT_WORKLOADS,
+        EXTRA_WORKLOADS,
         WORKLOADS,
         check_workloads,
         workload_kind,
@@ -154,7 +157,7 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     if "none" not in mode_list:
         mode_list.insert(0, "none")  # the reference every ratio is taken against
     workload_list = [w.strip() for w in (workloads or "").split(",") if w.strip()]
-    known = tuple(dict.fromkeys(WORKLOADS + CHAT_WORKLOADS))
+    known = tuple(dict.fromkeys(WORKLOADS + CHAT_WORKLOADS + EXTRA_WORKLOADS))
     for w in workload_list:  # before loading; which ones the model has is checked once loaded
         if w not in known + ("mixed",):
             raise MlxspecError(f"unknown workload {w!r}; choose from {', '.join(known)}, mixed")
@@ -213,13 +216,13 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
         report["audit"] = lossless_audit(engine, [r.label for r in runners], audit_prompts, seed=seed)
     written = write_outputs(out, report)
     click.echo(markdown_table(results))
-    if projection_table(report):
-        click.echo("\n" + projection_table(report))
-    if report.get("audit"):
     if explain:
         from ..bench.explain import explain_table
 
         click.echo("\n" + explain_table(results))
+    if projection_table(report):
+        click.echo("\n" + projection_table(report))
+    if report.get("audit"):
         audit = report["audit"]
         temps = ", ".join(f"T={t:g}" for t in audit["temperatures"])
         for m, a in audit["modes"].items():
