@@ -117,10 +117,13 @@ class ChatSession:
 
     def __init__(self, engine, *, system: str | None = None, max_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, suffix_store=None):
+                 seed: int | None = None, suffix_store=None, memory=None):
         from .suffix_store import SuffixIndex
 
         self.engine = engine
+        # Each turn's prompt + max_tokens checked against it before its prefill
+        # (`memory.check_prompt`; a ServingMemory, `memory.prompt_memory`): None, no check.
+        self.memory = memory
         # Every turn's prompt and reply, for the suffix source of `auto` and `suffix` (the
         # session's one store whatever the mode; --suffix-cache gives a loaded one).
         self.suffix_store = suffix_store if suffix_store is not None else SuffixIndex()
@@ -172,12 +175,19 @@ class ChatSession:
     # -- a turn
     def send(self, text: str) -> Iterator:
         """Add a user message and stream the reply as the engine's `StepOutput`s. Closing the
-        iterator early (an interrupt) keeps the partial reply in the history."""
+        iterator early (an interrupt) keeps the partial reply in the history. A message that
+        does not fit (the context, the memory) is refused with the conversation as it was."""
+        from .memory import check_prompt
+
+        before, dropped_before = list(self.messages), self.dropped
         self.messages.append({"role": "user", "content": text})
         try:
             tokens, dropped = self._fit()
+            check_prompt(self.memory, len(tokens), self.settings["max_tokens"],
+                         context=self.engine.max_context, what="this message",
+                         hint="/reset starts a new conversation, or send a shorter message")
         except BaseException:
-            self.messages.pop()
+            self.messages, self.dropped = before, dropped_before
             raise
         seed = None if self.seed is None else self.seed + len(self.turn_stats)
         proposer = getattr(self.engine, "proposer", None)

@@ -431,14 +431,15 @@ def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
               top_k: int = 0, seed: int | None = None, mode: str | None = None,
               canonical: bool = True, on_step: Callable | None = None,
               suffix_store=None, language: str | None = None,
-              format: str | None = None) -> EditResult:
+              format: str | None = None, memory=None) -> EditResult:
     """Ask `engine`'s model to apply `instruction` to `text` (or to its `lines` A:B), with the
     original as the predicted output. The whole edited text comes back in the result.
     `suffix_store`: the store of earlier requests the suffix source reads and keeps this
     edit in (default: the proposer's own, shared by the edits of this engine).
     `format`: PLAIN or FENCED (default: `answer_format(engine)`); `language`: the code-block
     tag of a FENCED request (`language_for(path)`; "python" also checks that the edited text
-    still parses)."""
+    still parses). `memory`: a ServingMemory (`memory.prompt_memory`) the request's prompt +
+    max_tokens is checked against before its prefill (`memory.check_prompt`)."""
     from .chat_session import add_turn_end_tokens, render_chat
 
     if not instruction or not instruction.strip():
@@ -479,6 +480,10 @@ def edit_text(engine, text: str, instruction: str, *, lines: str | None = None,
                       else len(prediction) + max(64, len(prediction) // 2))
     if ctx:
         max_tokens = min(max_tokens, ctx - len(prompt))
+    from .memory import check_prompt
+
+    check_prompt(memory, len(prompt), max_tokens, what="this edit",
+                 hint="select fewer lines with --lines A:B")
 
     pieces: list[str] = []
     tokens: list[int] = []

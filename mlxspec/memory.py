@@ -222,6 +222,39 @@ def serving_memory(engine, limit: int, source: str, chunk: int) -> ServingMemory
     return ServingMemory(limit, source, weights, tuple(infos), act, chunk, gpu)
 
 
+def prompt_memory(engine, limit: int | None, source: str) -> ServingMemory | None:
+    """The ServingMemory `generate`, `chat` and `edit` check their prompts by (`check_prompt`),
+    computed once per engine: its prefill chunk, `limit` and `source` as `budget` gave them
+    before loading. None where no limit is known or the engine holds no model of its own."""
+    if limit is None or getattr(engine, "model", None) is None:
+        return None
+    return serving_memory(engine, limit, source, getattr(engine, "prefill_step_size", 2048))
+
+
+def check_prompt(m: ServingMemory | None, prompt: int, max_tokens: int, *,
+                 context: int | None = None, what: str = "this prompt",
+                 flag: str = "--max-tokens", hint: str = "") -> None:
+    """Refuse, before its prefill, a prompt of `prompt` tokens that with `max_tokens` more
+    (within `context`) does not fit alone under `m`'s limit: the server's 400 for a request
+    that cannot fit alone (`ServingMemory.alone` of a request on its own cache), as an
+    MlxspecError naming the numbers, the longest `flag` that would fit, and `hint`."""
+    if m is None:
+        return
+    if context:
+        max_tokens = max(0, min(max_tokens, context - prompt))
+    need = m.alone(prompt + max_tokens, shared=False)
+    if need <= m.room:
+        return
+    longest = m.longest_max_tokens(prompt, shared=False)
+    raise MlxspecError(
+        f"{what} needs about {need / GB:.2f} GB ({prompt} prompt tokens + {flag} {max_tokens}: "
+        f"KV cache and prefill working set) but the process leaves {max(m.room, 0) / GB:.2f} GB "
+        f"for it (its {m.limit / GB:.1f} GB limit, {m.source}, less {m.weights / GB:.2f} GB of "
+        f"weights and a {m.margin / GB:.2f} GB margin): "
+        + (f"{flag} {longest} would fit" if longest >= 0 else "its prompt alone does not fit")
+        + (f"; {hint}" if hint else ""))
+
+
 def config_info(config: dict, params: int) -> ModelInfo:
     """A ModelInfo of the shape a model config gives (a loaded model's `args`)."""
     text = config.get("text_config") or {}

@@ -3,6 +3,7 @@ the server's per-request estimate (`ServingMemory`), on fake /proc and /sys file
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -169,3 +170,112 @@ def test_shortfall_reads_the_resident_memory_and_what_the_system_has_left(tmp_pa
 def test_the_control_groups_anonymous_memory(fake_cgroups, groups, files, found):
     fake_cgroups(groups, files)
     assert memory.cgroup_anon() == found
+
+
+# ------------------------------------------- generate, chat, edit: a prompt that cannot fit
+
+
+@pytest.fixture(scope="module")
+def bundled_memory():
+    """The bundled model's ServingMemory as `mlxspec generate/chat/edit --mode none` count it
+    (its draft's KV too: the engine knows where its draft is)."""
+    from mlxspec.loading import load
+
+    engine = load(None, mode="none")
+    return engine, memory.prompt_memory(engine, 1 << 40, "is the --memory-limit")
+
+
+@pytest.fixture
+def tight(bundled_memory, monkeypatch):
+    """A --memory-limit (bytes) leaving room for a request of 300 tokens alone; the engine's
+    stream_steps counted (a refused prompt never gets there: nothing prefilled)."""
+    from mlxspec.engine import Engine
+
+    monkeypatch.setattr(memory, "_limit_set", None)  # --memory-limit sets it for the process
+    calls = []
+    stream = Engine.stream_steps
+
+    def counted(self, prompt, **kwargs):
+        calls.append(len(self.encode(prompt)))
+        return stream(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Engine, "stream_steps", counted)
+    m = bundled_memory[1]
+    return str(limit_for_room(m, m.alone(300, shared=False))), calls
+
+
+def cli(*args, input=None):
+    from click.testing import CliRunner
+
+    from mlxspec.cli.main import main
+
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_generate_refuses_a_prompt_that_cannot_fit_before_its_prefill(tight, bundled_memory):
+    limit, calls = tight
+    engine = bundled_memory[0]
+    long, short = "a b " * 300, "a b " * 50
+    r = cli("generate", "-p", long, "--mode", "none", "--max-tokens", "8", "--memory-limit", limit)
+    assert r.exit_code == 2 and calls == [], r.output
+    [line] = r.stderr.strip().splitlines()[-1:]
+    n = len(engine.encode(long))
+    assert line.startswith("error: this prompt needs about ") and (
+        f"({n} prompt tokens + --max-tokens 8: KV cache and prefill working set) but the "
+        f"process leaves ") in line
+    assert "GB limit, the --memory-limit, less" in line and "GB margin" in line
+    assert line.endswith("its prompt alone does not fit")
+    # A prompt that fits with fewer tokens to generate: the longest --max-tokens that fits.
+    r = cli("generate", "-p", short, "--mode", "none", "--max-tokens", "600",
+            "--memory-limit", limit)
+    assert r.exit_code == 2 and calls == [], r.output
+    longest = int(r.stderr.split("--max-tokens ")[-1].split()[0])
+    assert r.stderr.strip().endswith(f"--max-tokens {longest} would fit") and 0 < longest < 600
+    r = cli("generate", "-p", short, "--mode", "none", "--max-tokens", str(longest),
+            "--memory-limit", limit)
+    assert r.exit_code == 0 and calls == [len(engine.encode(short))], r.output
+
+
+def test_a_chat_turn_that_cannot_fit_is_refused_and_the_session_goes_on(tight):
+    limit, calls = tight
+    r = cli("chat", "--mode", "none", "--max-tokens", "4", "--memory-limit", limit,
+            input="a b " * 300 + "\nhello\n")
+    assert r.exit_code == 0, r.output
+    assert "error: this message needs about " in r.stderr
+    assert "its prompt alone does not fit; /reset starts a new conversation" in r.stderr
+    assert len(calls) == 1 and calls[0] < 300  # the second message was answered
+
+
+def test_the_growing_conversation_is_refused_then_reset(bundled_memory):
+    from mlxspec.chat_session import ChatSession
+    from mlxspec.errors import MlxspecError
+
+    engine, m = bundled_memory
+    room = replace(m, limit=limit_for_room(m, m.alone(250, shared=False)))
+    session = ChatSession(engine, max_tokens=4, memory=room)
+    message = "a b " * 40  # a turn: about 95 tokens more
+    session.reply(message)
+    session.reply(message)  # (188 prompt tokens + 4)
+    kept = list(session.messages)
+    with pytest.raises(MlxspecError, match="this message needs about .* /reset starts"):
+        session.reply(message)
+    assert session.messages == kept and session.totals.replies == 2  # as it was
+    session.reset()
+    assert session.reply(message).stats.prompt_tokens < 300
+
+
+def test_edit_refuses_a_file_that_cannot_fit_with_the_numbers(tight, tmp_path):
+    limit, calls = tight
+    path = tmp_path / "big.py"
+    path.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(15)))
+    r = cli("edit", str(path), "-i", "rename x to y", "--mode", "none", "--memory-limit", limit)
+    assert r.exit_code == 2 and calls == [], r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: this edit needs about ") and "prompt tokens + --max-tokens" in line
+    assert "GB limit, the --memory-limit, less" in line
+    assert line.endswith("; select fewer lines with --lines A:B")
+    r = cli("edit", str(path), "-i", "rename x to y", "--mode", "none", "--memory-limit", limit,
+            "--json")
+    assert r.exit_code == 2 and calls == []
+    assert json.loads(r.stdout)["error"].startswith("this edit needs about ")
+    assert path.read_text().startswith("def f0(x):")

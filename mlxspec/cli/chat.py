@@ -14,13 +14,16 @@ import click
 
 from ..chat_session import ChatSession, check_chat_template
 from ..errors import MlxspecError
+from ..memory import prompt_memory
 from ..proposers import MODES
 from .common import (
     distributed_option,
     exits_cleanly,
     load_engine,
+    memory_budget,
     model_options,
     open_suffix_cache,
+    option,
     sampling_options,
     save_suffix_cache,
     suffix_cache_option,
@@ -268,17 +271,19 @@ class ChatREPL:
 @click.command()
 @model_options
 @sampling_options
+@option("memory-limit")
 @click.option("--system", default=None, help="System prompt.")
 @suffix_cache_option
 @distributed_option
 @exits_cleanly
 def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed, system,
-         suffix_cache=None, distributed=None):
+         memory_limit=None, suffix_cache=None, distributed=None):
     """Chat with a model (default: the bundled one). /help lists the commands."""
     # Ctrl-C must interrupt a reply even when started from a shell that launched us with SIGINT
     # ignored (a background job of a non-interactive shell inherits SIG_IGN).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.perf_counter()
+    limit, source = memory_budget(memory_limit, distributed)
     try:
         # --distributed: only rank 0 returns here (reads stdin, prints); the others follow it
         engine = load_engine(model, draft_model, mode, num_draft, distributed=distributed,
@@ -289,7 +294,8 @@ def chat(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, se
     click.echo(describe_model(engine, time.perf_counter() - start), err=True)
     stores, store = open_suffix_cache(suffix_cache, engine)
     session = ChatSession(engine, system=system, max_tokens=max_tokens, temperature=temp,
-                          top_p=top_p, top_k=top_k, seed=seed, suffix_store=store)
+                          top_p=top_p, top_k=top_k, seed=seed, suffix_store=store,
+                          memory=prompt_memory(engine, limit, source))
     check_chat_template(engine.tokenizer)  # fail now, not at the first message
     click.echo(dim(f"mode {engine.mode} · /help for commands · Ctrl-D or /exit to quit"))
     history = setup_readline()

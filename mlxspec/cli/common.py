@@ -34,6 +34,15 @@ def exits_cleanly(fn):
     return wrapper
 
 
+def parse_size(text: str) -> int:
+    """A size as typed: 512MB, 2GB, 1.5G, 1000 (bytes); KB/MB/GB/TB count in 1024s."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 512MB or 2GB")
+    unit = (m.group(2) or "").rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(unit or " "))
+
+
 def flag_name(param) -> str:
     """How the user spells an option: '--max-tokens', '--num-draft-tokens/-k'."""
     return "/".join(param.opts) if param is not None and param.opts else "option"
@@ -128,6 +137,13 @@ SHARED_OPTIONS = {
         type=int, default=None,
         help="At --temp > 0, the same seed gives the same answer, in every --mode (each token "
              "drawn by its seed and position). Default: a fresh draw each run.")),
+    "memory-limit": (("--memory-limit",), dict(
+        default=None, metavar="SIZE",
+        help="Memory the command may use, e.g. 12GB (default: Metal's recommended working set "
+             "on macOS; on Linux the control group's limit where lower than the memory "
+             "available at start). A prompt whose KV cache at its tokens + --max-tokens (the "
+             "draft's too) does not fit beside the weights and a margin is refused before its "
+             "prefill, with the numbers.")),
     "suffix-cache": (("--suffix-cache",), dict(
         default=None, metavar="FILE",
         help="Earlier requests and answers for the suffix source (modes auto, suffix): read "
@@ -165,6 +181,17 @@ def resolve_pair(model: str | None, draft_model: str | None, mode: str) -> tuple
     if draft_model is None and mode in ("draft", "auto"):
         draft_model = str(pair_draft)
     return target, draft_model, str(pair_draft)
+
+
+def memory_budget(memory_limit: str | None, distributed: str | None = None):
+    """--memory-limit set, and the limit taken now, before loading (the memory available
+    afterwards has the weights taken out): give it with the engine to `memory.prompt_memory`.
+    (None, "") with --distributed: each rank holds its own shard."""
+    from .. import memory
+
+    if memory_limit is not None:
+        memory.set_limit(parse_size(memory_limit))
+    return (None, "") if distributed else memory.budget()
 
 
 def distributed_option(fn):

@@ -30,10 +30,12 @@ from ..editing import (
     write_atomic,
 )
 from ..errors import MlxspecError
+from ..memory import prompt_memory
 from .common import (
     distributed_option,
     exits_cleanly,
     load_engine,
+    memory_budget,
     model_options,
     open_suffix_cache,
     option,
@@ -102,20 +104,20 @@ class Progress:
 @option("max-tokens", default=None, show_default=False,
         help="Answer length limit (default: enough for the whole selection, its tokens x 1.5 "
              "+ 64 with an instruct model, within the context).")
-@options("temp", "top-p", "top-k", "seed")
+@options("temp", "top-p", "top-k", "seed", "memory-limit")
 @suffix_cache_option
 @distributed_option
 @exits_cleanly
 def edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
          fenced, model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-         suffix_cache=None, distributed=None):
+         memory_limit=None, suffix_cache=None, distributed=None):
     """Edit FILE as --instruction says, with the original text as the predicted output.
 
     Prints a unified diff (nothing written) unless --write; see docs/COMMANDS.md."""
     try:
         _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
               model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-              distributed, suffix_cache, fenced)
+              distributed, suffix_cache, fenced, memory_limit)
     except MlxspecError as e:
         if as_json:  # a refusal is still one JSON object on stdout
             click.echo(json.dumps({"path": file, "error": str(e), "written": False,
@@ -133,7 +135,7 @@ def backup_note(backup, suffix: str) -> str:
 
 def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_text, verbatim,
           model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-          distributed=None, suffix_cache=None, fenced=None):
+          distributed=None, suffix_cache=None, fenced=None, memory_limit=None):
     src = None
 
     def read():
@@ -152,6 +154,7 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
         leader_input(read)
     else:
         read()
+    limit, source = memory_budget(memory_limit, distributed)
     try:
         engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
                              distributed=distributed, remember=True)
@@ -165,7 +168,8 @@ def _edit(file, instruction, line_range, write, backup_suffix, as_json, print_te
                            temperature=temp, top_p=top_p, top_k=top_k, seed=seed,
                            canonical=not verbatim, on_step=progress, suffix_store=store,
                            language=language_for(src.path) or language_for(src.shown),
-                           format=None if fenced is None else (FENCED if fenced else PLAIN))
+                           format=None if fenced is None else (FENCED if fenced else PLAIN),
+                           memory=prompt_memory(engine, limit, source))
     finally:
         progress.done()
     save_suffix_cache(suffix_cache, stores)

@@ -7,15 +7,18 @@ import sys
 
 import click
 
+from .. import memory
 from ..chat_session import render_chat
 from ..errors import MlxspecError
 from .common import (
     distributed_option,
     exits_cleanly,
     load_engine,
+    memory_budget,
     mode_kwargs,
     mode_options,
     model_options,
+    option,
     sampling_options,
 )
 from .statsline import stats_dict
@@ -39,13 +42,15 @@ def context_note(engine, stats, max_tokens: int, finish_reason: str | None) -> s
               help="Read the prompt from a file.")
 @model_options
 @sampling_options
+@option("memory-limit")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @mode_options
 @distributed_option
 @exits_cleanly
 def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k, seed,
-             prompt, prompt_file, chat, as_json, distributed=None, **mode_flags):
+             prompt, prompt_file, chat, as_json, memory_limit=None, distributed=None,
+             **mode_flags):
     """Generate a completion of a prompt.
 
     The text streams to stdout and a stats line follows on stderr; --json prints one object
@@ -74,10 +79,15 @@ def generate(model, draft_model, mode, num_draft, max_tokens, temp, top_p, top_k
         prompt = leader_input(read_prompt)
     else:
         prompt = read_prompt()
+    limit, source = memory_budget(memory_limit, distributed)
     engine = load_engine(model, draft_model, mode, num_draft, quiet=as_json,
                          distributed=distributed, remember=True, **options)
     if chat:
         prompt = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+    budget = memory.prompt_memory(engine, limit, source)
+    if budget is not None:  # a prompt that will not fit is refused before its prefill
+        prompt = engine.encode(prompt)
+        memory.check_prompt(budget, len(prompt), max_tokens, context=engine.max_context)
     kwargs = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     if as_json:
         result = engine.generate(prompt, **kwargs)

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 
 import click
 
 from ..errors import MlxspecError
-from .common import distributed_option, exits_cleanly, in_range, load_engine, option, options
+from .common import (  # noqa: F401 (parse_size: read from here too)
+    distributed_option,
+    exits_cleanly,
+    in_range,
+    load_engine,
+    option,
+    options,
+    parse_size,
+)
 
 # Per step, the source expected to pay (n-gram arms by match length, the draft when loaded),
 # else pipelined plain decoding: docs/PERFORMANCE.md has its figures against every single mode.
 DEFAULT_MODE = "auto"
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", text.lower())
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size like 512MB or 2GB")
-    unit = (m.group(2) or "").rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(unit or " "))
 
 
 @click.command()
@@ -49,13 +48,12 @@ def parse_size(text: str) -> int:
               help="Memory budget of the prompt caches kept between requests.")
 @click.option("--prompt-cache-entries", type=int, default=8, show_default=True,
               help="Most prompt caches kept (one per recent conversation or file).")
-@click.option("--memory-limit", default=None,
-              help="Memory the server may use, e.g. 12GB (default: Metal's recommended working "
-                   "set on macOS; on Linux the control group's limit where lower than the "
-                   "memory available at start). Requests start while the weights, every running "
-                   "request's KV cache at its prompt + max_tokens, the kept prompt caches and a "
-                   "margin fit under it; more wait in the queue; one that cannot fit alone is "
-                   "answered 400.")
+@option("memory-limit",
+        help="Memory the server may use, e.g. 12GB (default: Metal's recommended working "
+             "set on macOS; on Linux the control group's limit where lower than the memory "
+             "available at start). Requests start while the weights, every running request's "
+             "KV cache at its prompt + max_tokens, the kept prompt caches and a margin fit "
+             "under it; more wait in the queue; one that cannot fit alone is answered 400.")
 @click.option("--prefill-chunk", type=int, default=512, show_default=True,
               help="Long prompts are prefilled this many tokens per worker round, so other "
                    "requests keep streaming meanwhile.")
