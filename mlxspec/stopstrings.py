@@ -149,8 +149,15 @@ class Detokenizer:
                 break
             emitted.append(t)
         pieces = []
-        for t in emitted:
-            pieces.append(self.text.add(t)[0])
+        text = self.text
+        if text.matcher.stops:
+            for t in emitted:
+                pieces.append(text.add(t)[0])
+        else:  # (`TextStream.add` without stop strings, inline: a call less per token)
+            detok = text.detok
+            for t in emitted:
+                detok.add_token(t)
+                pieces.append(detok.last_segment)
         finish = "stop" if self.text.stopping_word else None
         if len(emitted) < len(tokens):  # an end-of-sequence token
             pieces.append(self.text.finish())
