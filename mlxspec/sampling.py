@@ -152,11 +152,14 @@ def _hash32(x: mx.array) -> mx.array:
 def position_gumbel(salts: mx.array, vocab: int) -> mx.array:
     """Gumbel(0, 1) noise (..., vocab) for salts (..., 2) uint32: a counter-based generator
     (the vocabulary index hashed with the position's salt), so noise at a position is the same
-    whichever step, batch or k it is computed in. 24 bits of uniform per entry."""
+    whichever step, batch or k it is computed in. 23 bits of uniform per entry."""
     index = mx.arange(vocab, dtype=mx.uint32)
     x = _hash32(index ^ salts[..., :1])
     x = _hash32(x ^ salts[..., 1:])
-    u = ((x >> 8).astype(mx.float32) + 0.5) * (2.0**-24)  # in (0, 1), never 0 or 1
+    # In (0, 1), never 0 or 1, in float32: 23 bits + 0.5 fit its 24-bit significand (with 24,
+    # the top value rounded to 1.0: +inf noise for about one vocabulary entry in 2^24, which
+    # then won the draw whatever its probability, or made a grammar-masked -inf a NaN).
+    u = ((x >> 9).astype(mx.float32) + 0.5) * (2.0**-23)
     return -mx.log(-mx.log(u))
 
 
