@@ -18,6 +18,7 @@ from .common import (
     exits_cleanly,
     in_range,
     load_engine,
+    memory_budget,
     option,
     options,
     resolve_pair,
@@ -80,6 +81,7 @@ def report_written(written: list[Path]) -> None:
 @option("seed")
 @click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Re-render the table and plots of an earlier run's bench.json (runs nothing).")
+@option("memory-limit")
 @click.option("--explain", is_flag=True,
               help="Also print where each mode's time goes against none's: what its plain, "
                    "accepted, rejected, probe and catch-up steps gained or lost, as a share of "
@@ -92,8 +94,8 @@ def report_written(written: list[Path]) -> None:
 @click.pass_context
 @exits_cleanly
 def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temps, num_draft,
-          audit_prompts, quick, out_dir, seed, from_json, explain=False, distributed=None,
-          collective_delay="0"):
+          audit_prompts, quick, out_dir, seed, from_json, memory_limit=None, explain=False,
+          distributed=None, collective_delay="0"):
     """Benchmark speculation modes and mlx-lm on held-out workloads.
 
     Below the measured table, a roofline's PROJECTION of our runs from this machine's
@@ -179,6 +181,8 @@ def bench(ctx, model, draft_model, modes, workloads, n_prompts, max_tokens, temp
     with_draft = wants_draft and not os.environ.get("MLXSPEC_NO_DRAFT") and (
         draft_model is not None or model is None or trained_draft_for(model) is not None
         or default_draft(model) is not None)
+    if memory_limit is not None:  # (the models are refused, and the context cut, against it)
+        memory_budget(memory_limit)
     engine = load_engine(model, draft_model if with_draft else None,
                          "draft" if with_draft else "none", num_draft)
     if workload_list:
