@@ -317,15 +317,8 @@ class ToolCallSplitter:
         if not self.closed_at:  # the rest of the object after the arguments
             while i < len(buf):
                 ch = buf[i]
-                if self.in_string:
-                    if self.escaped:
-                        self.escaped = False
-                    elif ch == "\\":
-                        self.escaped = True
-                    elif ch == '"':
-                        self.in_string = False
-                elif ch == '"':
-                    self.in_string = True
+                if self._in_string(ch):
+                    pass
                 elif ch == "`" and self.form == "fence":  # the fence closes a broken object
                     if buf.startswith(_FENCE, i):
                         return i + len(_FENCE)
@@ -371,16 +364,9 @@ class ToolCallSplitter:
         while i < upto and not self.args_done:
             ch = self.buffer[i]
             i += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
+            if self._in_string(ch):
+                continue
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
@@ -389,6 +375,22 @@ class ToolCallSplitter:
         if i > self.sent:
             out.append(CallArgs(self.open.index, self.buffer[self.sent:i]))
             self.sent = i
+
+    def _in_string(self, ch: str) -> bool:
+        """The JSON string state moved past `ch`; whether `ch` is part of a string (its quotes
+        included), where brackets and fences do not count."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            return True
+        if ch == '"':
+            self.in_string = True
+            return True
+        return False
 
     def _close(self, body: str) -> list:
         """The call's end: the open one with the arguments sent, or the body parsed."""
