@@ -396,17 +396,23 @@ TEXT_AND_CALLS = ('Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}
                   '\nso <tool_call>{"arguments": {}, "name": "noop"}</tool_call>')
 
 
+def streamed_in_pieces(text: str, size: int) -> tuple[list, list, dict]:
+    """`text` fed to the relay in pieces of `size` characters: the worker's events, the
+    stream's events and the message they spell."""
+    evs = [Delta(text[i:i + size], 1) for i in range(0, len(text), size)]
+    evs.append(Done("stop", Usage(prompt_tokens=3)))
+    status, body = relayed(evs, stream=True, tools=TOOLS)
+    assert status == 200
+    got = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    return evs, got, streamed([(e["type"], e) for e in got])
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_tool_input_streams_as_input_json_deltas_in_the_answers_order(size):
     """Text and tool_use blocks in the order written; a JSON call's input as
     `input_json_delta` pieces as the model writes it (one piece for a call that comes whole),
     joined the JSON of the block's `input`, as in the answer given whole."""
-    evs = [Delta(TEXT_AND_CALLS[i:i + size], 1) for i in range(0, len(TEXT_AND_CALLS), size)]
-    evs.append(Done("stop", Usage(prompt_tokens=3)))
-    status, body = relayed(evs, stream=True, tools=TOOLS)
-    assert status == 200
-    got = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
-    message = streamed([(e["type"], e) for e in got])
+    evs, got, message = streamed_in_pieces(TEXT_AND_CALLS, size)
     assert [(b["type"], b.get("name"), b.get("text"), b.get("input")) for b in
             message["content"]] == [("text", None, "Hi ", None),
                                     ("tool_use", "add", None, {"a": 1, "b": 2}),
@@ -429,12 +435,7 @@ def test_a_fenced_call_is_a_tool_use_block(size):
     """A call the model writes as a fenced JSON block is a tool_use block after the text
     before it (stop reason "tool_use"), its input streamed as `input_json_delta` pieces; the
     fence is in no text block."""
-    evs = [Delta(FENCED[i:i + size], 1) for i in range(0, len(FENCED), size)]
-    evs.append(Done("stop", Usage(prompt_tokens=3)))
-    status, body = relayed(evs, stream=True, tools=TOOLS)
-    assert status == 200
-    got = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
-    message = streamed([(e["type"], e) for e in got])
+    evs, got, message = streamed_in_pieces(FENCED, size)
     assert [(b["type"], b.get("name"), b.get("text"), b.get("input")) for b in
             message["content"]] == [("text", None, "I'll add them.\n", None),
                                     ("tool_use", "add", None, {"a": 1, "b": 2})]

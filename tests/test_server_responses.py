@@ -390,17 +390,23 @@ TEXT_AND_CALLS = ('Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}
                   '\nso <tool_call>{"arguments": {}, "name": "noop"}</tool_call>')
 
 
+def streamed_in_pieces(text: str, size: int) -> tuple[list, list]:
+    """`text` fed to the relay in pieces of `size` characters: the worker's events and the
+    stream's events."""
+    evs = [Delta(text[i:i + size], 1) for i in range(0, len(text), size)]
+    evs.append(Done("stop", Usage()))
+    status, _, body = answered(True, evs, FLAT, {"input": "x", "tools": FLAT})
+    assert status == 200
+    return evs, [json.loads(line[6:]) for line in body.decode().splitlines()
+                 if line.startswith("data: ")]
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_call_arguments_stream_as_deltas_in_the_answers_order(size):
     """Text and calls in the order written, each call a function_call item: a JSON call's
     arguments as `function_call_arguments.delta` pieces as they come (one piece for a call
     that comes whole), joined the `arguments` of the item, and of the answer given whole."""
-    evs = [Delta(TEXT_AND_CALLS[i:i + size], 1) for i in range(0, len(TEXT_AND_CALLS), size)]
-    evs.append(Done("stop", Usage()))
-    status, _, body = answered(True, evs, FLAT, {"input": "x", "tools": FLAT})
-    assert status == 200
-    got = [json.loads(line[6:]) for line in body.decode().splitlines()
-           if line.startswith("data: ")]
+    evs, got = streamed_in_pieces(TEXT_AND_CALLS, size)
     output = got[-1]["response"]["output"]
     assert [(i["type"], i.get("name")) for i in output] == [
         ("message", None), ("function_call", "add"), ("message", None),
@@ -429,12 +435,7 @@ FENCED = f"I'll add them.\n```json\n{ADD}\n```\nDone."
 def test_a_fenced_call_is_a_function_call_item(size):
     """A call the model writes as a fenced JSON block is a function_call item between the
     text's messages, its arguments streamed as deltas; the fence is in no message."""
-    evs = [Delta(FENCED[i:i + size], 1) for i in range(0, len(FENCED), size)]
-    evs.append(Done("stop", Usage()))
-    status, _, body = answered(True, evs, FLAT, {"input": "x", "tools": FLAT})
-    assert status == 200
-    got = [json.loads(line[6:]) for line in body.decode().splitlines()
-           if line.startswith("data: ")]
+    evs, got = streamed_in_pieces(FENCED, size)
     output = got[-1]["response"]["output"]
     assert [(i["type"], i.get("name")) for i in output] == [
         ("message", None), ("function_call", "add"), ("message", None)]
