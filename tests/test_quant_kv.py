@@ -31,6 +31,18 @@ def _bounds(x, g):
     return (e_up / mx.maximum(s, 1e-30)).max().item(), (e_two / mx.maximum(s, 1e-30)).max().item()
 
 
+def attend_in_steps(cache, q, k, v, start: int, rows) -> mx.array:
+    """The attention of positions start.. as steps of `rows` tokens each (a verify of n > 1
+    causal), each step's keys and values added to `cache` first; the outputs concatenated."""
+    out, done, scale = [], start, q.shape[-1] ** -0.5
+    for n in rows:
+        kv, _ = cache.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
+        out.append(hierarchical_attention(q[:, :, done : done + n], kv, scale,
+                                          "causal" if n > 1 else None))
+        done += n
+    return mx.concatenate(out, axis=2)
+
+
 def test_packing_order_matches_mlx():
     codes = mx.random.randint(0, 16, (3, 64)).astype(mx.uint32)
     packed = pack4(codes)
@@ -266,13 +278,7 @@ def test_verify_equals_single_steps_bit_for_bit(dtype, g, block):
         for rows in ((6,), (1,) * 6):
             c = HierarchicalKVCache(g, block_size=block, auto_commit=True)
             c.update_and_fetch(k[..., :start, :], v[..., :start, :])
-            out, done = [], start
-            for n in rows:
-                kv, _ = c.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
-                out.append(hierarchical_attention(q[:, :, done : done + n], kv, d**-0.5,
-                                                  "causal" if n > 1 else None))
-                done += n
-            outs.append(mx.concatenate(out, axis=2))
+            outs.append(attend_in_steps(c, q, k, v, start, rows))
             splits += c.split_forwards
         if dtype == mx.float32:
             assert mx.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5).item(), start
@@ -437,13 +443,7 @@ def test_the_longest_verify_after_a_long_prefill_equals_single_steps():
         c = HierarchicalKVCache(32, block_size=256, auto_commit=True)
         kv, _ = c.update_and_fetch(k[..., :prefix, :], v[..., :prefix, :])
         hierarchical_attention(q[:, :, :prefix], kv, d**-0.5, "causal")
-        out, done = [], prefix
-        for n in rows:
-            kv, _ = c.update_and_fetch(k[..., done : done + n, :], v[..., done : done + n, :])
-            out.append(hierarchical_attention(q[:, :, done : done + n], kv, d**-0.5,
-                                              "causal" if n > 1 else None))
-            done += n
-        outs.append(mx.concatenate(out, axis=2))
+        outs.append(attend_in_steps(c, q, k, v, prefix, rows))
     assert mx.array_equal(outs[0], outs[1]).item()
 
 
