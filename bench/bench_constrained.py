@@ -42,6 +42,51 @@ TOOL = {"type": "function", "function": {
                    "required": ["path", "functions"], "additionalProperties": False}}}
 
 
+def _array_of(**fields) -> dict:
+    return {"type": "array", "items": {"type": "object", "properties": fields,
+                                       "required": list(fields), "additionalProperties": False}}
+
+
+def _object(**fields) -> dict:
+    return {"type": "object", "properties": fields, "required": list(fields),
+            "additionalProperties": False}
+
+
+STRING, INTEGER = {"type": "string"}, {"type": "integer"}
+STRINGS = {"type": "array", "items": STRING}
+# `--workloads schemas`: eight JSON-Schema asks, each on 60 lines of a third-party module this
+# project installs (click, starlette, uvicorn, h11): (module, ask, schema)
+SCHEMAS = (
+    ("click.termui", "List the functions defined in this file, with their signatures",
+     _object(functions=FUNCTIONS)),
+    ("click.utils", "List the imports of this file",
+     _object(imports=_array_of(module=STRING, names=STRINGS))),
+    ("starlette.routing", "List the classes of this file with their bases and methods",
+     _object(classes=_array_of(name=STRING, bases=STRINGS, methods=STRINGS))),
+    ("starlette.requests", "Summarize this file",
+     _object(purpose=STRING, public_api=STRINGS, dependencies=STRINGS)),
+    ("uvicorn.config", "List the module-level constants of this file with their values",
+     _object(constants=_array_of(name=STRING, value=STRING))),
+    ("h11._connection", "List each function's name and the first line of its docstring",
+     _object(functions=_array_of(name=STRING, doc=STRING))),
+    ("click.core", "Review this code: list possible issues",
+     _object(issues=_array_of(line=INTEGER, severity={"enum": ["low", "medium", "high"]},
+                              message=STRING))),
+    ("starlette.responses", "List the parameters of each function or method",
+     _object(functions=_array_of(name=STRING, parameters=_array_of(name=STRING,
+                                                                   default=STRING)))),
+)
+
+
+def module_window(name: str, lines: int = 60) -> str:
+    """`lines` lines of module `name` from its first function or class."""
+    import importlib
+
+    text = inspect.getsource(importlib.import_module(name)).splitlines()
+    first = next(i for i, line in enumerate(text) if line.startswith(("def ", "class ")))
+    return "\n".join(text[max(0, first - 5) : first + lines - 5])
+
+
 def source() -> str:
     """80 lines of a third-party file that define functions (click's prompt helpers)."""
     lines = inspect.getsource(click.termui).splitlines()
@@ -65,6 +110,11 @@ def workloads(engine: Engine) -> dict[str, tuple[str, dict]]:
                                     f"Record the functions of click/termui.py.\n\n{code}"}],
                              tools=[TOOL])
         out["tool"] = (prompt, {"grammar": grammar})
+    for i, (module, ask, schema) in enumerate(SCHEMAS):
+        code = "```python\n" + module_window(module) + "\n```"
+        out[f"schema{i + 1}"] = (render_chat(tok, [{"role": "user", "content":
+                                                     f"{ask}, as JSON.\n\n{code}"}]),
+                                 {"json_schema": schema})
     return out
 
 
@@ -111,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--modes", default="none,ngram,draft,auto",
                     help="`draft` is skipped where the model has no draft")
-    ap.add_argument("--workloads", default="free,json_schema,tool")
+    ap.add_argument("--workloads", default="free,json_schema,tool",
+                    help="requests, or `schemas`: eight JSON-Schema asks (schema1..schema8)")
     ap.add_argument("--max-tokens", type=int, default=120)
     args = ap.parse_args(argv)
     engine = mlxspec.load(args.model)
@@ -124,7 +175,10 @@ def main(argv=None) -> int:
           "| llguidance ms/token | = `none` |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     same = True
-    for name in args.workloads.split(","):
+    names = [n for w in args.workloads.split(",")
+             for n in ([f"schema{i + 1}" for i in range(len(SCHEMAS))] if w == "schemas" else [w])]
+    forwards: dict[str, dict[str, int]] = {}
+    for name in names:
         prompt, grammar = requests[name]
         reference = None
         for mode in modes:
@@ -132,11 +186,20 @@ def main(argv=None) -> int:
             s = r["stats"]
             reference = r["tokens"] if reference is None else reference
             same &= r["tokens"] == reference
+            forwards.setdefault(name, {})[mode] = s.target_forwards
             print(f"| {name} | `{mode}` | {s.target_forwards} | {s.drafted} | {s.accepted} | "
                   f"{s.generated_tokens / max(1, s.target_forwards):.2f} | {r['seconds']:.1f} | "
                   f"{r['mask_ms_token']:.3f} | {'yes' if r['tokens'] == reference else 'NO'} |",
                   flush=True)
         print(f"{name} answer:", json.dumps(r["text"][:200]), file=sys.stderr)
+    singles = [m for m in modes if m not in ("none", "auto")]
+    if "auto" in modes and singles:
+        # auto against the best single mode of each request, by target forwards
+        ratios = [f["auto"] / min(f[m] for m in singles) for f in forwards.values()]
+        total = sum(f["auto"] for f in forwards.values()) / sum(
+            min(f[m] for m in singles) for f in forwards.values())
+        print(f"auto's forwards over the best single mode's: total {total:.3f}, per request "
+              f"median {sorted(ratios)[len(ratios) // 2]:.3f}, max {max(ratios):.3f}")
     import mlx.core as mx
 
     vocab = engine.model(mx.array([[0]]))[0].shape[-1]

@@ -49,6 +49,7 @@ def save(path: Path | None, cost: StepCost, policies) -> None:
 
 def cost_state(cost: StepCost) -> dict:
     """What the cost model measured, as JSON-able data (`resume_cost`)."""
+    cost.fold()
     return {"version": COST_VERSION, "groups": list(cost.groups), "xx": cost.xx.tolist(),
             "xt": cost.xt.tolist(),
             "seconds": [cost.seconds, cost.prior_seconds]}

@@ -236,7 +236,7 @@ class SuffixIndex:
         least KEYS[0]) found among the positions examined, and the positions that follow
         each occurrence of it (most recent first); (0, empty) when none."""
         hashes = _tail_hashes(context)
-        if not hashes:
+        if not hashes or not self._has_shortest(context, hashes[KEYS[0]]):
             return 0, _EMPTY
         tail = None
         for n in reversed(KEYS):
@@ -262,6 +262,21 @@ class SuffixIndex:
             if best >= n:
                 return best, cand[lengths == best]
         return 0, _EMPTY
+
+    def _has_shortest(self, context: list[int], h: int) -> bool:
+        """Whether the context's last KEYS[0] tokens may occur (False: they do not, and so no
+        longer suffix does): their bucket's chain, walked in Python. Most lookups in new text
+        end here (~3 us, against ~40 for the numpy comparison of `match`)."""
+        n, tokens = KEYS[0], self.tokens
+        want = context[-n:]
+        p, prev = int(self.head[n][self._bucket(h)]), self.prev[n]
+        for _ in range(CHAIN):
+            if p < 0:
+                return False
+            if tokens[p - n : p].tolist() == want:
+                return True
+            p = int(prev[p])
+        return p >= 0  # (a chain longer than `match` walks: its longer keys may still match)
 
     def continuations(self, positions: np.ndarray, depth: int) -> Counter:
         """Counter of the distinct continuations (tuples of up to `depth` tokens, cut at
