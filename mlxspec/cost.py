@@ -40,6 +40,32 @@ def forward_group(source: str) -> str:
     return "" if group in FREE_GROUPS else group
 
 
+def solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x with a x = b for the fit's small system (a few columns), by Gaussian elimination with
+    partial pivoting in Python: numpy's LAPACK and BLAS calls wake their own OpenBLAS
+    threads, which then spin beside the model's forward (MLX's OpenBLAS) on the same cores:
+    a plain step 5-10 % slower on a 2-core CPU."""
+    n = len(b)
+    rows = [list(map(float, r)) + [float(v)] for r, v in zip(a.tolist(), b.tolist())]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        head = rows[col]
+        if head[col] == 0.0:
+            raise np.linalg.LinAlgError("singular matrix")
+        for r in range(col + 1, n):
+            f = rows[r][col] / head[col]
+            if f:
+                row = rows[r]
+                for c in range(col, n + 1):
+                    row[c] -= f * head[c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        row = rows[r]
+        x[r] = (row[n] - sum(row[c] * x[c] for c in range(r + 1, n))) / row[r]
+    return np.array(x)
+
+
 @dataclass
 class StepCost:
     """Seconds of one step (proposals, the target's forward over `rows` x `width` queries,
@@ -61,8 +87,8 @@ class StepCost:
     _terms: tuple[float, ...] = ()
     _stale: bool = True
     _unsolved: int = 0  # steps added since the last solve
-    # pipelined plain steps measured, not yet in the sums: (features, seconds), folded in
-    # `PENDING_PLAIN` at a time (`add`)
+    # pipelined plain steps measured, not yet in the fit: decayed sums of their features'
+    # products and times, and their count (`_add_plain`)
     _pending: list = field(default_factory=list)
 
     def _column(self, group: str) -> int:
@@ -88,7 +114,7 @@ class StepCost:
             prior = scale * self._prior()
             at = list(PRIOR_AT[:BASE]) + [PRIOR_AT[BASE]] * len(self.groups)
             ridge = self.prior_weight * np.square(at)
-            coef = np.maximum(np.linalg.solve(self.xx + np.diag(ridge), self.xt + ridge * prior),
+            coef = np.maximum(solve(self.xx + np.diag(ridge), self.xt + ridge * prior),
                               0.0)  # no term makes a step faster
             coef[0] = max(coef[0], 0.1 * prior[0])
             self._terms, self._stale, self._unsolved = tuple(coef.tolist()), False, 0
@@ -130,6 +156,9 @@ class StepCost:
 
     def add(self, rows: int, width: int, proposed: int, forwards: dict[str, int] | None,
             seconds: float, span: int = 0, synced: bool = True) -> None:
+        if not synced and not proposed and self.prior_seconds and self._terms:
+            self._add_plain(rows, seconds, span)
+            return
         values = self._values(rows, width, proposed, forwards, span, synced)
         if self.prior_seconds:  # a descheduled process or a GC pause is not the model's cost
             # the fit as of the last solve (at most 16 steps old): a plain stretch adds a
@@ -138,38 +167,61 @@ class StepCost:
                 self.coef()
             estimate = sum(map(mul, self._terms, values))
             seconds = min(seconds, self.outlier * estimate)
-            if not synced and not proposed:  # a pipelined plain step: folded in later
-                self.since_plain = 0
-                self._pending.append((values, seconds))
-                if len(self._pending) >= PENDING_PLAIN:
-                    self.fold()
-                return
         self.fold()
         x, d = np.array(values), self.decay
         self.xx = self.xx * d + np.outer(x, x)
         self.xt = self.xt * d + x * seconds
         self.seconds = self.seconds * d + seconds
-        self.prior_seconds = self.prior_seconds * d + float(np.dot(self._prior(), x))
+        self.prior_seconds = self.prior_seconds * d + float((self._prior() * x).sum())
         self.since_plain = self.since_plain + 1 if synced or proposed else 0
         self._stale, self._unsolved = True, self._unsolved + 1
 
+    def _add_plain(self, rows: int, seconds: float, span: int) -> None:
+        """A pipelined plain step (features 1, Q = rows, G = Q (span + 1) / 1024, the rest
+        0): its products go into decayed running sums, folded into the fit `PENDING_PLAIN`
+        steps at a time (`fold`): exactly what adding each step at once would give, for a
+        few float operations a step (a plain step of a small model takes a few ms, all of it
+        on the host on MLX's CPU backend)."""
+        if self._unsolved >= 16:
+            self.coef()
+        c, q = self._terms, float(rows)
+        g = q * (span + 1) / 1024
+        seconds = min(seconds, self.outlier * (c[0] + c[2] * q + c[3] * g))
+        sums, d = self._pending, self.decay
+        if not sums:
+            sums.extend([0.0] * 10)
+        for i, v in enumerate((1.0, q, g, q * q, q * g, g * g, seconds, q * seconds,
+                               g * seconds)):
+            sums[i] = sums[i] * d + v
+        sums[9] += 1  # steps
+        self.since_plain = 0
+        if sums[9] >= PENDING_PLAIN:
+            self.fold()
+
     def fold(self) -> None:
-        """Fold the pending plain steps into the sums, decayed in order, as `add` would
-        have one by one."""
-        pending = self._pending
-        if not pending:
+        """Fold the pending plain steps' sums into the fit's (`_add_plain`)."""
+        sums = self._pending
+        if not sums:
             return
         self._pending = []
-        n, d = len(self.xt), self.decay
-        x = np.array([v + [0.0] * (n - len(v)) for v, _ in pending])
-        t = np.array([s for _, s in pending])
-        w = d ** np.arange(len(pending) - 1, -1, -1)  # the last one undecayed
-        scale = d ** len(pending)
-        self.xx = self.xx * scale + (x * w[:, None]).T @ x
-        self.xt = self.xt * scale + (w * t) @ x
-        self.seconds = self.seconds * scale + float(w @ t)
-        self.prior_seconds = self.prior_seconds * scale + float(w @ (x @ self._prior()))
-        self._stale, self._unsolved = True, self._unsolved + len(pending)
+        w, q, g, qq, qg, gg, t, qt, gt, n = sums
+        scale = self.decay ** n
+        xx, xt = self.xx * scale, self.xt * scale
+        # the features' indices: 0 (one), 2 (Q), 3 (G)
+        for (i, j), v in (((0, 0), w), ((0, 2), q), ((0, 3), g), ((2, 2), qq), ((2, 3), qg),
+                          ((3, 3), gg)):
+            xx[i, j] += v
+            if i != j:
+                xx[j, i] += v
+        xt[0] += t
+        xt[2] += qt
+        xt[3] += gt
+        prior = self._prior()
+        self.xx, self.xt = xx, xt
+        self.seconds = self.seconds * scale + t
+        self.prior_seconds = (self.prior_seconds * scale
+                              + float(prior[0] * w + prior[2] * q + prior[3] * g))
+        self._stale, self._unsolved = True, self._unsolved + int(n)
 
     def restore(self, groups: list[str], xx: np.ndarray, xt: np.ndarray, seconds: float,
                 prior_seconds: float) -> None:
