@@ -90,7 +90,7 @@ class AdaptiveK:
     plain_every: int = 128  # a plain stretch after this many synced steps without one
     probe_every: int = 16  # tokens between probes of a switched-off arm, at first
     probe_max: int = 256
-    probe_budget: float = 0.005
+    probe_budget: float = 0.005  # the share of decoding time all probes together may lose
     probe_k: int = 2
     trusted_k: int = DEFAULT_NUM_DRAFT  # k proposed before deeper positions are measured
     # arm -> a variant of it (the draft -> its tree) taken every `explore_every`-th step while
@@ -240,6 +240,11 @@ class AdaptiveK:
         self._memo.clear()
         if self.choose(source) > 0:
             self.probes.pop(source, None)
+        else:  # still off: looked at again (a watch or a probe) no sooner than probe_every
+            p = self.probes.get(source)
+            due = self.clock + self.probe_every
+            self.probes[source] = Probe(p.interval, max(p.due, due)) if p else Probe(
+                self.probe_every, due)
 
     def measured(self, source: str) -> float:
         est = self.sources.get(source)
@@ -270,9 +275,13 @@ class AdaptiveK:
             interval = self.probe_every
         else:
             interval = min(2 * p.interval, self.probe_max) if p else self.probe_every
-            # A probe costs its time beyond plain decoding; keep that under probe_budget.
+            # A probe costs its time beyond plain decoding; keep all the arms' probes together
+            # under probe_budget (free text offers n-gram arms of every length, the suffix
+            # store's and the draft: five arms probed at a budget each cost ~1 % on the
+            # bundled model, where a forward is cheap)
             k = self.probe_k
             loss = self.step_time(source, k) / self.plain_time() - self.expected_tokens(source, k)
             loss = max(loss, lost)
-            interval = max(interval, min(loss / self.probe_budget, 4 * self.probe_max))
+            off = len(self.probes) + (source not in self.probes)
+            interval = max(interval, min(loss * off / self.probe_budget, 4 * self.probe_max))
         self.probes[source] = Probe(interval, self.clock + interval)

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlxspec.sampling as sampling_module
 from mlxspec.choose_k import KEEP_DEFAULT, RowOffer, choose_ks, survival
 from mlxspec.cost import StepCost
-from mlxspec.policy import AdaptiveK, FixedK
+from mlxspec.policy import AdaptiveK, FixedK, Probe
 from mlxspec.proposers.base import Proposal, Proposer
 from mlxspec.sampling import SamplingParams
 from mlxspec.stats import Stats
@@ -135,6 +135,21 @@ def test_a_probe_that_cost_more_than_modelled_spaces_the_next_one_out():
     modelled, slow = next_gap(0.02), next_gap(0.2)  # 20 plain tokens' time: 19 lost
     assert slow > 2 * modelled
     assert slow == pytest.approx(min(19 / 0.005, 4 * AdaptiveK.probe_max))
+
+
+def test_the_arms_switched_off_share_one_probe_budget():
+    """Every arm off is probed, but all of them together within `probe_budget`: with five
+    arms off each probe is spaced five times as far as one arm's alone."""
+    def gap(arms: int) -> float:
+        policy = AdaptiveK(max_k=8, probe_every=4)
+        simulate(policy, accept=0.0, plain=0.01, slope=0.005, steps=300)
+        policy.probes = {f"ngram:{n}": Probe(16, 0) for n in range(1, arms)}  # the others off
+        # (the draft's own backoff forgotten: the budget alone spaces its next probe)
+        observe_step(policy, "draft", 2, 0, 0.02)  # ~1 plain token's time lost
+        return policy.probes["draft"].due - policy.clock
+
+    assert AdaptiveK.probe_every < gap(1) < 4 * AdaptiveK.probe_max / 5  # (no cap binds)
+    assert gap(5) == pytest.approx(5 * gap(1))
 
 
 def test_plan_picks_the_better_source_within_what_is_offered():
