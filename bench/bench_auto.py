@@ -11,7 +11,8 @@ runs it greedy).
 Without -k the fixed-k modes propose 4 tokens and `auto` adapts k up to 8, as `generate` does.
 
 Every prompt runs every mode (the order rotates per prompt); `--rounds` repeats the whole set,
-so that each prompt has several paired ratios. The report is the median over prompts and
+so that each prompt has several paired ratios; each round starts with every mode's store of
+earlier requests empty (it would hold the earlier rounds' answers). The report is the median over prompts and
 rounds of (mode tok/s) / (reference tok/s) for the same prompt in the same round, against
 `none` and against the best other mode of the workload.
 """
@@ -30,6 +31,16 @@ from mlxspec.bench.workloads import build_workload, uses_bundled_formats, worklo
 from mlxspec.engine import Engine, PromptCache
 from mlxspec.errors import MlxspecError
 from mlxspec.policy import DEFAULT_NUM_DRAFT
+from mlxspec.suffix_store import SuffixIndex
+
+
+def fresh_stores(engine: Engine, runners: list) -> None:
+    """Every mode's store of earlier requests emptied: the prompts recur from round to round,
+    and a store kept between rounds would copy the earlier rounds' answers."""
+    for runner in runners:
+        proposer = engine.proposer_of(runner.mode) if hasattr(runner, "mode") else None
+        if hasattr(proposer, "set_store"):
+            proposer.set_store(SuffixIndex())
 
 
 def main(argv=None) -> int:
@@ -78,6 +89,7 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for label in labels:
                 tps[label].append([])
+            fresh_stores(engine, runners)
             for i, item in enumerate(items):
                 prompt = engine.encode(item.prompt)
                 shift = (i + rnd) % len(runners)

@@ -109,8 +109,9 @@ class RowPolicy:
         if not isinstance(policy, AdaptiveK) or forward_group(source) or (
                 policy.choose(source, available[source]) > 0):
             return False
-        if self.watching is None or self.watching[1] != source:
+        if self.watching is None:  # one look; the next when its probe is due again
             self.watch(source, min(available[source], policy.max_k), context)
+            self.watch_for = None
         return True
 
     def _watch_free(self, available: dict[str, int], source: str, context: list[int]) -> None:

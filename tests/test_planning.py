@@ -47,3 +47,49 @@ def test_a_probe_is_forced_only_where_its_arm_could_pay_in_the_batch():
     lone_draft = ("draft", RowOffer(probe[1].survive, group="draft", forced=4, probe=True))
     assert policy.limit_probes([lone_draft] + others, step=0, rows=8,
                                span=100)[0][1].forced == 0
+
+
+def test_a_row_alone_watches_a_free_arm_instead_of_probing_it():
+    """A due probe of a free source (an n-gram arm switched off) is not proposed by a row
+    alone: its plan stays plain, and the tokens the source would have proposed are compared
+    with what the row commits, at most once every `probe_every` tokens; a source found right
+    comes back on, a wrong one stays off without a proposal. A draft model's probe (it costs
+    forwards, it cannot be watched) is still taken."""
+    from mlxspec.planning import RowPolicy
+    from mlxspec.policy import AdaptiveK
+
+    text = list(range(100, 400))
+
+    class Lookup:  # what the n-gram arm would propose: the text's continuation, or a miss
+        def __init__(self, right):
+            self.right, self.peeks = right, 0
+
+        def peek(self, context, k, source):
+            self.peeks += 1
+            start = len(context) + (0 if self.right else 1)
+            return text[start : start + k]
+
+    for right in (True, False):
+        policy = AdaptiveK(max_k=4)
+        for _ in range(10):  # the arm measured wrong: off
+            policy.observe_acceptance("ngram:2", 2, 0)
+        assert policy.choose("ngram:2") == 0
+        policy.probes.clear()  # its probe due now
+        lookup = Lookup(right)
+        planner = RowPolicy(policy, lookup, cost=policy.cost)
+        context, plans = text[:10], []
+        while len(context) < 210:
+            source, k = planner.plan({"ngram:2": 4}, context)
+            plans.append(source)
+            if k:
+                break
+            context = text[: len(context) + 1]  # a plain step
+            planner.observe("", 0, 0, None, context)
+        assert lookup.peeks <= len(plans) / policy.probe_every + 1  # a watch per 16 tokens
+        if right:  # back on after a few watches all right
+            assert plans[-1] == "ngram:2" and len(plans) < 100
+        else:  # never proposed
+            assert set(plans) == {""} and policy.choose("ngram:2") == 0
+    policy = AdaptiveK(max_k=4)
+    assert RowPolicy(policy, Lookup(True), cost=policy.cost).plan({"draft": 4}, text[:10]) == (
+        "draft", policy.probe_k)  # a draft's probe: taken
