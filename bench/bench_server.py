@@ -197,14 +197,20 @@ def run_config(srv, config: tuple[int, bool], clients: int, requests: int, promp
                 usages.append(u)
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    batch = srv.worker.spec_batch
+    steps = batch.steps if batch is not None else 0
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    # the batched step's target forwards (the worker's batch; a new one counts from 0)
+    now = srv.worker.spec_batch
+    forwards = 0 if now is None else now.steps - (steps if now is batch else 0)
     return {
         "clients": clients, "latencies": latencies, "errors": errors, "wall_s": wall,
+        "forwards": forwards,
         "tokens": sum(u["completion_tokens"] for u in usages),
         "drafted": sum(u["speculative"]["drafted_tokens"] for u in usages),
         "accepted": sum(u["speculative"]["accepted_tokens"] for u in usages),
@@ -217,12 +223,14 @@ def merge(runs: list[dict]) -> dict:
     lat = [t for r in runs for t in r["latencies"]]
     tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
     drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
+    forwards = sum(r["forwards"] for r in runs)
     return {
         "clients": runs[0]["clients"], "requests": len(lat),
         "errors": [e for r in runs for e in r["errors"]],
         "mean_latency_s": statistics.mean(lat) if lat else float("nan"),
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
         "acceptance": accepted / drafted if drafted else 0.0,
+        "forwards": forwards, "tokens_per_forward": tokens / forwards if forwards else 0.0,
         "batched": sum(r["batched"] for r in runs), "runs": runs,
     }
 
@@ -306,7 +314,9 @@ def main(argv=None) -> int:
                     raw[(w, m, cfg, n)].append(r)
                     print(f"{w} {m} {cfg:7s} clients={n}: {r['tokens'] / r['wall_s']:.1f} "
                           f"tok/s, mean latency {statistics.mean(r['latencies']):.2f}s, "
-                          f"batched {r['batched']}, errors {len(r['errors'])}", file=sys.stderr)
+                          f"batched {r['batched']}, target forwards {r['forwards']}, drafted "
+                          f"{r['drafted']}, accepted {r['accepted']}, errors "
+                          f"{len(r['errors'])}", file=sys.stderr)
     srv.shutdown()
     srv.server_close()
     results = {f"{w}/{m}/{c}": [merge(raw[(w, m, c, n)]) for n in clients]

@@ -51,7 +51,7 @@ class Admission:
         elif members and len(tokens) - len(pc.tokens) <= GROUP_PREFILL_MAX:
             self.opening.append(row)  # with the round's other joiners, at the next step
         else:
-            self._prefill_alone(row, progress)
+            self._prefill_alone(row, progress, shared=bool(members))
         return row
 
     def run(self, empty: bool) -> list[tuple[BatchRow, bool]]:
@@ -90,18 +90,22 @@ class Admission:
             except Exception as e:
                 self._fail(row, e)
 
-    def _prefill_alone(self, row: BatchRow, progress=None) -> None:
-        """Prefill the rest of a row's prompt on its own cache, then start it."""
+    def _prefill_alone(self, row: BatchRow, progress=None, shared: bool = False) -> None:
+        """Prefill the rest of a row's prompt on its own cache, then start it (`shared`: it
+        joins rows decoding already)."""
         req = row.request
         start = time.perf_counter()
         prefill(row.target, req.tokens, row.pc, req.proposer, progress=progress)
-        self._start(row, time.perf_counter() - start)
+        self._start(row, time.perf_counter() - start, shared=shared)
 
-    def _start(self, row: BatchRow, spent: float, first: int | None = None) -> None:
+    def _start(self, row: BatchRow, spent: float, first: int | None = None,
+               shared: bool = True) -> None:
         """A prefilled row starts its proposer and is ready; with its `first` token where a
-        group's forward drew it (its cache then holds its whole prompt)."""
+        group's forward drew it (its cache then holds its whole prompt). `shared`: it decodes
+        beside other rows."""
         # (cached: reused at `open`, not the chunks prefilled since)
-        start_proposer(row.target, row.request, row.prefill_seconds + spent, row.reused)
+        start_proposer(row.target, row.request, row.prefill_seconds + spent, row.reused,
+                       shared=shared)
         row.started(first)
         self.ready.append((row, first is None))
 

@@ -31,6 +31,9 @@ from .step import GREEDY, decode_step, start_plain
 from .stopstrings import StepOutput
 from .target import Target
 
+REPLAN_GAP = 4  # pipelined steps of shared rows before a plain stretch first asks the policy
+REPLAN_GAP_MAX = 16  # the longest gap it grows to while no row would propose
+
 
 @dataclass(frozen=True)
 class Regime:
@@ -84,9 +87,14 @@ class BatchSpeculator:
         self.batched_drafts = 0  # proposals drafted in shared draft rows (proposers/draft.py)
         self.pipeline = pipeline
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
-        # A plain stretch asks the policy every `replan_gap` steps (and when a row joins): on
-        # MLX's CPU backend `async_eval` returns near the forward's end, so nothing hides it.
-        self.replan_gap = 4
+        # A plain stretch of shared rows asks the policy after `replan_gap` steps, then twice
+        # as many each time no row would propose, up to `REPLAN_GAP_MAX` (a stretch starts
+        # anew when a row joins): on MLX's CPU backend `async_eval` returns near the forward's
+        # end, so nothing hides the asking (every row's offer: 2 % of the server's time at 8
+        # clients on the bundled pair, every 4 steps).
+        self.replan_gap = REPLAN_GAP
+        self._gap = REPLAN_GAP  # the stretch's gap now
+        self._next_replan = 0  # pipelined steps left before the stretch asks again
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
         self.admission = Admission(model, self.policy.cost)  # the rows opened, not decoding yet
         self._delivered = 0.0  # when the last pipelined step's tokens were read back
@@ -151,11 +159,9 @@ class BatchSpeculator:
 
     def _sharing(self) -> None:
         """The row on its own cache (if any) is about to share the cache's rows: a step queued
-        for it undone, its draft into the draft's rows."""
-        row = self.regime.own_row
-        if row is not None:
+        for it undone (its draft joins the draft's rows at its first proposal, `_propose`)."""
+        if self.regime.own_row is not None:
             self.drop_queued()
-            self._join_draft(row)
 
     def _make_room(self, room: int, num_layers: int) -> None:
         """`room` empty slots for a group joining at once (growing copies every buffer)."""
@@ -186,10 +192,11 @@ class BatchSpeculator:
         self._settle()
         mx.async_eval(self.cache.evaluate())
         row.pc.take()  # the batch holds it now; given back on leaving
-        self._join_draft(row)
 
     def _join_draft(self, row: BatchRow) -> None:
-        """A shared row's draft model drafts in the draft's rows, with the other rows'."""
+        """A shared row's draft model drafts in the draft's rows, with the other rows'. Asked
+        at the row's first draft proposal, not when it joins: a shared batch takes a draft
+        rarely, and each member's join and leave copies the draft's rows."""
         draft = draft_proposer(row.proposer)
         if draft is not None and DraftRows.joins(draft) and draft not in self.drafting.values():
             self.drafts.setdefault(id(draft.model), DraftRows(draft.model)).join(draft)
@@ -302,6 +309,7 @@ class BatchSpeculator:
             plans = self._plans(rows) if self.speculating else None
             if (plans is None or not any(map(itemgetter(1), plans))) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
+                self._gap, self._next_replan = self.replan_gap, self.replan_gap - 1
                 self._queue(fed)
                 self._deliver(started=start)
                 return
@@ -417,10 +425,16 @@ class BatchSpeculator:
 
     def _replan(self, rows: list[BatchRow | None]) -> bool:
         """Whether a row of the stretch would propose now (a row on its own cache asks every
-        step, as cheap sources end a stretch at once; shared rows every `replan_gap`)."""
-        if not self.regime.replans_each_step and self.pipelined % self.replan_gap:
+        step, as cheap sources end a stretch at once; shared rows at growing gaps)."""
+        if self.regime.replans_each_step:
+            return any(k for _, k in self._plans([r for r in rows if r is not None], False))
+        if self._next_replan > 0:
+            self._next_replan -= 1
             return False
-        return any(k for _, k in self._plans([r for r in rows if r is not None], commit=False))
+        proposes = any(k for _, k in self._plans([r for r in rows if r is not None], False))
+        self._gap = min(2 * self._gap, REPLAN_GAP_MAX)
+        self._next_replan = self._gap - 1
+        return proposes
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
@@ -454,6 +468,8 @@ class BatchSpeculator:
         for i, (r, (source, k)) in enumerate(zip(rows, plans)):
             if not k:
                 continue
+            if source == "draft" and self.regime.own_row is None and r not in self.drafting:
+                self._join_draft(r)
             if source == "draft" and r in self.drafting:
                 by_draft.setdefault(id(self.drafting[r].model), []).append(i)
                 continue

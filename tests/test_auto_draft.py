@@ -6,8 +6,10 @@ estimates, in memory and in the policy file."""
 from __future__ import annotations
 
 import pytest
-from conftest import build_model, make_engine, observe_plain, observe_step
+from batch_helpers import drain
+from conftest import build_model, make_engine, next_output, observe_plain, observe_step
 
+from mlxspec.batch_step import BatchSpeculator
 from mlxspec.policy import AdaptiveK
 from mlxspec.policy_store import read_states
 from mlxspec.proposers import auto
@@ -169,6 +171,20 @@ def test_a_draft_that_will_pay_reads_the_prompt_with_the_targets_prefill(monkeyp
     caught.clear()
     engine.generate(prompts[2], max_tokens=12)
     assert not caught
+
+    # A request joining rows already decoding leaves it to its first draft proposal: a
+    # shared batch rarely takes a draft (a wider step costs every row).
+    monkeypatch.setattr(auto, "catch_up_at_start", lambda policy, *a: True)
+    batch = BatchSpeculator(target)
+    first = engine.clone().join(batch, prompts[0], max_tokens=12)
+    next_output(batch, first)
+    caught.clear()
+    joiner = engine.clone().join(batch, prompts[1], max_tokens=12)
+    next_output(batch, joiner)
+    assert not caught
+    outs = [[], []]
+    drain(batch, [first, joiner], outs)
+    assert joiner.context[len(prompts[1]):] == want
 
 
 @pytest.mark.parametrize("batched", [False, True])

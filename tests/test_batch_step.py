@@ -427,10 +427,10 @@ def test_a_joiner_that_fails_or_leaves_before_its_prefill_affects_no_other(pair,
 
     start_proposer = admission.start_proposer
 
-    def broken(target, req, seconds, cached):
+    def broken(target, req, seconds, cached, **kw):
         if req.pc is pcs[2]:  # the third request's
             raise MemoryError("no memory for the draft")
-        start_proposer(target, req, seconds, cached)
+        start_proposer(target, req, seconds, cached, **kw)
 
     monkeypatch.setattr(admission, "start_proposer", broken)
     engines = [base.clone(), base.clone(), failing, base.clone()]
@@ -504,6 +504,37 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
 
     assert sampled(True) == sampled(False)
 
+
+
+def test_a_plain_stretch_of_shared_rows_asks_the_policy_less_often_while_none_would_propose(
+        pair):
+    """Shared rows in a plain stretch ask the policy after 4 steps, then at gaps doubling to
+    16 while no row would propose (asking reads every row's offer, not hidden by the forward
+    on the CPU); the outputs stay each request's alone."""
+    target, _ = pair
+    base = make_engine(target, mode="ngram")
+    reqs = [(list(range(3, 20)), "ngram", 60, {}), (list(range(40, 52)), "ngram", 60, {}),
+            (list(range(70, 90)), "ngram", 60, {})]
+    want = alone(base, reqs)
+    batch = BatchSpeculator(target)
+    asked = []  # the pipelined step count at each asking within the stretch
+    plans = batch._plans
+
+    def no_proposals(rows, commit=True):
+        plans(rows, commit)
+        if not commit:
+            asked.append(batch.pipelined)
+        return [("", 0)] * len(rows)
+
+    batch._plans = no_proposals
+    rows, outs = [], [[] for _ in reqs]
+    opener = open_in(batch, lambda i: base.clone(), reqs, rows)
+    for i in range(3):
+        opener(i)()
+    drain(batch, rows, outs)
+    assert outs == want
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert asked and gaps[:3] == [8, 16, 16] and set(gaps) == {8, 16}, asked
 
 def test_refuses_what_it_cannot_batch():
     from families import build
