@@ -426,15 +426,13 @@ class BatchSpeculator:
     def _replan(self, rows: list[BatchRow | None]) -> bool:
         """Whether a row of the stretch would propose now (a row on its own cache asks every
         step, as cheap sources end a stretch at once; shared rows at growing gaps)."""
-        if self.regime.replans_each_step:
-            return any(k for _, k in self._plans([r for r in rows if r is not None], False))
-        if self._next_replan > 0:
-            self._next_replan -= 1
-            return False
-        proposes = any(k for _, k in self._plans([r for r in rows if r is not None], False))
-        self._gap = min(2 * self._gap, REPLAN_GAP_MAX)
-        self._next_replan = self._gap - 1
-        return proposes
+        if not self.regime.replans_each_step:
+            if self._next_replan > 0:
+                self._next_replan -= 1
+                return False
+            self._gap = min(2 * self._gap, REPLAN_GAP_MAX)  # (a proposal ends the stretch)
+            self._next_replan = self._gap - 1
+        return any(k for _, k in self._plans([r for r in rows if r is not None], False))
 
     def _plans(self, rows: list[BatchRow], commit: bool = True) -> list[tuple[str, int]]:
         """Every row's (source, k): the batch's policy over the rows' offers, or a row's own
