@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         for label, r in rows.items():
             other = (f"{r['vs_best_other']:.3f}× `{r['best_other']}`"
                      if r["best_other"] else "")
-            print(f"| {name} | {temp or 0} | {label} | {r['tok_s']:.1f} | {r['vs_none']:.3f}× | "
-                  f"{other} |")
+            vs_none = "–" if r["vs_none"] is None else f"{r['vs_none']:.3f}×"  # (none not run)
+            print(f"| {name} | {temp or 0} | {label} | {r['tok_s']:.1f} | {vs_none} | {other} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "report": report, "raw": raw}, f, indent=1)
