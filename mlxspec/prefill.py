@@ -34,8 +34,9 @@ def start_proposer(target: Target, req: Request, prefill_seconds: float, cached:
     too where its policy expects the draft to repay that over the request (else at its first
     proposal, if any): with the target's prefill, not as a step's cost, as the `draft` mode's
     does. Not for a request joining other rows (`shared`): there a draft's wider step costs
-    every row and is rarely taken (grounded requests, 8 clients, the bundled pair: none of
-    1,024 tokens drafted), and reading every prompt up front took 1.4 % of the server's time."""
+    every row and is rarely taken (grounded requests, 8 clients, the bundled pair: no draft
+    proposal in 1,024 tokens), and reading every prompt up front took 1.4 % of the server's
+    time."""
     start = time.perf_counter()
     if req.proposer is not None:
         req.proposer.set_prediction(req.prediction)
