@@ -83,14 +83,14 @@ class Admission:
                     continue
                 self.prefilling.remove(row)
                 if empty:
-                    self._prefill_alone(row)
+                    self._prefill_alone(row, shared=False)
                 else:
                     row.joins_round()
                     self.opening.append(row)
             except Exception as e:
                 self._fail(row, e)
 
-    def _prefill_alone(self, row: BatchRow, progress=None, shared: bool = False) -> None:
+    def _prefill_alone(self, row: BatchRow, progress=None, *, shared: bool) -> None:
         """Prefill the rest of a row's prompt on its own cache, then start it (`shared`: it
         joins rows decoding already)."""
         req = row.request
@@ -98,8 +98,8 @@ class Admission:
         prefill(row.target, req.tokens, row.pc, req.proposer, progress=progress)
         self._start(row, time.perf_counter() - start, shared=shared)
 
-    def _start(self, row: BatchRow, spent: float, first: int | None = None,
-               shared: bool = True) -> None:
+    def _start(self, row: BatchRow, spent: float, first: int | None = None, *,
+               shared: bool) -> None:
         """A prefilled row starts its proposer and is ready; with its `first` token where a
         group's forward drew it (its cache then holds its whole prompt). `shared`: it decodes
         beside other rows."""
@@ -120,7 +120,7 @@ class Admission:
         start = time.perf_counter()
         try:
             if len(group) == 1 and empty:
-                self._prefill_alone(group[0])  # on its own cache
+                self._prefill_alone(group[0], shared=False)  # on its own cache
                 return
             firsts = prefill_group(self.model, group)
         except Exception as e:  # the state of every row's cache is unknown
@@ -130,7 +130,7 @@ class Admission:
         spent = time.perf_counter() - start
         for r, token in zip(group, firsts):
             try:  # a failure here is this row's only
-                self._start(r, spent, token)
+                self._start(r, spent, token, shared=True)
             except Exception as e:
                 self._fail(r, e)
 

@@ -87,12 +87,11 @@ class BatchSpeculator:
         self.batched_drafts = 0  # proposals drafted in shared draft rows (proposers/draft.py)
         self.pipeline = pipeline
         self.pipelined = 0  # plain steps whose forward was queued before the previous read
-        # A plain stretch of shared rows asks the policy after `replan_gap` steps, then twice
+        # A plain stretch of shared rows asks the policy after `REPLAN_GAP` steps, then twice
         # as many each time no row would propose, up to `REPLAN_GAP_MAX` (a stretch starts
         # anew when a row joins): on MLX's CPU backend `async_eval` returns near the forward's
         # end, so nothing hides the asking (every row's offer: 2 % of the server's time at 8
         # clients on the bundled pair, every 4 steps).
-        self.replan_gap = REPLAN_GAP
         self._gap = REPLAN_GAP  # the stretch's gap now
         self._next_replan = 0  # pipelined steps left before the stretch asks again
         self.queued: QueuedPlainStep | None = None  # a plain step queued past the last output
@@ -309,7 +308,7 @@ class BatchSpeculator:
             plans = self._plans(rows) if self.speculating else None
             if (plans is None or not any(map(itemgetter(1), plans))) and self._can_pipeline(rows):
                 # a plain stretch's first step, queued and delivered as the next ones are
-                self._gap, self._next_replan = self.replan_gap, self.replan_gap - 1
+                self._gap, self._next_replan = REPLAN_GAP, REPLAN_GAP - 1
                 self._queue(fed)
                 self._deliver(started=start)
                 return

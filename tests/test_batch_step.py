@@ -505,7 +505,6 @@ def test_plain_stretches_run_pipelined_and_stay_exact(pair):
     assert sampled(True) == sampled(False)
 
 
-
 def test_a_plain_stretch_of_shared_rows_asks_the_policy_less_often_while_none_would_propose(
         pair):
     """Shared rows in a plain stretch ask the policy after 4 steps, then at gaps doubling to
@@ -535,6 +534,7 @@ def test_a_plain_stretch_of_shared_rows_asks_the_policy_less_often_while_none_wo
     assert outs == want
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert asked and gaps[:3] == [8, 16, 16] and set(gaps) == {8, 16}, asked
+
 
 def test_refuses_what_it_cannot_batch():
     from families import build
