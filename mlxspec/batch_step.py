@@ -385,19 +385,29 @@ class BatchSpeculator:
         the host reads, detokenizes and plans; rows joining or leaving end the stretch."""
         q, self.queued = self.queued, None
         span = self._span() if self.speculating else 0  # (the row's length before it)
+        queuing = 0.0
         try:
             fed = []  # (a loop, not a comprehension: a call less per token)
             for r in q.rows:
                 fed.append(r if r is not None and len(r.context) + 2 <= r.end else None)
             if again and fed.count(None) < len(fed) and not self.stateful and not (
                     started is None and self.speculating and self._replan(fed)):
+                queuing = time.perf_counter()
                 self._queue(fed, q.tokens)
+                queuing = time.perf_counter() - queuing
             tokens = q.tokens.tolist()
         except Exception as e:
             self.fail(e)
             return
         now = time.perf_counter()
         seconds, self._delivered = now - (started or self._delivered), now
+        if started is not None:
+            # The step queued after it is not its cost: MLX's CPU backend runs most of a
+            # forward before `async_eval` returns (it waits while too many of the graph's tasks
+            # are in flight), so a stretch's first step timed with the next one's queuing read
+            # as two forwards (the coder 1.5B: 1.0-1.3 s against 0.5 s), and the cost model
+            # priced every synced step, speculative ones too, at up to 1.7x a plain one.
+            seconds -= queuing
         self.pipelined += started is None
         self.steps += 1
         self.plain_steps += 1

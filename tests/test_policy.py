@@ -332,6 +332,42 @@ def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypa
     assert len(plains) == tokens - 1 >= 5  # the token delivered as the stretch ended: unlearnt
 
 
+def test_a_stretchs_first_step_is_not_charged_the_next_ones_queuing(tiny, monkeypatch):
+    """A stretch's first step queues the next before reading its own tokens back; on MLX's
+    CPU backend queuing runs most of that forward (`async_eval` waits while too many of the
+    graph's tasks are in flight). Charged to the first step, it read as two forwards, and the
+    cost model priced every synced step (speculative ones too) far above a plain one."""
+    import time
+
+    from mlxspec.batch_step import BatchSpeculator
+    from mlxspec.cost import StepCost
+
+    target, _, _ = tiny
+    cache = make_prompt_cache(target)
+    target(mx.array(PROMPT[:-1])[None], cache=cache)
+    added = []
+    add, queue = StepCost.add, BatchSpeculator._queue
+
+    def spy(self, rows, width, proposed, forwards, seconds, span=0, synced=True):
+        added.append((proposed, synced, seconds))
+        add(self, rows, width, proposed, forwards, seconds, span, synced)
+
+    def slow_queue(self, *args, **kwargs):  # a forward that blocks as the CPU backend's does
+        time.sleep(0.1)
+        queue(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepCost, "add", spy)
+    monkeypatch.setattr(BatchSpeculator, "_queue", slow_queue)
+    steps = decode(target, cache, list(PROMPT), Always(), Recorder(plain=4), SamplingParams(),
+                   6, 0, Stats())
+    for _ in steps:
+        pass
+    first = next(s for proposed, synced, s in added if synced and not proposed)
+    assert 0.1 <= first < 0.18  # its own queuing, not the next step's too
+    pipelined = [s for proposed, synced, s in added if not synced and not proposed]
+    assert pipelined and all(0.1 <= s < 0.18 for s in pipelined)  # one queuing each
+
+
 def test_a_row_alone_keeps_the_default_k_unless_another_pays_clearly_more():
     """`KEEP_DEFAULT`: where speculating pays, k = 4 unless another k's expected rate beats
     it by 3 %; the rate-maximising k otherwise (and plain decoding where nothing pays)."""
