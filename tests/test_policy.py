@@ -297,25 +297,29 @@ class Always(OnZero):
         return {"onzero": cap}
 
 
-def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypatch):
-    """In a pipelined plain stretch each token's time is the wait between two tokens read
-    back. Its first step is synced and learnt as such; its last (computed while the host
-    planned, nothing queued after it) is not learnt: timed, it made plain decoding look
-    several times cheaper than it is, and `auto` proposed too little."""
-    from mlxspec.cost import StepCost
-
+def primed_with_cost_spy(tiny, monkeypatch):
+    """The tiny target, a cache holding PROMPT but its last token, and the list of what the
+    loop tells the cost model, (proposed, synced, seconds) per step: where a stretch's timing
+    shows."""
     target, _, _ = tiny
     cache = make_prompt_cache(target)
     target(mx.array(PROMPT[:-1])[None], cache=cache)
-    # (a spy: what the loop tells the cost model is where a stretch's timing shows)
-    added = []
-    add = StepCost.add
+    added, add = [], StepCost.add
 
     def spy(self, rows, width, proposed, forwards, seconds, span=0, synced=True):
         added.append((proposed, synced, seconds))
         add(self, rows, width, proposed, forwards, seconds, span, synced)
 
     monkeypatch.setattr(StepCost, "add", spy)
+    return target, cache, added
+
+
+def test_a_plain_stretch_teaches_the_cost_model_steady_times_only(tiny, monkeypatch):
+    """In a pipelined plain stretch each token's time is the wait between two tokens read
+    back. Its first step is synced and learnt as such; its last (computed while the host
+    planned, nothing queued after it) is not learnt: timed, it made plain decoding look
+    several times cheaper than it is, and `auto` proposed too little."""
+    target, cache, added = primed_with_cost_spy(tiny, monkeypatch)
     policy = Recorder(plain=6)
     steps = decode(target, cache, list(PROMPT), Always(), policy, SamplingParams(), 12,
                    0, Stats())
@@ -340,23 +344,14 @@ def test_a_stretchs_first_step_is_not_charged_the_next_ones_queuing(tiny, monkey
     import time
 
     from mlxspec.batch_step import BatchSpeculator
-    from mlxspec.cost import StepCost
 
-    target, _, _ = tiny
-    cache = make_prompt_cache(target)
-    target(mx.array(PROMPT[:-1])[None], cache=cache)
-    added = []
-    add, queue = StepCost.add, BatchSpeculator._queue
-
-    def spy(self, rows, width, proposed, forwards, seconds, span=0, synced=True):
-        added.append((proposed, synced, seconds))
-        add(self, rows, width, proposed, forwards, seconds, span, synced)
+    target, cache, added = primed_with_cost_spy(tiny, monkeypatch)
+    queue = BatchSpeculator._queue
 
     def slow_queue(self, *args, **kwargs):  # a forward that blocks as the CPU backend's does
         time.sleep(0.2)
         queue(self, *args, **kwargs)
 
-    monkeypatch.setattr(StepCost, "add", spy)
     monkeypatch.setattr(BatchSpeculator, "_queue", slow_queue)
     steps = decode(target, cache, list(PROMPT), Always(), Recorder(plain=4), SamplingParams(),
                    6, 0, Stats())
